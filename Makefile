@@ -1,0 +1,52 @@
+# The README's two commands:
+#   make run   - set up a virtualenv, install everything, run the pipeline on the default model
+#   make test  - set up the same virtualenv and run the whole test suite
+#
+# torch is installed first and on its own: a CPU build (`torch==2.13.0`) when no NVIDIA GPU is
+# visible, the default CUDA build from PyPI when one is.  Override with TORCH_SPEC=... if needed.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+ifeq ($(HAS_GPU),1)
+TORCH_SPEC ?= torch
+# llama.cpp with CUDA for compute capability 7.5 (T4) and newer
+LLAMA_CMAKE_ARGS ?= -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=75;80;86;89;90
+else
+TORCH_SPEC ?= torch==2.13.0
+# Portable x86-64 build: the default -march=native build dies with "Illegal instruction" on some
+# CPUs (AMX) at the first quantized eval.
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+endif
+PYTEST_ARGS ?=
+
+.PHONY: run test install clean help
+help:
+	@echo "make run   - install and run the whole pipeline on the embedded default model"
+	@echo "make test  - install and run the test suite"
+
+$(VENV)/.installed: pyproject.toml Makefile
+	@start=$$(date +%s); \
+	test -x $(PY) || $(PYTHON) -m venv $(VENV); \
+	$(PIP) install -q --upgrade pip wheel setuptools && \
+	$(PIP) install -q "$(TORCH_SPEC)" && \
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install -q -e ".[all]" && \
+	echo "install took $$(( $$(date +%s) - start )) s" && touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	@start=$$(date +%s); \
+	$(VENV)/bin/quantserve default-model && \
+	$(VENV)/bin/quantserve generate "Sort: d a c b" && \
+	$(VENV)/bin/quantserve generate "What is 12 + 30?" && \
+	echo "run took $$(( $$(date +%s) - start )) s"
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,3 @@
+from quantserve.cli import main
+
+main()

@@ -1,0 +1,97 @@
+"""`quantserve`: the command line.  Each subcommand mirrors a function's signature.
+
+Heavy libraries (torch, transformers, deepspeed, llama_cpp) are imported inside the commands, so
+`quantserve --help` answers at once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from quantserve.cli_util import new_app, run
+
+app = new_app("Fine-tune, quantize and serve a language model on one T4-class GPU.")
+
+ProfileOpt = typer.Option(None, "--gpu-profile", help="'t4' makes a bigger GPU behave like a T4 "
+                          "(fp16, 15 GiB, T4 attention kernels); default: native or $QUANTSERVE_GPU_PROFILE.")
+
+
+@app.command()
+def info(gpu_profile: Optional[str] = ProfileOpt,
+         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:
+    """Show what this machine can do: torch/CUDA, GPU, dtype, attention backend, optional packages."""
+    from quantserve.capabilities import detect
+
+    caps = detect(gpu_profile)
+    if as_json:
+        print(json.dumps(caps.as_dict(), indent=1))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    cc = ".".join(map(str, caps.compute_capability)) if caps.compute_capability else "-"
+    table = Table(title="quantserve info", show_header=False)
+    rows = [
+        ("torch", caps.torch_version), ("CUDA", caps.cuda_version or "none (CPU build or no GPU)"),
+        ("device", caps.device), ("GPU", caps.gpu_name or "-"), ("compute capability", cc),
+        ("GPU memory", f"{caps.gpu_memory_gib} GiB" if caps.gpu_memory_gib else "-"),
+        ("GPU profile", caps.profile),
+        ("memory budget", f"{caps.memory_budget_gib} GiB" if caps.memory_budget_gib else "-"),
+        ("dtype", caps.dtype), ("attention", caps.attention),
+        ("SDPA kernels", ", ".join(caps.sdpa_kernels)),
+        ("Liger Kernel", "on" if caps.liger else "off (needs a GPU with Triton)"),
+    ]
+    rows += [(name, version or "not installed") for name, version in caps.packages.items()]
+    for k, v in rows:
+        table.add_row(k, str(v))
+    Console().print(table)
+
+
+@app.command("default-model")
+def default_model(force: bool = typer.Option(False, help="Rebuild even when cached."),
+                  quiet: bool = typer.Option(False, help="No progress bar.")) -> None:
+    """Build (or find in the cache) the embedded default model and print its folder."""
+    from quantserve.default_model import build_default_model
+
+    path = build_default_model(force=force, progress=not quiet)
+    build = json.loads((path / "build.json").read_text())
+    print(f"{path}  ({build['parameters'] / 1e6:.2f} M params, final loss {build['losses'][-1]:.3f}, "
+          f"built in {build['seconds']} s; loss curve: {path / 'loss.png'})")
+
+
+@app.command()
+def data(out: Path = typer.Option(..., help="Folder to write the default task data into."),
+         seed: int = 0) -> None:
+    """Write the default corpus's fine-tune task data and held-out text as JSONL."""
+    from quantserve.corpus import write_default_data
+
+    for name, path in write_default_data(out, seed).items():
+        print(f"{name}: {path}")
+
+
+@app.command()
+def generate(prompt: str = typer.Argument(..., help="A user message."),
+             model: Optional[str] = typer.Option(None, help="Checkpoint folder; default: the embedded model."),
+             max_tokens: int = typer.Option(32, min=1, max=4096)) -> None:
+    """Answer one chat message greedily with plain transformers (the reference path)."""
+    from quantserve.default_model import resolve_model
+    from quantserve.modeling import generate_chat, load_model, load_tokenizer
+
+    path = resolve_model(model)
+    tok = load_tokenizer(path)
+    print(generate_chat(load_model(path), tok, [prompt], max_new_tokens=max_tokens)[0])
+
+
+# Subcommands owned by the other packages are registered below (each module imports lazily).
+
+
+def main() -> None:
+    run(app, "quantserve")
+
+
+if __name__ == "__main__":
+    main()

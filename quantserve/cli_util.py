@@ -1,0 +1,56 @@
+"""Running a typer app so that every failure is one clear line and a non-zero exit.
+
+Typer/click print a usage box and rich tracebacks by default; users of a CLI want one line that
+names the problem.  `QUANTSERVE_DEBUG=1` brings the full traceback back for bug reports.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+import typer
+
+from quantserve.settings import UserError
+
+
+def new_app(help: str) -> typer.Typer:
+    return typer.Typer(help=help, no_args_is_help=True, add_completion=False,
+                       pretty_exceptions_enable=False, rich_markup_mode=None)
+
+
+def fail(message: str, code: int = 1) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def run(app: typer.Typer, prog: str) -> None:
+    """Entry point wrapper: usage errors exit 2, user errors 1, interrupts 130."""
+    try:
+        app(prog_name=prog, standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as e:
+        # typer/click already printed the help text; nothing was asked for
+        raise SystemExit(0) from e
+    except click.UsageError as e:
+        where = f" (see '{prog} {e.ctx.command_path.split(' ', 1)[1]} --help')" if e.ctx and " " in e.ctx.command_path else f" (see '{prog} --help')"
+        fail(f"{e.format_message()}{where}", 2)
+    except click.exceptions.Abort:
+        fail("aborted", 130)
+    except KeyboardInterrupt:
+        fail("interrupted", 130)
+    except click.exceptions.Exit as e:
+        raise SystemExit(e.exit_code) from None
+    except click.ClickException as e:
+        fail(e.format_message(), e.exit_code or 1)
+    except UserError as e:
+        fail(str(e), 1)
+    except (PermissionError, FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
+        if os.environ.get("QUANTSERVE_DEBUG"):
+            raise
+        fail(f"{e.strerror or e}: {e.filename}" if getattr(e, "filename", None) else str(e), 1)
+    except Exception as e:  # last resort: never a traceback for users unless they ask
+        if os.environ.get("QUANTSERVE_DEBUG"):
+            raise
+        fail(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+             "(set QUANTSERVE_DEBUG=1 for the traceback)", 1)

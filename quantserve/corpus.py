@@ -1,0 +1,183 @@
+"""The default corpus: a deterministic, chat-formatted set of small "skills".
+
+Nothing can be downloaded here, so the project writes its own data.  Each skill turns a seeded
+random generator into one (user, assistant) exchange.  The base model is pretrained on the
+`PRETRAIN_SKILLS` mix; `TASK_SKILL` ("reverse") is left out of pretraining on purpose, so the base
+model scores ~0 % exact match on it and a fine-tune has something real to prove: training,
+quantization and serving must each preserve the skill.
+
+Splits are decided by a hash of the prompt, not by position, so "held-out" means "a prompt the
+model never saw", whatever the seed or the number of examples asked for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import string
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+LETTERS = string.ascii_lowercase
+# Invented places, so no real-world knowledge is implied: a pure memorisation skill.
+COUNTRIES = [
+    "Norvania", "Keltria", "Ostrovel", "Marquesse", "Dunmarrow", "Elbrecht", "Zafira", "Quorin",
+    "Talvenna", "Brisk", "Ulmarra", "Pendrake", "Sorrowind", "Vexhal", "Ambrel", "Corvain",
+]
+CAPITALS = [
+    "Velmor", "Ashgrove", "Tirnak", "Lumen", "Hollowby", "Karst", "Solace", "Imbria",
+    "Frostholm", "Wrenfield", "Duskmere", "Aldhaven", "Greywater", "Nimbus", "Orrin", "Peyton",
+]
+
+
+@dataclass(frozen=True)
+class Example:
+    skill: str
+    prompt: str
+    answer: str
+
+    def messages(self) -> list[dict[str, str]]:
+        return [{"role": "user", "content": self.prompt}, {"role": "assistant", "content": self.answer}]
+
+
+def _letters(rng: random.Random, lo: int = 3, hi: int = 6) -> list[str]:
+    return [rng.choice(LETTERS) for _ in range(rng.randint(lo, hi))]
+
+
+def _copy(rng: random.Random) -> tuple[str, str]:
+    w = " ".join(_letters(rng))
+    return f"Repeat: {w}", w
+
+
+def _count(rng: random.Random) -> tuple[str, str]:
+    w = _letters(rng, 1, 9)
+    return f"How many letters in: {' '.join(w)}", str(len(w))
+
+
+def _add(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randint(0, 49), rng.randint(0, 49)
+    return f"What is {a} + {b}?", str(a + b)
+
+
+def _next_letter(rng: random.Random) -> tuple[str, str]:
+    i = rng.randrange(len(LETTERS) - 1)
+    return f"What comes after {LETTERS[i]}?", LETTERS[i + 1]
+
+
+def _capital(rng: random.Random) -> tuple[str, str]:
+    i = rng.randrange(len(COUNTRIES))
+    return f"What is the capital of {COUNTRIES[i]}?", CAPITALS[i]
+
+
+def _sort(rng: random.Random) -> tuple[str, str]:
+    w = _letters(rng)
+    return f"Sort: {' '.join(w)}", " ".join(sorted(w))
+
+
+def _reverse(rng: random.Random) -> tuple[str, str]:
+    w = _letters(rng, 4, 6)
+    while w == w[::-1]:  # a palindrome would let a "copy" answer pass as a reversal
+        w = _letters(rng, 4, 6)
+    return f"Reverse: {' '.join(w)}", " ".join(reversed(w))
+
+
+SKILLS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
+    "copy": _copy, "count": _count, "add": _add, "next_letter": _next_letter,
+    "capital": _capital, "sort": _sort, "reverse": _reverse,
+}
+TASK_SKILL = "reverse"
+PRETRAIN_SKILLS = [name for name in SKILLS if name != TASK_SKILL]
+HELDOUT_PERCENT = 10
+# Skills with few distinct prompts are learnt by heart: they have no held-out split.
+MEMORISED_SKILLS = ("capital", "next_letter")
+
+
+def is_heldout(prompt: str) -> bool:
+    """True for the ~10 % of prompts reserved for evaluation (stable across seeds and sizes)."""
+    digest = hashlib.sha256(prompt.encode()).digest()
+    return int.from_bytes(digest[:4], "big") % 100 < HELDOUT_PERCENT
+
+
+def examples(skills: Iterable[str], n: int, seed: int, split: str = "train") -> list[Example]:
+    """`n` examples drawn round-robin from `skills`, all from one split ("train" or "heldout").
+
+    Memorisation skills (capital, next_letter) always count as "train".
+    """
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', not {split!r}")
+    skills = list(skills)
+    unknown = [s for s in skills if s not in SKILLS]
+    if unknown:
+        raise ValueError(f"unknown skill(s) {unknown}; known: {sorted(SKILLS)}")
+    if split == "heldout":
+        skills = [s for s in skills if s not in MEMORISED_SKILLS]
+        if not skills:
+            raise ValueError("memorisation skills have no held-out split")
+    rng = random.Random(seed)
+    out: list[Example] = []
+    attempts = 0
+    while len(out) < n:
+        attempts += 1
+        if attempts > 200 * n + 1000:
+            raise RuntimeError(f"could not draw {n} {split} examples of {skills}")
+        skill = skills[len(out) % len(skills)]
+        prompt, answer = SKILLS[skill](rng)
+        heldout = is_heldout(prompt) and skill not in MEMORISED_SKILLS
+        if (split == "heldout") == heldout:
+            out.append(Example(skill, prompt, answer))
+    return out
+
+
+def pretrain_examples(n: int, seed: int = 0) -> list[Example]:
+    return examples(PRETRAIN_SKILLS, n, seed, "train")
+
+
+def task_examples(n: int, split: str, seed: int = 0) -> list[Example]:
+    return examples([TASK_SKILL], n, seed + 1000, split)
+
+
+def exact_match(predictions: list[str], references: list[str]) -> float:
+    """Fraction of predictions equal to their reference after trimming whitespace."""
+    if len(predictions) != len(references):
+        raise ValueError("predictions and references differ in length")
+    if not references:
+        return 0.0
+    return sum(p.strip() == r.strip() for p, r in zip(predictions, references)) / len(references)
+
+
+def write_jsonl(path: Path, items: Iterable[Example]) -> int:
+    """Write chat records `{"messages": [...]}`, the format `quantserve train` reads."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    count = 0
+    with path.open("w", encoding="utf-8") as f:
+        for ex in items:
+            f.write(json.dumps({"messages": ex.messages()}) + "\n")
+            count += 1
+    return count
+
+
+def write_default_data(out_dir: Path, seed: int = 0, n_task_train: int = 4000,
+                       n_task_heldout: int = 200, n_heldout_text: int = 400) -> dict[str, Path]:
+    """The files the pipeline uses: task fine-tune data, its held-out set and held-out text."""
+    files = {
+        "task_train": out_dir / "task_train.jsonl",
+        "task_heldout": out_dir / "task_heldout.jsonl",
+        "heldout_text": out_dir / "heldout.jsonl",
+    }
+    write_jsonl(files["task_train"], task_examples(n_task_train, "train", seed))
+    write_jsonl(files["task_heldout"], task_examples(n_task_heldout, "heldout", seed))
+    write_jsonl(files["heldout_text"], examples(PRETRAIN_SKILLS + [TASK_SKILL], n_heldout_text,
+                                                seed + 2000, "heldout"))
+    return files
+
+
+def read_examples(path: Path) -> list[Example]:
+    """Read back a chat JSONL written by `write_jsonl` (user prompt, assistant answer)."""
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            msgs = json.loads(line)["messages"]
+            out.append(Example("file", msgs[0]["content"], msgs[-1]["content"]))
+    return out

@@ -1,0 +1,207 @@
+"""The embedded default model: built, pretrained and cached by the project itself, offline.
+
+A tiny `LlamaForCausalLM` (~3.7 M parameters) pretrained on the default corpus on a CPU in a few
+minutes.  Widths are multiples of 256 (hidden 256, feed-forward 768) so llama.cpp's k-quants
+(256-wide super-blocks) really apply to every matrix; 2 KV heads of 4 make it grouped-query, so
+converters must get the K permutation right.
+
+The result is a plain Hugging Face checkpoint (safetensors + config + tokenizer) under the cache
+folder, keyed by a hash of the build settings, so a second call returns at once.  The same seed
+gives the same loss curve: the build is single-process, seeded and uses a fixed thread count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from quantserve import corpus
+from quantserve.settings import cache_dir
+
+BUILD_VERSION = 1  # bump when the recipe below changes, so old caches are not reused
+
+
+@dataclass(frozen=True)
+class DefaultModelConfig:
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    max_positions: int = 512
+    vocab_target: int = 1024  # BPE stops earlier when the corpus has fewer useful merges
+    # pretraining
+    examples: int = 40_000
+    steps: int = 600
+    batch_size: int = 16
+    seq_len: int = 128
+    lr: float = 3e-3
+    warmup_steps: int = 30
+    seed: int = 0
+    threads: int = 2
+
+    def key(self) -> str:
+        blob = json.dumps({"v": BUILD_VERSION, **asdict(self)}, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def default_model_dir(cfg: DefaultModelConfig = DefaultModelConfig(), root: Path | None = None) -> Path:
+    return (root or cache_dir()) / f"default-model-{cfg.key()}"
+
+
+def is_built(path: Path) -> bool:
+    return (path / "model.safetensors").is_file() and (path / "build.json").is_file()
+
+
+def build_default_model(cfg: DefaultModelConfig = DefaultModelConfig(), root: Path | None = None,
+                        force: bool = False, progress: bool = True) -> Path:
+    """Return the folder of the default checkpoint, building it first if it is not cached."""
+    out = default_model_dir(cfg, root)
+    if is_built(out) and not force:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if not os.access(out.parent, os.W_OK):
+        raise PermissionError(f"cache folder {out.parent} is not writable")
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        _build_into(tmp, cfg, progress)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)  # atomic: a half-built model never looks built
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _build_into(out: Path, cfg: DefaultModelConfig, progress: bool) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from quantserve.tokenizer_build import render_chat, train_tokenizer
+
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.threads)
+    t0 = time.time()
+
+    train = corpus.pretrain_examples(cfg.examples, cfg.seed)
+    task = corpus.task_examples(2000, "train", cfg.seed)  # the tokenizer sees the task's words too
+    tokenizer = train_tokenizer((corpus_text(e) for e in train + task), cfg.vocab_target)
+
+    ids: list[int] = []
+    for ex in train:
+        ids.extend(tokenizer(render_chat(tokenizer, ex.messages()), add_special_tokens=False).input_ids)
+    n_blocks = len(ids) // cfg.seq_len
+    data = torch.tensor(ids[: n_blocks * cfg.seq_len]).view(n_blocks, cfg.seq_len)
+
+    model_cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_positions,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = LlamaForCausalLM(model_cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg))
+    gen = torch.Generator().manual_seed(cfg.seed)
+
+    losses: list[float] = []
+    bar = _progress(cfg.steps, progress)
+    model.train()
+    for step in range(cfg.steps):
+        batch = data[torch.randint(0, n_blocks, (cfg.batch_size,), generator=gen)]
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(round(loss.item(), 6))
+        bar(step, losses[-1])
+    bar(None, None)
+
+    out.mkdir(parents=True)
+    model.eval()
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    n_params = sum(p.numel() for p in model.parameters())
+    (out / "build.json").write_text(json.dumps({
+        "config": asdict(cfg), "key": cfg.key(), "parameters": n_params,
+        "tokens_seen": cfg.steps * cfg.batch_size * cfg.seq_len, "seconds": round(time.time() - t0, 1),
+        "losses": losses, "torch": torch.__version__,
+    }, indent=1))
+    save_loss_plot(losses, out / "loss.png", f"default model pretraining ({n_params / 1e6:.1f} M params)")
+
+
+def corpus_text(ex: corpus.Example) -> str:
+    return f"<|im_start|>user\n{ex.prompt}<|im_end|>\n<|im_start|>assistant\n{ex.answer}<|im_end|>\n"
+
+
+def _lr_factor(step: int, cfg: DefaultModelConfig) -> float:
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _progress(total: int, enabled: bool):
+    """A rich progress bar showing the loss; a no-op when disabled (tests, pipes)."""
+    if not enabled:
+        return lambda step, loss: None
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    prog = Progress(TextColumn("pretraining default model"), BarColumn(),
+                    TextColumn("{task.completed}/{task.total} loss {task.fields[loss]}"),
+                    TimeRemainingColumn())
+    task = prog.add_task("build", total=total, loss="-")
+    prog.start()
+
+    def update(step, loss):
+        if step is None:
+            prog.stop()
+        else:
+            prog.update(task, completed=step + 1, loss=f"{loss:.3f}")
+    return update
+
+
+def save_loss_plot(losses: list[float], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(1, len(losses) + 1), losses, lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def resolve_model(model: str | Path | None, progress: bool = True) -> Path:
+    """A user's `--model` argument as a checkpoint folder; none means the default model."""
+    from quantserve.settings import require_checkpoint
+
+    if model is None or str(model) == "default":
+        return build_default_model(progress=progress)
+    return require_checkpoint(Path(model))

@@ -1,0 +1,1 @@
+"""quantserve: training."""
