@@ -87,6 +87,12 @@ def generate(prompt: str = typer.Argument(..., help="A user message."),
 
 
 # Subcommands owned by the other packages are registered below (each module imports lazily).
+# quant: convert / eval / inspect (quant/cli.py imports its heavy libraries inside the commands)
+from quant import cli as _quant_cli  # noqa: E402
+
+app.command("convert")(_quant_cli.convert)
+app.command("eval")(_quant_cli.eval_)
+app.command("inspect")(_quant_cli.inspect)
 
 
 def main() -> None:

@@ -1,0 +1,72 @@
+"""bitsandbytes formats: LLM.int8 and 4-bit NF4/FP4, saved with `save_pretrained`.
+
+The quantization config travels in config.json, so `AutoModelForCausalLM.from_pretrained(out)`
+reloads the quantized weights as they are — no re-quantization.  4-bit always uses double
+quantization: on bitsandbytes' CPU path 4-bit *without* it did not survive save → reload
+(GUIDE §8), and the tests check the round trip.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from quant.source import Checkpoint, require_causal_lm
+
+BNB_FORMATS = ("bnb-int8", "bnb-nf4", "bnb-fp4")
+
+
+def quantization_config(fmt: str):
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    if fmt == "bnb-int8":
+        # threshold 6.0: activations above it go through the fp16 outlier path (LLM.int8 paper)
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=6.0)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=fmt.removeprefix("bnb-"),
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32 if not torch.cuda.is_available() else torch.float16,
+    )
+
+
+def _device() -> str:
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def write_bnb(ckpt: Checkpoint, out_dir: Path, fmt: str, progress: bool = False) -> dict:
+    """Quantize `ckpt` on load (bitsandbytes) and save the quantized model + tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from quantserve.modeling import load_tokenizer
+
+    require_causal_lm(ckpt)
+    if not progress:
+        hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(ckpt.path), quantization_config=quantization_config(fmt), device_map=_device(),
+            dtype=torch.float16 if torch.cuda.is_available() else torch.float32)
+    finally:
+        hf_logging.enable_progress_bar()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    load_tokenizer(ckpt.path).save_pretrained(out_dir)
+    linear = [m for m in model.modules() if type(m).__name__ in ("Linear8bitLt", "Linear4bit")]
+    n_tensors = sum(1 for _ in model.state_dict())
+    return {"architecture": ckpt.architecture, "tensors": n_tensors, "quantized_linears": len(linear),
+            "quantization_config": model.config.quantization_config.to_dict()
+            if hasattr(model.config.quantization_config, "to_dict") else model.config.quantization_config}
+
+
+def load_bnb(folder: Path):
+    """Reload a saved bitsandbytes model (quantized weights as saved) in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), device_map=_device())
+    model.eval()
+    torch.set_grad_enabled(False)
+    return model

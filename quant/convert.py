@@ -1,0 +1,169 @@
+"""`quant convert SRC --format F --out DIR`: one checkpoint to one quantized output folder.
+
+Writes are atomic.  Everything happens in a hidden `.DIR.partial-PID` folder beside the target,
+and the finished folder (weights, tokenizer, manifest.json last) is renamed into place at the
+end, so an interrupted or failed conversion never leaves a folder that looks like a valid output.
+An existing target is only replaced with `force=True`, and then only after the new one is done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import time
+from pathlib import Path
+
+from quant.bnb import BNB_FORMATS, write_bnb
+from quant.llamacpp import KQUANT_FTYPES
+from quant.manifest import build_manifest, write_manifest
+from quant.source import open_checkpoint, require_causal_lm, require_gguf_architecture
+from quantserve.settings import UserError
+
+GGUF_WRITTEN = {"gguf-f32": "f32", "gguf-f16": "f16", "gguf-q8_0": "q8_0"}  # by our own writer
+GGUF_KQUANTS = {f"gguf-{k}": k for k in KQUANT_FTYPES}                     # by llama.cpp from F16
+FORMATS: tuple[str, ...] = (*BNB_FORMATS, *GGUF_WRITTEN, *GGUF_KQUANTS)
+GGUF_FILE = "model.gguf"
+
+# Output bytes per parameter, to refuse up front when the disk obviously cannot take it.
+# k-quants also hold the intermediate F16 file while llama.cpp quantizes it.
+_BYTES_PER_PARAM = {"bnb-int8": 1.1, "bnb-nf4": 0.6, "bnb-fp4": 0.6, "gguf-f32": 4.0,
+                    "gguf-f16": 2.0, "gguf-q8_0": 1.07}
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def is_gguf(fmt: str) -> bool:
+    return fmt.startswith("gguf-")
+
+
+def check_format(fmt: str) -> str:
+    fmt = fmt.strip().lower()
+    if fmt not in FORMATS:
+        raise UserError(f"unknown format {fmt!r} (known: {', '.join(FORMATS)})")
+    return fmt
+
+
+def _disk_error(e: OSError, target: Path) -> UserError:
+    if e.errno in _DISK_FULL:
+        why = "no space left on the device (or file size limit reached)"
+    elif e.errno == errno.EROFS:
+        why = "the file system is read-only"
+    elif e.errno in (errno.EACCES, errno.EPERM):
+        why = "permission denied"
+    else:
+        why = e.strerror or str(e)
+    return UserError(f"cannot write {target}: {why}; nothing was left behind")
+
+
+@contextlib.contextmanager
+def staging(out: Path, force: bool):
+    """Yield a fresh temporary folder beside `out`; on success rename it to `out`."""
+    parent = out.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = parent / f".{out.name}.partial-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise _disk_error(e, out) from e
+    try:
+        yield tmp
+        if out.exists() or out.is_symlink():
+            if not force:  # appeared while we worked
+                raise UserError(f"{out} already exists (use --force to replace it)")
+            old = parent / f".{out.name}.old-{os.getpid()}"
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        else:
+            tmp.rename(out)
+    except OSError as e:
+        if e.errno in _DISK_FULL or e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise _disk_error(e, out) from e
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _check_target(src: Path, out: Path, force: bool) -> None:
+    if (out.exists() or out.is_symlink()) and not force:
+        raise UserError(f"{out} already exists (use --force to replace it)")
+    s, o = src.resolve(), out.resolve()
+    if o == s or s.is_relative_to(o) or o.is_relative_to(s):
+        raise UserError(f"{out}: the output folder must not be the source folder, inside it, "
+                        "or contain it")
+
+
+def _check_free_space(out_parent: Path, n_params: int, fmt: str) -> None:
+    per_param = _BYTES_PER_PARAM.get(fmt, 2.0 + 0.7)  # k-quant: F16 intermediate + result
+    need = int(n_params * per_param * 1.05) + (1 << 20)
+    try:
+        free = shutil.disk_usage(out_parent).free
+    except OSError:
+        return
+    if free < need:
+        raise UserError(f"not enough disk space at {out_parent}: a {fmt} conversion needs about "
+                        f"{need / 2**20:.1f} MiB, {free / 2**20:.1f} MiB are free")
+
+
+def convert(src: Path, fmt: str, out: Path, force: bool = False, progress: bool = True,
+            context: int | None = None) -> Path:
+    """Convert checkpoint folder `src` to format `fmt` in folder `out`; return `out`.
+
+    `context` is the context length the manifest's serving-memory estimate assumes (default: the
+    model's own maximum).
+    """
+    from quant.gguf_export import write_gguf
+    from quant.source import parameter_count
+
+    t0 = time.time()
+    fmt = check_format(fmt)
+    src, out = Path(src), Path(out)
+    _check_target(src, out, force)
+    with staging(out, force) as tmp:
+        ckpt = open_checkpoint(src, merge_dir=tmp / ".merged-source")
+        if is_gguf(fmt):
+            require_gguf_architecture(ckpt)
+        else:
+            require_causal_lm(ckpt)
+        _check_free_space(out.parent, parameter_count(ckpt), fmt)
+
+        if is_gguf(fmt):
+            target = tmp / GGUF_FILE
+            if fmt in GGUF_WRITTEN:
+                summary = write_gguf(ckpt, target, GGUF_WRITTEN[fmt], progress)
+            else:
+                summary = _write_kquant(ckpt, tmp, GGUF_KQUANTS[fmt], progress)
+            weights = [target]
+        else:
+            summary = write_bnb(ckpt, tmp, fmt, progress)
+            weights = sorted(tmp.glob("*.safetensors"))
+        shutil.rmtree(tmp / ".merged-source", ignore_errors=True)
+
+        ctx = context or int(ckpt.text_config.get("max_position_embeddings") or 2048)
+        manifest = build_manifest(ckpt=ckpt, fmt=fmt, out_dir=tmp, weight_files=weights,
+                                  summary=summary, context=ctx, seconds=time.time() - t0)
+        if is_gguf(fmt):
+            manifest["gguf_file"] = GGUF_FILE
+        write_manifest(tmp, manifest)
+    return out
+
+
+def _write_kquant(ckpt, tmp: Path, kind: str, progress: bool) -> dict:
+    """Our F16 GGUF first, then llama.cpp's quantizer; only the quantized file is kept."""
+    from quant.gguf_export import write_gguf
+    from quant.llamacpp import quantize
+    from quant.inspect import gguf_tensor_types
+
+    f16 = tmp / ".model-f16.gguf"
+    summary = write_gguf(ckpt, f16, "f16", progress)
+    if progress:
+        print(f"quantizing with llama.cpp to {kind.upper()} ...", flush=True)
+    quantize(f16, tmp / GGUF_FILE, kind)
+    f16.unlink()
+    # llama.cpp falls back to other types for rows that are not whole 256-wide super-blocks;
+    # record what each tensor really became.
+    summary["tensor_types"] = gguf_tensor_types(tmp / GGUF_FILE)
+    summary["quantizer"] = f"llama.cpp llama_model_quantize ({kind.upper()}) from our F16 GGUF"
+    return summary

@@ -1,0 +1,177 @@
+"""`quant eval SRC QUANTIZED`: what quantization cost, measured on held-out text.
+
+Both models score the same token windows (tokenized once, by the source's Hugging Face tokenizer,
+so the comparison is of weights and kernels, not of tokenizers):
+
+* perplexity of each, and the difference;
+* top-1 agreement: how often the quantized model's most likely next token is the source's;
+* relative logit error ‖L_q − L_s‖ / ‖L_s‖ over every position, and the mean KL(p_s ‖ p_q).
+
+The source runs in fp32 through transformers; a GGUF output runs through llama.cpp itself, a
+bitsandbytes output through transformers + bitsandbytes — each in the engine that will serve it.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from quant.manifest import MANIFEST, read_manifest, write_manifest
+from quant.source import open_checkpoint
+from quantserve.settings import UserError
+
+WINDOW = 256  # tokens per scored window; each window starts from an empty context
+
+
+def heldout_documents(text_file: Path | None, tokenizer) -> tuple[list[str], str]:
+    """Documents to score and a label for where they came from.
+
+    No file: the default corpus's held-out split, rendered with the chat template (what
+    `quantserve data` writes as heldout.jsonl).  A .jsonl of {"messages": [...]} records is
+    rendered the same way; any other file is plain text, one document per blank-line block.
+    """
+    from quantserve import corpus
+    from quantserve.tokenizer_build import render_chat
+
+    if text_file is None:
+        exs = corpus.examples(corpus.PRETRAIN_SKILLS + [corpus.TASK_SKILL], 400, 2000, "heldout")
+        return [render_chat(tokenizer, e.messages()) for e in exs], "default corpus held-out split (400 chats)"
+    path = Path(text_file)
+    if not path.is_file():
+        raise UserError(f"{path}: no such text file")
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text") from e
+    if path.suffix == ".jsonl":
+        docs = []
+        for n, line in enumerate(raw.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                docs.append(render_chat(tokenizer, json.loads(line)["messages"]))
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise UserError(f"{path}:{n}: not a {{\"messages\": [...]}} record") from e
+    else:
+        docs = [block for block in raw.split("\n\n") if block.strip()]
+    if not docs:
+        raise UserError(f"{path}: no text to score")
+    return docs, str(path)
+
+
+def token_windows(tokenizer, docs: list[str], window: int = WINDOW) -> list[list[int]]:
+    """Concatenate the documents' tokens and cut them into windows (a short last one kept)."""
+    stream: list[int] = []
+    for doc in docs:
+        # chat renderings carry their BOS already; plain text gets one from the tokenizer
+        stream += tokenizer(doc, add_special_tokens=not doc.startswith(tokenizer.bos_token or "\0")).input_ids
+    windows = [stream[i:i + window] for i in range(0, len(stream), window)]
+    windows = [w for w in windows if len(w) >= 2]
+    if not windows:
+        raise UserError("the text is too short to score (fewer than 2 tokens)")
+    return windows
+
+
+def transformers_logits(model, windows: list[list[int]]):
+    import numpy as np
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for w in windows:
+            ids = torch.tensor([w], device=model.device)
+            out.append(model(input_ids=ids).logits[0].float().cpu().numpy().astype(np.float32))
+    return out
+
+
+def gguf_logits(path: Path, windows: list[list[int]]):
+    from quant import llamacpp
+
+    llm = llamacpp.load(path, n_ctx=max(len(w) for w in windows))
+    try:
+        return [llamacpp.logits(llm, w) for w in windows]
+    finally:
+        llm.close()
+
+
+def compare(src: list, quant: list, windows: list[list[int]]) -> dict:
+    """Perplexities, agreement, relative logit error and KL over all predicted positions."""
+    import numpy as np
+
+    def log_softmax(x):
+        x = x - x.max(axis=-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+    nll_s = nll_q = kl = 0.0
+    agree = n = 0
+    diff_sq = ref_sq = 0.0
+    for ls, lq, w in zip(src, quant, windows):
+        ls, lq = ls[: len(w) - 1].astype(np.float64), lq[: len(w) - 1].astype(np.float64)
+        target = np.asarray(w[1:])
+        lps, lpq = log_softmax(ls), log_softmax(lq)
+        rows = np.arange(len(target))
+        nll_s -= lps[rows, target].sum()
+        nll_q -= lpq[rows, target].sum()
+        kl += (np.exp(lps) * (lps - lpq)).sum()
+        agree += int((ls.argmax(-1) == lq.argmax(-1)).sum())
+        diff_sq += float(((lq - ls) ** 2).sum())
+        ref_sq += float((ls ** 2).sum())
+        n += len(target)
+    ppl_s, ppl_q = float(np.exp(nll_s / n)), float(np.exp(nll_q / n))
+    return {"tokens": n, "ppl_source": round(ppl_s, 4), "ppl": round(ppl_q, 4),
+            "delta_ppl": round(ppl_q - ppl_s, 4), "delta_pct": round(100 * (ppl_q / ppl_s - 1), 3),
+            "top1_agreement": round(agree / n, 4),
+            "rel_logit_error": float(f"{np.sqrt(diff_sq / ref_sq):.3g}"),
+            "kl_divergence": float(f"{kl / n:.3g}")}
+
+
+def _quantized_kind(quantized: Path) -> tuple[str, Path, dict | None]:
+    """('gguf', file, manifest) or ('transformers', folder, manifest) for what was given."""
+    quantized = Path(quantized)
+    if not quantized.exists():
+        raise UserError(f"{quantized}: no such file or folder")
+    if quantized.is_file():
+        if quantized.read_bytes()[:4] != b"GGUF":
+            raise UserError(f"{quantized}: not a GGUF file")
+        return "gguf", quantized, None
+    manifest = read_manifest(quantized) if (quantized / MANIFEST).is_file() else None
+    if manifest and manifest.get("gguf_file"):
+        return "gguf", quantized / manifest["gguf_file"], manifest
+    if (quantized / "config.json").is_file():
+        return "transformers", quantized, manifest
+    raise UserError(f"{quantized}: neither a quant output folder, a GGUF file nor a checkpoint")
+
+
+def evaluate(src: Path, quantized: Path, text_file: Path | None = None) -> dict:
+    """Score `quantized` against its source; store the row in the quantized folder's manifest."""
+    from quantserve.modeling import load_model, load_tokenizer
+
+    kind, target, manifest = _quantized_kind(Path(quantized))
+    with tempfile.TemporaryDirectory(prefix="quant-eval-") as tmp:
+        ckpt = open_checkpoint(Path(src), merge_dir=Path(tmp) / "merged")
+        tokenizer = load_tokenizer(ckpt.path)
+        docs, text_label = heldout_documents(text_file, tokenizer)
+        windows = token_windows(tokenizer, docs)
+        src_logits = transformers_logits(load_model(ckpt.path), windows)
+        source_bytes = sum(f.stat().st_size for f in ckpt.weight_files)
+    if kind == "gguf":
+        q_logits = gguf_logits(target, windows)
+        size = target.stat().st_size
+    else:
+        from quant.bnb import load_bnb
+
+        q_logits = transformers_logits(load_bnb(target), windows)
+        size = sum(f.stat().st_size for f in target.glob("*.safetensors"))
+    if q_logits[0].shape[-1] < src_logits[0].shape[-1]:
+        raise UserError(f"{quantized}: vocabulary ({q_logits[0].shape[-1]}) is smaller than the "
+                        f"source's ({src_logits[0].shape[-1]}): not a conversion of {src}")
+    q_logits = [q[:, : s.shape[-1]] for q, s in zip(q_logits, src_logits)]
+    row = {"format": manifest["format"] if manifest else kind, "engine":
+           "llama.cpp" if kind == "gguf" else "transformers",
+           "size_mib": round(size / 2**20, 3), "source_size_mib": round(source_bytes / 2**20, 3),
+           **compare(src_logits, q_logits, windows), "text": text_label}
+    if manifest is not None:
+        manifest["quality"] = row
+        write_manifest(Path(quantized), manifest)
+    return row

@@ -1,0 +1,163 @@
+"""Hugging Face checkpoint → GGUF (F32, F16 or Q8_0), written with the `gguf` package's GGUFWriter.
+
+The three things a GGUF converter gets wrong without failing loudly, and what this one does:
+
+* tensor names: mapped with gguf's own `TensorNameMap` (`model.layers.N.self_attn.q_proj` →
+  `blk.N.attn_q`, ...), so names follow whatever llama.cpp release the package matches;
+* rotary layout: Hugging Face Llama rotates *halves* of each head, llama.cpp's `llama` graph
+  rotates *interleaved pairs*; Q rows are permuted per head with n_head, K rows with n_kv_head
+  (grouped-query attention).  Qwen2 uses llama.cpp's NEOX rotation, which is the halves layout:
+  no permutation there;
+* metadata: every hyper-parameter the graph reads (rope base, norm epsilon, head counts, ...) plus
+  the full tokenizer (gguf_vocab.py).
+
+Norms and other 1-D tensors stay F32, as llama.cpp expects.  Q8_0 blocks come from
+`gguf.quants.quantize`, which is bit-exact with ggml's own quantizer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from quant.source import Checkpoint, require_gguf_architecture
+from quantserve.settings import UserError
+
+# our format name → (gguf file type, the ggml type of 2-D weight matrices)
+OUTTYPES = {"f32": ("ALL_F32", "F32"), "f16": ("MOSTLY_F16", "F16"), "q8_0": ("MOSTLY_Q8_0", "Q8_0")}
+
+
+def permute_rotary(w, n_head: int):
+    """Rows of a Q or K projection from HF's rotate-half order to llama.cpp's interleaved order."""
+    rows = w.shape[0]
+    return (w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:])
+             .swapaxes(1, 2)
+             .reshape(w.shape))
+
+
+def hyperparameters(ckpt: Checkpoint) -> dict:
+    """The config values the llama.cpp graph needs, checked for what we cannot represent."""
+    c = ckpt.text_config
+    try:
+        n_head = int(c["num_attention_heads"])
+        hp = {
+            "n_layer": int(c["num_hidden_layers"]),
+            "n_embd": int(c["hidden_size"]),
+            "n_ff": int(c["intermediate_size"]),
+            "n_head": n_head,
+            "n_kv_head": int(c.get("num_key_value_heads") or n_head),
+            "n_vocab": int(c["vocab_size"]),
+            "n_ctx": int(c.get("max_position_embeddings") or 2048),
+            "norm_eps": float(c.get("rms_norm_eps", 1e-6)),
+        }
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{ckpt.origin}/config.json lacks or mangles a required field ({e})") from e
+    hp["head_dim"] = int(c.get("head_dim") or hp["n_embd"] // n_head)
+    # transformers ≥5 keeps rope settings in `rope_parameters`; 4.x at the top level.
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    hp["rope_theta"] = float(rope.get("rope_theta") or c.get("rope_theta") or 10000.0)
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    if rope_type not in ("default", "linear"):
+        raise UserError(f"{ckpt.origin}: rope scaling {rope_type!r} is not supported by this converter "
+                        "(supported: none, linear)")
+    hp["rope_linear_factor"] = float(rope.get("factor", 1.0)) if rope_type == "linear" else None
+    if float(c.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise UserError(f"{ckpt.origin}: partial rotary embeddings are not supported")
+    # llama.cpp's llama graph has no sliding window: only claim the context where it is exact.
+    window = c.get("sliding_window") if c.get("use_sliding_window", True) else None
+    if window:
+        hp["n_ctx"] = min(hp["n_ctx"], int(window))
+    hp["tied_embeddings"] = bool(c.get("tie_word_embeddings", False))
+    return hp
+
+
+def _read_tensors(files: list[Path]):
+    """(name, float32 numpy array) for every tensor, one at a time (bf16/fp16 upcast via torch)."""
+    import torch
+    from safetensors import safe_open
+
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                yield name, st.get_tensor(name).to(torch.float32).numpy()
+
+
+def write_gguf(ckpt: Checkpoint, out_file: Path, outtype: str, progress: bool = False) -> dict:
+    """Write `ckpt` as one GGUF file; return a summary for the manifest."""
+    import gguf
+    import numpy as np
+
+    from quant.gguf_vocab import add_tokenizer
+
+    if outtype not in OUTTYPES:
+        raise UserError(f"unknown GGUF output type {outtype!r} (known: {', '.join(OUTTYPES)})")
+    arch_name = require_gguf_architecture(ckpt)
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
+    hp = hyperparameters(ckpt)
+    file_type, matrix_type = OUTTYPES[outtype]
+    qtype = gguf.GGMLQuantizationType[matrix_type]
+
+    writer = gguf.GGUFWriter(str(out_file), arch_name)
+    writer.add_name(ckpt.origin.name)
+    writer.add_context_length(hp["n_ctx"])
+    writer.add_embedding_length(hp["n_embd"])
+    writer.add_feed_forward_length(hp["n_ff"])
+    writer.add_block_count(hp["n_layer"])
+    writer.add_head_count(hp["n_head"])
+    writer.add_head_count_kv(hp["n_kv_head"])
+    if hp["head_dim"] != hp["n_embd"] // hp["n_head"]:
+        writer.add_key_length(hp["head_dim"])
+        writer.add_value_length(hp["head_dim"])
+    writer.add_rope_dimension_count(hp["head_dim"])
+    writer.add_rope_freq_base(hp["rope_theta"])
+    if hp["rope_linear_factor"]:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(hp["rope_linear_factor"])
+    writer.add_layer_norm_rms_eps(hp["norm_eps"])
+    writer.add_vocab_size(hp["n_vocab"])
+    writer.add_file_type(gguf.LlamaFileType[file_type])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    tokenizer = add_tokenizer(writer, ckpt.path, hp["n_vocab"])
+
+    names = gguf.get_tensor_name_map(arch, hp["n_layer"])
+    permute = arch_name == "llama"  # qwen2 runs NEOX rope in llama.cpp: HF layout as is
+    wanted = {"attn_q": hp["n_head"], "attn_k": hp["n_kv_head"]}
+    types: dict[str, int] = {}
+    count = 0
+    tensors = _read_tensors(ckpt.weight_files)
+    if progress:
+        from tqdm import tqdm
+        tensors = tqdm(tensors, desc=f"converting to GGUF {outtype.upper()}", unit="tensor")
+    for hf_name, data in tensors:
+        if hf_name.endswith("rotary_emb.inv_freq"):
+            continue  # recomputed by llama.cpp from rope.freq_base
+        if hf_name == "lm_head.weight" and hp["tied_embeddings"]:
+            continue  # llama.cpp reuses token_embd when `output` is absent
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise UserError(f"{ckpt.origin}: tensor {hf_name!r} has no GGUF name for {arch_name}")
+        kind = name.split(".")[-2] if name.startswith("blk.") else ""
+        if permute and kind in wanted:
+            data = permute_rotary(data, wanted[kind])
+        if data.ndim == 1:
+            writer.add_tensor(name, data.astype(np.float32))
+            types[name] = int(gguf.GGMLQuantizationType.F32)
+        elif qtype == gguf.GGMLQuantizationType.Q8_0 and data.shape[-1] % 32 == 0:
+            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+            types[name] = int(qtype)
+        elif qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, data.astype(np.float32))
+            types[name] = int(qtype)
+        else:  # F16, and Q8_0's fallback for rows that are not whole 32-wide blocks
+            writer.add_tensor(name, data.astype(np.float16))
+            types[name] = int(gguf.GGMLQuantizationType.F16)
+        count += 1
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file(progress=progress)
+    writer.close()
+    type_counts: dict[str, int] = {}
+    for t in types.values():
+        type_counts[gguf.GGMLQuantizationType(t).name] = type_counts.get(gguf.GGMLQuantizationType(t).name, 0) + 1
+    return {"architecture": arch_name, "tensors": count, "tensor_types": type_counts,
+            "hyperparameters": hp, "tokenizer": tokenizer}

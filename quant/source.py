@@ -1,0 +1,200 @@
+"""What `quant convert` reads: a checked Hugging Face checkpoint folder.
+
+Every problem with the input is found here, before anything is written: a folder that is not a
+checkpoint, a config that is not JSON, an architecture no converter handles, a safetensors file
+whose header is garbage or whose tensor data is cut short.  A LoRA adapter folder is merged into
+its base model first, so the converters only ever see a plain checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from quantserve.settings import UserError, require_checkpoint
+
+# Hugging Face architecture → llama.cpp architecture.  Mistral is Llama with a different config;
+# Qwen2 adds q/k/v biases and uses the NEOX rotary layout (no Q/K permutation).
+GGUF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+@dataclass
+class Checkpoint:
+    path: Path                      # folder holding config.json, *.safetensors and the tokenizer
+    origin: Path                    # what the user named (the adapter folder for a LoRA)
+    config: dict
+    architecture: str
+    weight_files: list[Path]
+    adapter_base: Path | None = None  # set when `origin` was a LoRA adapter merged into this base
+    source_files: dict[str, str] = field(default_factory=dict)  # name → sha256 of what was read
+
+    @property
+    def text_config(self) -> dict:
+        return self.config.get("text_config") or self.config
+
+
+def read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a JSON object")
+    return data
+
+
+def check_safetensors(path: Path) -> dict:
+    """Validate a safetensors file's header and length without loading it; return the header.
+
+    Layout: 8-byte little-endian header length, JSON header, then tensor bytes whose extent the
+    header's `data_offsets` give.  A file cut short by a failed copy fails the length check.
+    """
+    size = path.stat().st_size
+    if size < 8:
+        raise UserError(f"{path}: truncated safetensors file ({size} bytes)")
+    with path.open("rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        if header_len <= 1 or 8 + header_len > size:
+            raise UserError(f"{path}: corrupt or truncated safetensors file "
+                            f"(header says {header_len} bytes, file has {size})")
+        try:
+            header = json.loads(f.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UserError(f"{path}: corrupt safetensors header ({e})") from e
+    try:
+        tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+        end = max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError) as e:
+        raise UserError(f"{path}: corrupt safetensors header (bad tensor entry)") from e
+    have = size - 8 - header_len
+    if have != end:
+        state = "truncated" if have < end else "has trailing bytes"
+        raise UserError(f"{path}: safetensors file is {state}: its header describes {end} bytes "
+                        f"of tensor data, the file holds {have}")
+    return tensors
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def hash_folder(folder: Path) -> dict[str, str]:
+    """sha256 of every regular file directly in `folder` (checkpoints are flat)."""
+    return {p.name: sha256_file(p) for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def weight_files(folder: Path) -> list[Path]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        if any(folder.glob("*.bin")):
+            raise UserError(f"{folder}: only safetensors checkpoints are converted (found *.bin; "
+                            "re-save with save_pretrained(safe_serialization=True))")
+        raise UserError(f"{folder}: no *.safetensors weight files")
+    return files
+
+
+def architecture_of(config: dict, folder: Path) -> str:
+    archs = config.get("architectures") or []
+    if not archs or not isinstance(archs, list):
+        raise UserError(f"{folder}/config.json names no architecture (no 'architectures' list)")
+    return str(archs[0])
+
+
+def open_checkpoint(src: Path, merge_dir: Path | None = None) -> Checkpoint:
+    """Check `src` and describe it; a LoRA adapter is merged into its base under `merge_dir`."""
+    src = require_checkpoint(Path(src))
+    if (src / "adapter_config.json").is_file():
+        if merge_dir is None:
+            raise UserError(f"{src}: is a LoRA adapter; it must be merged before use")
+        return _merge_adapter(src, merge_dir)
+    config = read_json(src / "config.json")
+    files = weight_files(src)
+    for f in files:
+        check_safetensors(f)
+    ckpt = Checkpoint(src, src, config, architecture_of(config, src), files)
+    ckpt.source_files = hash_folder(src)
+    return ckpt
+
+
+def _merge_adapter(adapter: Path, out: Path) -> Checkpoint:
+    """Merge a PEFT LoRA adapter into its base and save the result as a plain checkpoint."""
+    adapter_cfg = read_json(adapter / "adapter_config.json")
+    base_name = adapter_cfg.get("base_model_name_or_path")
+    if not base_name:
+        raise UserError(f"{adapter}/adapter_config.json has no base_model_name_or_path")
+    base_path = Path(base_name).expanduser()
+    if not base_path.is_absolute():
+        base_path = (adapter / base_path) if (adapter / base_path).is_dir() else base_path
+    if not base_path.is_dir():
+        raise UserError(f"{adapter}: base model {base_name!r} of the adapter is not a local folder")
+    base = open_checkpoint(base_path)
+    adapter_weights = sorted(adapter.glob("adapter_model.safetensors"))
+    if not adapter_weights:
+        raise UserError(f"{adapter}: LoRA adapter has no adapter_model.safetensors")
+    check_safetensors(adapter_weights[0])
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from quantserve.modeling import load_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(base.path), dtype=torch.float32)
+    try:
+        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise UserError(f"{adapter}: cannot apply the LoRA adapter to {base.path}: "
+                        f"{str(e).splitlines()[0]}") from e
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    # The adapter folder's tokenizer wins (a fine-tune may have added tokens), else the base's.
+    tok_dir = adapter if (adapter / "tokenizer_config.json").is_file() else base.path
+    load_tokenizer(tok_dir).save_pretrained(out)
+    config = read_json(out / "config.json")
+    merged = Checkpoint(out, adapter, config, architecture_of(config, out), weight_files(out),
+                        adapter_base=base.path)
+    merged.source_files = {**{f"adapter/{k}": v for k, v in hash_folder(adapter).items()},
+                           **{f"base/{k}": v for k, v in base.source_files.items()}}
+    return merged
+
+
+def require_gguf_architecture(ckpt: Checkpoint) -> str:
+    arch = GGUF_ARCHITECTURES.get(ckpt.architecture)
+    if arch is None:
+        raise UserError(f"{ckpt.origin}: unsupported architecture {ckpt.architecture} for GGUF "
+                        f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
+    return arch
+
+
+def require_causal_lm(ckpt: Checkpoint) -> None:
+    """bitsandbytes works through transformers: any architecture it knows as a causal LM."""
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if ckpt.architecture not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() \
+            or not hasattr(transformers, ckpt.architecture):
+        raise UserError(f"{ckpt.origin}: unsupported architecture {ckpt.architecture} "
+                        f"(not a causal language model transformers {transformers.__version__} knows)")
+    try:
+        AutoConfig.from_pretrained(str(ckpt.path))
+    except (ValueError, KeyError, OSError) as e:
+        raise UserError(f"{ckpt.origin}: config.json is not usable: {str(e).splitlines()[0]}") from e
+
+
+def parameter_count(ckpt: Checkpoint) -> int:
+    """Number of weights, from the safetensors headers (nothing loaded)."""
+    import math
+
+    return sum(math.prod(entry.get("shape") or [1])
+               for f in ckpt.weight_files for entry in check_safetensors(f).values())
