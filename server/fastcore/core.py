@@ -1,0 +1,263 @@
+"""FastCore: the decode engine object the server's `hf` engine plugs in, and bench/decode.py times.
+
+    core = FastCore(model_dir_or_hf_model, max_slots=8, max_seq=2048, weight_quant="int8")
+    slot = core.acquire()
+    logits = core.prefill(slot, prompt_ids)                 # [vocab] float32, last position
+    logits = core.decode([slot, ...], [tok, ...], [pos, ...])  # [n, vocab] float32
+    core.release(slot)
+
+`decode` runs any subset of slots at their own positions.  It pads the batch to the next size in
+BATCH_BUCKETS covering slots 0..max(slot) (slots are handed out lowest-first, so the active set
+stays compact) and the attended cache prefix to the next multiple of KV_BUCKET, so on a GPU each
+(batch, kv-length) pair replays one CUDA graph.  Padding rows write into the cache's trash row.
+
+`prefill(slot, ids, start)` appends `ids` at position `start`; a scheduler that wants running
+decodes not to stall calls it with chunks (`prefill_chunk` tokens) between decode steps.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from pathlib import Path
+
+import torch
+
+from server.fastcore.model import ModelArgs, Transformer
+from server.fastcore.quant import int4_tinygemm_supported, linear_weight_bytes, make_linear
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+KV_BUCKET = 256
+
+
+def _hf_tensors(hf_model):
+    """name -> tensor getter over a Hugging Face Llama-style model, plus its config and rope."""
+    sd = hf_model.state_dict()
+    cfg = hf_model.config
+    rot = hf_model.model.rotary_emb
+    inv_freq = rot.inv_freq.detach().float().cpu()
+    scale = float(getattr(rot, "attention_scaling", 1.0))
+    if "lm_head.weight" not in sd:  # tied embeddings
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    return sd.__getitem__, sd.__contains__, cfg, inv_freq, scale
+
+
+def _random_tensors(cfg, device, dtype, seed: int = 0):
+    """A getter that makes fresh random weights of the right shape (benchmarks: no checkpoint,
+    no CPU RAM; each weight exists in fp16 only until it is quantized)."""
+    a = ModelArgs.from_hf(cfg)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    shapes = {"q_proj": (q, a.dim), "k_proj": (kv, a.dim), "v_proj": (kv, a.dim), "o_proj": (a.dim, q),
+              "gate_proj": (a.ffn_dim, a.dim), "up_proj": (a.ffn_dim, a.dim), "down_proj": (a.dim, a.ffn_dim)}
+
+    def get(name: str) -> torch.Tensor:
+        if name.endswith("norm.weight"):
+            return torch.ones(a.dim, device=device, dtype=dtype)
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            shape = (a.vocab_size, a.dim)
+        else:
+            shape = shapes[name.split(".")[-2]]
+        if name.endswith(".bias"):
+            return torch.zeros(shape[0], device=device, dtype=dtype)
+        return torch.randn(shape, device=device, dtype=dtype, generator=gen) * 0.02
+
+    has = lambda name: not name.endswith(".bias") or a.qkv_bias  # noqa: E731
+    inv_freq = 1.0 / (_rope_theta(cfg) ** (torch.arange(0, a.head_dim, 2).float() / a.head_dim))
+    return get, has, cfg, inv_freq, 1.0
+
+
+def _rope_theta(cfg) -> float:
+    params = getattr(cfg, "rope_parameters", None) or {}
+    return float(params.get("rope_theta") or getattr(cfg, "rope_theta", None) or 10000.0)
+
+
+class FastCore:
+    def __init__(self, model, max_slots: int | None = 8, max_seq: int = 2048, dtype: str | torch.dtype | None = None,
+                 device: str | torch.device | None = None, weight_quant: str = "none",
+                 compile: bool | None = None, int4_kernel: str = "auto", group_size: int = 128,
+                 prefill_chunk: int = 512, profile: str = "native", kv_budget_gib: float | None = None,
+                 random_config=None, seed: int = 0):
+        """model: a checkpoint folder, a loaded HF LlamaForCausalLM, or None with `random_config`
+        (an HF config: random weights, for benchmarks).  max_slots=None sizes the KV cache from the
+        GPU memory left after the weights (or from kv_budget_gib)."""
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dtype is None:
+            dtype = torch.float16 if device.type == "cuda" else torch.float32
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        if int4_kernel == "auto":
+            int4_kernel = "tinygemm" if int4_tinygemm_supported(device, profile) else "dequant"
+        self.device, self.dtype, self.weight_quant, self.int4_kernel = device, dtype, weight_quant, int4_kernel
+        self.prefill_chunk, self.max_seq = prefill_chunk, max_seq
+        t0 = time.perf_counter()
+        if random_config is not None:
+            get, has, cfg, inv_freq, rope_scale = _random_tensors(random_config, device, dtype, seed)
+        else:
+            hf = _load_hf(model) if isinstance(model, (str, Path)) else model
+            get, has, cfg, inv_freq, rope_scale = _hf_tensors(hf)
+        self.config = cfg
+        self.args = a = ModelArgs.from_hf(cfg)
+        self.model = self._build(get, has, a, weight_quant, int4_kernel, group_size)
+        self.load_seconds = time.perf_counter() - t0
+        if max_slots is None:
+            max_slots = self.slots_for_budget(kv_budget_gib)
+        self.max_slots = max_slots
+        self.model.setup_caches(max_slots, max_seq, inv_freq, rope_scale, dtype, device)
+        self.buckets = tuple(b for b in BATCH_BUCKETS if b < max_slots) + (max_slots,)
+        self.lengths = [0] * max_slots
+        self.in_use = [False] * max_slots
+        self.compile = device.type == "cuda" if compile is None else compile
+        self._steps: dict[str, object] = {}
+        self._kv_idx = torch.arange(max_seq, device=device)
+        if device.type == "cuda":
+            # static addresses: CUDA graphs then replay on the weights and cache in place
+            for t in list(self.model.parameters()) + list(self.model.buffers()):
+                torch._dynamo.mark_static_address(t)
+
+    # ---- building ------------------------------------------------------------------------------
+    def _build(self, get, has, a: ModelArgs, mode: str, int4_kernel: str, group_size: int) -> Transformer:
+        dev, dt = self.device, self.dtype
+
+        def w(name):
+            return get(name).to(device=dev)
+
+        with torch.device("meta"):
+            m = Transformer(a)
+        m.tok_embeddings.weight = torch.nn.Parameter(w("model.embed_tokens.weight").to(dt), requires_grad=False)
+        m.norm.weight = torch.nn.Parameter(w("model.norm.weight").to(dt), requires_grad=False)
+        lin = lambda wt, b: make_linear(wt, b, mode, dt, int4_kernel, group_size)  # noqa: E731
+        for i, layer in enumerate(m.layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            bias = torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if a.qkv_bias and has(p + "self_attn.q_proj.bias") else None
+            layer.attention.wqkv = lin(qkv, bias)
+            layer.attention.wo = lin(w(p + "self_attn.o_proj.weight"), None)
+            layer.feed_forward.w13 = lin(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]), None)
+            layer.feed_forward.w2 = lin(w(p + "mlp.down_proj.weight"), None)
+            layer.attention_norm.weight = torch.nn.Parameter(w(p + "input_layernorm.weight").to(dt), requires_grad=False)
+            layer.ffn_norm.weight = torch.nn.Parameter(w(p + "post_attention_layernorm.weight").to(dt), requires_grad=False)
+            del qkv
+        m.output = lin(w("lm_head.weight"), None)
+        return m.eval()
+
+    def weight_bytes_per_token(self) -> int:
+        """Bytes of weights read by one decode step: every linear layer, the norms, one embedding row."""
+        m = self.model
+        lin = sum(linear_weight_bytes(mod) for mod in m.modules()
+                  if mod is not m.tok_embeddings and (hasattr(mod, "weight_bytes") or isinstance(mod, torch.nn.Linear)))
+        norms = sum(p.numel() * p.element_size() for n, p in m.named_parameters() if "norm" in n)
+        return lin + norms + self.args.dim * m.tok_embeddings.weight.element_size()
+
+    def resident_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in list(self.model.parameters()) + list(self.model.buffers()))
+
+    def slots_for_budget(self, budget_gib: float | None = None, reserve_gib: float = 1.0) -> int:
+        """How many max_seq-long sequences fit in the memory left (minus a reserve for activations)."""
+        if budget_gib is None:
+            if self.device.type != "cuda":
+                return 8
+            free, _ = torch.cuda.mem_get_info(self.device)
+            # respect a per-process cap (the T4 profile) as well as what the device has free
+            cap = torch.cuda.get_per_process_memory_fraction(self.device) * torch.cuda.get_device_properties(self.device).total_memory \
+                if hasattr(torch.cuda, "get_per_process_memory_fraction") else free
+            budget = min(free, cap - torch.cuda.memory_allocated(self.device)) / 2**30
+        else:
+            budget = budget_gib
+        per_slot = (self.max_seq + 1) * self.args.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8) / 2**30
+        return max(1, min(BATCH_BUCKETS[-1], int((budget - reserve_gib) / per_slot)))
+
+    # ---- slots ---------------------------------------------------------------------------------
+    def free_slots(self) -> list[int]:
+        return [i for i, used in enumerate(self.in_use) if not used]
+
+    def acquire(self) -> int:
+        """The lowest free slot (keeps active slots compact, so decode batches stay small)."""
+        free = self.free_slots()
+        if not free:
+            raise RuntimeError("no free KV-cache slot")
+        self.in_use[free[0]] = True
+        self.lengths[free[0]] = 0
+        return free[0]
+
+    def release(self, slot: int) -> None:
+        self.in_use[slot] = False
+        self.lengths[slot] = 0
+
+    def kv_usage(self) -> float:
+        """Fraction of the KV cache's token positions holding live tokens."""
+        return sum(self.lengths) / (self.max_slots * self.max_seq)
+
+    # ---- running -------------------------------------------------------------------------------
+    def _kv_len(self, n: int) -> int:
+        return min(self.max_seq, -(-n // KV_BUCKET) * KV_BUCKET)
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, ids, start: int = 0) -> torch.Tensor:
+        """Write `ids` into `slot` at positions start.. and return the last position's logits."""
+        ids = torch.as_tensor(list(ids) if not torch.is_tensor(ids) else ids, dtype=torch.long).view(-1)
+        n = ids.numel()
+        if n == 0 or start + n > self.max_seq:
+            raise ValueError(f"prefill of {n} tokens at {start} does not fit max_seq {self.max_seq}")
+        self.in_use[slot] = True
+        ids = ids.to(self.device)
+        for c0 in range(0, n, self.prefill_chunk):
+            chunk = ids[c0:c0 + self.prefill_chunk].view(1, -1)
+            pos = torch.arange(start + c0, start + c0 + chunk.shape[1], device=self.device).view(1, -1)
+            kv_idx = self._kv_idx[: self._kv_len(start + c0 + chunk.shape[1])]
+            logits = self.model(chunk, pos, slot, kv_idx)
+        self.lengths[slot] = start + n
+        return logits[0, -1].float()
+
+    def _step_fn(self, batch: int):
+        """The decode forward for one padded batch size: compiled with CUDA graphs on a GPU."""
+        key = "b1" if batch == 1 else "bN"
+        if key not in self._steps:
+            fn = self._decode_forward
+            if self.compile:
+                # gpt-fast's settings: coordinate-descent tuning makes inductor turn 1-row matmuls
+                # into fused reductions (int8/int4 dequant folded in); cudagraphs kill launch cost.
+                opts = {"triton.cudagraphs": True, "coordinate_descent_tuning": batch == 1}
+                fn = torch.compile(fn, fullgraph=True, options=opts)
+            self._steps[key] = fn
+        return self._steps[key]
+
+    def _decode_forward(self, tokens, pos, kv_idx):
+        return self.model(tokens.view(-1, 1), pos.view(-1, 1), 0, kv_idx)[:, 0]
+
+    @torch.inference_mode()
+    def decode(self, slots, tokens, positions) -> torch.Tensor:
+        """One token for each of `slots` at its own position -> logits [len(slots), vocab] float32."""
+        slots = list(slots)
+        P = self.buckets[bisect.bisect_left(self.buckets, max(slots) + 1)]
+        tok = torch.zeros(P, dtype=torch.long)
+        pos = torch.full((P,), self.max_seq, dtype=torch.long)  # padding rows hit the trash row
+        idx = torch.tensor(slots, dtype=torch.long)
+        tok[idx] = torch.as_tensor(tokens, dtype=torch.long).view(-1).cpu()
+        pos[idx] = torch.as_tensor(positions, dtype=torch.long).view(-1).cpu()
+        if int(pos[idx].max()) >= self.max_seq:
+            raise ValueError(f"decode position beyond max_seq {self.max_seq}")
+        kv_idx = self._kv_idx[: self._kv_len(int(pos[idx].max()) + 1)]
+        logits = self.decode_padded(tok.to(self.device, non_blocking=True), pos.to(self.device, non_blocking=True), kv_idx)
+        for s, p in zip(slots, pos[idx].tolist()):
+            self.lengths[s] = p + 1
+        return logits[idx.to(self.device)].float()
+
+    def decode_padded(self, tok: torch.Tensor, pos: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        """The raw step on device tensors of a bucket size (no host sync: benchmarks loop on it).
+        Returns the logits in the step's own output buffer: copy before the next call."""
+        fn = self._step_fn(tok.shape[0])
+        if self.compile:
+            # one compiled graph for every attended length (and every batch size > 1), replayed as a
+            # CUDA graph per distinct shape; batch 1 stays static so its matmuls become reductions
+            torch._dynamo.maybe_mark_dynamic(kv_idx, 0)
+            if tok.shape[0] > 1:
+                torch._dynamo.maybe_mark_dynamic(tok, 0)
+                torch._dynamo.maybe_mark_dynamic(pos, 0)
+            torch.compiler.cudagraph_mark_step_begin()
+        return fn(tok, pos, kv_idx)
+
+
+def _load_hf(path):
+    from quantserve.modeling import load_model
+
+    return load_model(Path(path), dtype="float32", device="cpu")

@@ -1,0 +1,175 @@
+"""A self-contained Llama-family decoder with a static, slot-addressed KV cache.
+
+Follows gpt-fast's shape: one small module, no framework.  The cache holds `max_slots` sequences
+of up to `max_seq` tokens per layer, laid out `[slots, kv_heads, max_seq + 1, head_dim]`; the extra
+last position is a *trash* row that padded (inactive) batch rows write into, so a decode step can
+always run over a contiguous slice `cache[:P]` of slots without gathering or disturbing a slot that
+is half-way through its prefill.
+
+Works for Llama / Mistral (no sliding window) / Qwen2 (q/k/v bias) configs with GQA.  Grouped
+queries are folded into the query-length axis (`[B, kv_heads, groups * q_len, D]`), so attention
+never copies K/V to repeat them and runs on every SDPA backend (a T4 only has efficient + math).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    dim: int
+    ffn_dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    norm_eps: float
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+
+    @classmethod
+    def from_hf(cls, cfg) -> "ModelArgs":
+        # Mistral's sliding window is not applied: exact while prompt + output fit the window.
+        if cfg.model_type not in ("llama", "mistral", "qwen2"):
+            raise ValueError(f"fastcore supports llama/mistral/qwen2 configs, not {cfg.model_type!r}")
+        heads = cfg.num_attention_heads
+        return cls(
+            vocab_size=cfg.vocab_size, dim=cfg.hidden_size, ffn_dim=cfg.intermediate_size,
+            n_layers=cfg.num_hidden_layers, n_heads=heads,
+            n_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
+            tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        )
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        return self.n_layers * 2 * self.n_kv_heads * self.head_dim * dtype_bytes
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x):
+        # fp32 statistics like Hugging Face's LlamaRMSNorm, so greedy tokens match it exactly
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.a = a
+        # q, k and v in one matmul: one weight read, one kernel (decode is launch-bound on big GPUs)
+        self.wqkv = nn.Linear(a.dim, (a.n_heads + 2 * a.n_kv_heads) * a.head_dim, bias=a.qkv_bias)
+        self.wo = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
+        # buffers, not plain attributes: torch.compile then treats them as static (CUDA graphs
+        # replay in place instead of copying the cache in and out on every step)
+        self.register_buffer("k_cache", None, persistent=False)
+        self.register_buffer("v_cache", None, persistent=False)
+
+    def forward(self, x, cos, sin, rows, pos, row0: int, kv_idx):
+        """x [B, C, dim]; cos/sin [B, C, D]; rows/pos [B, C] cache coordinates of the new tokens;
+        row0: first cache row of this batch (rows are row0..row0+B-1); kv_idx: arange(L), the
+        cache prefix to attend over."""
+        a = self.a
+        B, C, _ = x.shape
+        q, k, v = self.wqkv(x).split([a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim,
+                                      a.n_kv_heads * a.head_dim], dim=-1)
+        q = q.view(B, C, a.n_heads, a.head_dim)
+        k = k.view(B, C, a.n_kv_heads, a.head_dim)
+        v = v.view(B, C, a.n_kv_heads, a.head_dim)
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        # write the new keys/values at (row, :, pos): value shape is [B, C, kv_heads, D]
+        self.k_cache[rows, :, pos] = k.to(self.k_cache.dtype)
+        self.v_cache[rows, :, pos] = v.to(self.v_cache.dtype)
+        L = kv_idx.shape[0]
+        kc = self.k_cache[row0:row0 + B, :, :L]
+        vc = self.v_cache[row0:row0 + B, :, :L]
+        g = a.n_heads // a.n_kv_heads
+        # [B, C, Hkv*g, D] -> [B, Hkv, g*C, D]: query heads of one kv head share its K/V
+        q = q.view(B, C, a.n_kv_heads, g, a.head_dim).permute(0, 2, 3, 1, 4).reshape(B, a.n_kv_heads, g * C, a.head_dim)
+        mask = (kv_idx.view(1, 1, L) <= pos.view(B, C, 1))  # [B, C, L]
+        mask = mask.unsqueeze(1).expand(B, g, C, L).reshape(B, 1, g * C, L)
+        y = F.scaled_dot_product_attention(q, kc.to(q.dtype), vc.to(q.dtype), attn_mask=mask)
+        y = y.view(B, a.n_kv_heads, g, C, a.head_dim).permute(0, 3, 1, 2, 4).reshape(B, C, a.n_heads * a.head_dim)
+        return self.wo(y)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.ffn_dim = a.ffn_dim
+        self.w13 = nn.Linear(a.dim, 2 * a.ffn_dim, bias=False)  # gate and up fused
+        self.w2 = nn.Linear(a.ffn_dim, a.dim, bias=False)
+
+    def forward(self, x):
+        gate, up = self.w13(x).split(self.ffn_dim, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(a.dim, a.norm_eps)
+        self.attention = Attention(a)
+        self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
+        self.feed_forward = FeedForward(a)
+
+    def forward(self, x, cos, sin, rows, pos, row0, kv_idx):
+        h = x + self.attention(self.attention_norm(x), cos, sin, rows, pos, row0, kv_idx)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.a = a
+        self.tok_embeddings = nn.Embedding(a.vocab_size, a.dim)
+        self.layers = nn.ModuleList(Block(a) for _ in range(a.n_layers))
+        self.norm = RMSNorm(a.dim, a.norm_eps)
+        self.output = nn.Linear(a.dim, a.vocab_size, bias=False)
+        self.max_seq = 0
+        self.register_buffer("rope_cos", None, persistent=False)
+        self.register_buffer("rope_sin", None, persistent=False)
+
+    def setup_caches(self, max_slots: int, max_seq: int, inv_freq: torch.Tensor, rope_scale: float,
+                     dtype: torch.dtype, device) -> None:
+        """Allocate the static KV cache and the rotary tables (max_seq + 1: the trash row)."""
+        a = self.a
+        self.max_seq = max_seq
+        shape = (max_slots, a.n_kv_heads, max_seq + 1, a.head_dim)
+        for layer in self.layers:
+            layer.attention.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+            layer.attention.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        t = torch.arange(max_seq + 1, device=device, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq.to(device=device, dtype=torch.float32))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.rope_cos = (emb.cos() * rope_scale).to(dtype)
+        self.rope_sin = (emb.sin() * rope_scale).to(dtype)
+
+    def forward(self, tokens, pos, row0: int, kv_idx):
+        """tokens/pos [B, C] for cache rows row0..row0+B-1 -> logits [B, C, vocab]."""
+        B, C = tokens.shape
+        rows = (torch.arange(B, device=tokens.device) + row0).view(B, 1).expand(B, C)
+        cos, sin = self.rope_cos[pos], self.rope_sin[pos]
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin, rows, pos, row0, kv_idx)
+        return self.output(self.norm(x))

@@ -1,0 +1,137 @@
+"""Weight-only int8 and int4 linear layers, quantized at load from the fp16 weights.
+
+Why these kernels (decode at small batch reads every weight once per step, so bytes are time):
+- int8, per-output-channel symmetric scales.  On CUDA the forward is gpt-fast's
+  `linear(x, w.to(x.dtype)) * scale`: under torch.compile with coordinate-descent tuning, inductor
+  rewrites a 1-row matmul as a reduction and fuses the int8 -> fp16 conversion into it, so the
+  weight is read as 1 byte/param.  (torch's CUDA `_weight_int8pack_mm` is a naive one-thread-per-
+  output fp32 kernel, and bitsandbytes LLM.int8 decomposes outliers at run time: both slow.)
+  On the CPU `_weight_int8pack_mm` is a real kernel and is used.
+- int4, asymmetric per group of `group_size` input columns (gpt-fast / torchao layout: q in 0..15,
+  w = (q - 8) * scale + zero).  Two kernels:
+  * "tinygemm": `torch._weight_int4pack_mm`, tensor-core int4; CUDA only, needs sm_80+ and bf16
+    activations (checked in torch's int4mm.cu), so it never runs on a real T4;
+  * "dequant": nibbles packed two per byte, unpacked and scaled in torch ops; under torch.compile
+    at batch 1 inductor fuses it into the matmul reduction (0.5 byte/param read) on any GPU Triton
+    runs on, in fp16.  This is the T4 path, and the CPU path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (int8 [N, K], scales [N]) with symmetric per-row absmax scaling."""
+    wf = w.float()
+    scales = wf.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+    q = torch.round(wf / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (q uint8 values 0..15 [N, K], scales [N, K/g], zeros [N, K/g]).
+
+    Dequantization is (q - 8) * scale + zero, the convention of torch's tinygemm kernel."""
+    N, K = w.shape
+    wg = w.float().reshape(N, K // group_size, group_size)
+    lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
+    scales = (hi - lo).clamp(min=1e-6) / 15
+    zeros = lo + scales * 8
+    q = torch.round((wg - lo[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
+    return q.reshape(N, K), scales, zeros
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        q, scales = quantize_int8(weight)
+        self.register_buffer("weight", q)
+        self.register_buffer("scales", scales.to(dtype))
+        self.register_buffer("bias", None if bias is None else bias.to(dtype))
+
+    def forward(self, x):
+        if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.weight,
+                                          self.scales.to(x.dtype)).view(*x.shape[:-1], -1)
+        else:
+            y = F.linear(x, self.weight.to(x.dtype)) * self.scales
+        return y if self.bias is None else y + self.bias
+
+    def weight_bytes(self) -> int:
+        return self.weight.numel() + self.scales.numel() * self.scales.element_size()
+
+
+def int4_tinygemm_supported(device: torch.device, profile: str = "native") -> bool:
+    """torch's int4 kernel: CUDA sm_80+ only, and never under the T4 profile (a T4 is sm_75)."""
+    if device.type != "cuda" or profile == "t4":
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                 group_size: int = 128, kernel: str = "dequant"):
+        super().__init__()
+        N, K = weight.shape
+        if K % group_size:
+            raise ValueError(f"int4 needs in_features ({K}) divisible by group_size ({group_size})")
+        self.kernel, self.group_size, self.out_features = kernel, group_size, N
+        q, scales, zeros = quantize_int4(weight, group_size)
+        if kernel == "tinygemm":
+            if N % 8 or K % (8 * 16):
+                raise ValueError(f"tinygemm int4 needs out % 8 == 0 and in % 128 == 0 (got {N}x{K})")
+            # torch >= 2.5 packs from uint8 [N, K/2] (even column in the high nibble), as torchao
+            packed = (q[:, ::2] << 4 | q[:, 1::2]).contiguous()
+            self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack(packed, 8))
+            sz = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
+            self.register_buffer("scales_and_zeros", sz.to(torch.bfloat16))
+        elif kernel == "dequant":
+            self.register_buffer("weight", (q[:, ::2] << 4 | q[:, 1::2]).contiguous())  # [N, K/2]
+            self.register_buffer("scales", scales.to(dtype))
+            # store (zero - 8*scale) = the group minimum, so dequant is one multiply-add
+            self.register_buffer("mins", (zeros - 8 * scales).to(dtype))
+        else:
+            raise ValueError(f"unknown int4 kernel {kernel!r} (tinygemm or dequant)")
+        self.register_buffer("bias", None if bias is None else bias.to(dtype))
+
+    def dequantize(self, dtype) -> torch.Tensor:
+        N = self.out_features
+        w = torch.stack([self.weight >> 4, self.weight & 0xF], dim=-1).view(N, -1, self.group_size)
+        return (w.to(dtype) * self.scales.to(dtype)[..., None] + self.mins.to(dtype)[..., None]).view(N, -1)
+
+    def forward(self, x):
+        if self.kernel == "tinygemm":
+            x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+            y = torch.ops.aten._weight_int4pack_mm(x2, self.weight, self.group_size, self.scales_and_zeros)
+            y = y.to(x.dtype).view(*x.shape[:-1], -1)
+        else:
+            y = F.linear(x, self.dequantize(x.dtype))
+        return y if self.bias is None else y + self.bias
+
+    def weight_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for n, b in self.named_buffers() if n != "bias")
+
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, mode: str, dtype: torch.dtype,
+                int4_kernel: str = "dequant", group_size: int = 128) -> nn.Module:
+    """An nn.Module computing x @ weight.T (+ bias) with weights stored as `mode`."""
+    if mode == "int8":
+        return Int8Linear(weight, bias, dtype)
+    if mode == "int4":
+        return Int4Linear(weight, bias, dtype, group_size, int4_kernel)
+    if mode != "none":
+        raise ValueError(f"unknown weight_quant {mode!r} (none, int8, int4)")
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    lin.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
+    if bias is not None:
+        lin.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
+    return lin
+
+
+def linear_weight_bytes(m: nn.Module) -> int:
+    if hasattr(m, "weight_bytes"):
+        return m.weight_bytes()
+    return sum(p.numel() * p.element_size() for p in m.parameters())
