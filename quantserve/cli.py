@@ -87,6 +87,10 @@ def generate(prompt: str = typer.Argument(..., help="A user message."),
 
 
 # Subcommands owned by the other packages are registered below (each module imports lazily).
+# bench: decode / serve / plot (bench/cli.py imports only typer; the scripts load the rest)
+from bench.cli import app as _bench_app  # noqa: E402
+
+app.add_typer(_bench_app, name="bench")
 # quant: convert / eval / inspect (quant/cli.py imports its heavy libraries inside the commands)
 from quant import cli as _quant_cli  # noqa: E402
 

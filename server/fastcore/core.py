@@ -212,7 +212,8 @@ class FastCore:
         """The decode forward for one padded batch size: compiled with CUDA graphs on a GPU."""
         key = "b1" if batch == 1 else "bN"
         if key not in self._steps:
-            fn = self._decode_forward
+            # two functions, not one: dynamo keeps compiled code per Python code object
+            fn = self._decode_b1 if batch == 1 else self._decode_bn
             if self.compile:
                 # gpt-fast's settings: coordinate-descent tuning makes inductor turn 1-row matmuls
                 # into fused reductions (int8/int4 dequant folded in); cudagraphs kill launch cost.
@@ -221,7 +222,10 @@ class FastCore:
             self._steps[key] = fn
         return self._steps[key]
 
-    def _decode_forward(self, tokens, pos, kv_idx):
+    def _decode_b1(self, tokens, pos, kv_idx):
+        return self.model(tokens.view(-1, 1), pos.view(-1, 1), 0, kv_idx)[:, 0]
+
+    def _decode_bn(self, tokens, pos, kv_idx):
         return self.model(tokens.view(-1, 1), pos.view(-1, 1), 0, kv_idx)[:, 0]
 
     @torch.inference_mode()

@@ -1,0 +1,346 @@
+"""Decode speed of the fast core in-process, against plain `model.generate`, with roofline fractions.
+
+    python -m bench.decode                       # 1B and 8B shapes, fp16/int8/int4, batch 1/8/32
+    python -m bench.decode --gpu-profile t4      # the same under the T4 profile (15 GiB cap)
+    python -m bench.decode --quick               # a tiny model on the CPU: exercises every path
+
+Random weights in the Llama-3.2-1B / Llama-3.1-8B shapes are made directly on the device (no
+checkpoint, no CPU RAM).  The roofline is the copy bandwidth measured in this run: a decode step
+must read every weight once, so tok/s <= bandwidth / weight bytes per token at batch 1.  For a
+batch the step also reads each sequence's KV prefix; `roofline %` is achieved bytes/s over
+bandwidth for the whole step.
+
+Under the T4 profile an fp16 8B model (16 GB) does not fit the 15 GiB cap: the plain-generate
+baseline and the fp16 rows then run with the cap lifted and say so (`capped` = False); int8/int4
+rows always run under the cap, and a fit check fills 8 slots x 2048 tokens of KV cache there.
+Every row is independent: a failure is recorded in its `error` field and the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+SHAPES = {
+    # name: (hidden, ffn, layers, heads, kv_heads, vocab, rope_theta)
+    "1b": (2048, 8192, 16, 32, 8, 128256, 500000.0),
+    "8b": (4096, 14336, 32, 32, 8, 128256, 500000.0),
+    "tiny": (256, 768, 2, 4, 2, 1024, 10000.0),  # --quick
+}
+
+
+def llama_config(shape: str):
+    from transformers import LlamaConfig
+
+    h, f, n, heads, kv, vocab, theta = SHAPES[shape]
+    return LlamaConfig(hidden_size=h, intermediate_size=f, num_hidden_layers=n, num_attention_heads=heads,
+                       num_key_value_heads=kv, vocab_size=vocab, rope_theta=theta, max_position_embeddings=8192,
+                       rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+def sync(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device, gib: float = 1.0, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s (a copy reads and writes each byte: 2x)."""
+    import torch
+
+    n = int(gib * 2**30) // 2
+    src = torch.ones(n, dtype=torch.float16, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    sync(device)
+    dt = time.perf_counter() - t0
+    del src, dst
+    return 2 * n * 2 * iters / dt
+
+
+class Cap:
+    """The T4 profile's memory cap, lifted on request for rows that cannot fit it (fp16 8B)."""
+
+    def __init__(self, caps):
+        self.caps = caps
+
+    def set(self, on: bool) -> None:
+        import torch
+
+        if self.caps.device != "cuda" or self.caps.profile != "t4":
+            return
+        gc.collect()
+        torch.cuda.empty_cache()
+        frac = min(1.0, self.caps.memory_budget_gib / self.caps.gpu_memory_gib) if on else 1.0
+        torch.cuda.set_per_process_memory_fraction(frac, 0)
+
+    @property
+    def active(self) -> bool:
+        return self.caps.device == "cuda" and self.caps.profile == "t4"
+
+
+def free(device) -> None:
+    import torch
+
+    torch._dynamo.reset()  # drops compiled graphs and their CUDA-graph pools
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def bench_generate(cfg, device, dtype, batch: int, prompt_len: int, new_tokens: int) -> dict:
+    """Plain transformers generate, decode-only rate: (t(N tokens) - t(1 token)) / (N - 1)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(cfg, dtype=dtype).eval()
+    ids = torch.randint(0, cfg.vocab_size, (batch, prompt_len), device=device)
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+
+    def timed(n):
+        sync(device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        sync(device)
+        return time.perf_counter() - t0
+
+    timed(2)  # warm-up
+    t1, tn = timed(1), timed(new_tokens)
+    step = (tn - t1) / (new_tokens - 1)
+    wbytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed" not in n)
+    del model
+    return {"step_ms": step * 1e3, "tok_s": batch / step, "weight_bytes": wbytes}
+
+
+def bench_core(cfg, device, caps, quant: str, int4_kernel: str, batches: list[int], prompt_len: int,
+               new_tokens: int, compile: bool) -> list[dict]:
+    """FastCore decode at each batch size: prefill `prompt_len` tokens per slot, then time
+    `new_tokens` steps feeding the argmax back on the device (no host sync inside the loop)."""
+    import torch
+
+    from server.fastcore import FastCore
+
+    t0 = time.perf_counter()
+    max_seq = -(-(prompt_len + new_tokens + 8) // 256) * 256
+    core = FastCore(None, random_config=cfg, max_slots=max(batches), max_seq=max_seq, device=device,
+                    weight_quant=quant, int4_kernel=int4_kernel, compile=compile, profile=caps.profile)
+    build_s = time.perf_counter() - t0
+    wbytes = core.weight_bytes_per_token()
+    kv_tok = core.args.kv_bytes_per_token(torch.finfo(core.dtype).bits // 8)
+    prompt = torch.randint(0, cfg.vocab_size, (prompt_len,))
+    rows = []
+    for b in batches:
+        row = {"batch": b, "weight_bytes": wbytes, "build_s": round(build_s, 1), "kernel": core.int4_kernel if quant == "int4" else None}
+        try:
+            first = [int(core.prefill(s, prompt).argmax()) for s in range(b)]
+            tok = torch.tensor(first, device=device)
+            pos = torch.full((b,), prompt_len, device=device)
+            L = core._kv_len(prompt_len + new_tokens + 1)
+            kv_idx = core._kv_idx[:L]
+            t1 = time.perf_counter()
+            for _ in range(3):  # compile, CUDA-graph record, first replay
+                tok = core.decode_padded(tok, pos, kv_idx).argmax(-1)
+                pos = pos + 1
+            sync(device)
+            row["warmup_s"] = round(time.perf_counter() - t1, 1)
+            n = new_tokens - 3
+            t1 = time.perf_counter()
+            for _ in range(n):
+                tok = core.decode_padded(tok, pos, kv_idx).argmax(-1)
+                pos = pos + 1
+            sync(device)
+            step = (time.perf_counter() - t1) / n
+            avg_ctx = prompt_len + 3 + n / 2
+            step_bytes = wbytes + b * avg_ctx * kv_tok  # weights once + each sequence's KV prefix
+            row.update(step_ms=step * 1e3, tok_s=b / step, step_bytes=step_bytes)
+            if device.type == "cuda":
+                row["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+        except Exception as e:  # one failing row must not lose the others
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            traceback.print_exc(file=sys.stderr)
+        for s in range(max(batches)):
+            core.release(s)
+        rows.append(row)
+    row0 = rows[0]
+    row0["resident_gib"] = round(core.resident_bytes() / 2**30, 2)
+    del core
+    return rows
+
+
+def fit_check(cfg, device, caps, quant: str, int4_kernel: str, slots: int = 8, seq: int = 2048) -> dict:
+    """Under the cap: weights + a KV cache of `slots` x `seq`, every slot filled to ~seq, one step."""
+    import torch
+
+    from server.fastcore import FastCore
+
+    core = FastCore(None, random_config=cfg, max_slots=slots, max_seq=seq, device=device,
+                    weight_quant=quant, int4_kernel=int4_kernel, compile=False, profile=caps.profile)
+    fill = seq - 16
+    for s in range(slots):
+        core.prefill(s, torch.randint(0, cfg.vocab_size, (fill,)))
+    core.decode(list(range(slots)), [1] * slots, [fill] * slots)
+    sync(device)
+    out = {"slots": slots, "seq": seq, "ok": True,
+           "resident_gib": round(core.resident_bytes() / 2**30, 2),
+           "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None}
+    del core
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="1b,8b", help="comma list of 1b, 8b, tiny")
+    ap.add_argument("--quants", default="none,int8,int4", help="comma list of none, int8, int4")
+    ap.add_argument("--int4-kernels", default="auto",
+                    help="comma list of auto, dequant, tinygemm (tinygemm: sm_80+, not under t4)")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--generate-tokens", type=int, default=16, help="tokens per plain-generate baseline")
+    ap.add_argument("--generate-batches", default="1", help="batches for the generate baseline ('' = none)")
+    ap.add_argument("--gpu-profile", default=None, help="'t4': fp16, 15 GiB cap, T4 attention kernels")
+    ap.add_argument("--no-compile", action="store_true", help="eager decode steps (no torch.compile)")
+    ap.add_argument("--no-fit-check", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="tiny model, few tokens: runs on a CPU in seconds")
+    ap.add_argument("--out", default="bench/results/decode.json")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from quantserve.capabilities import apply_profile, detect
+
+    if args.quick:
+        args.models, args.batches, args.prompt_len, args.new_tokens = "tiny", "1,4", 16, 12
+        args.generate_tokens, args.no_fit_check = 4, True
+    caps = detect(args.gpu_profile)
+    apply_profile(caps)
+    device = torch.device(caps.device)
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    compile = device.type == "cuda" and not args.no_compile
+    batches = [int(b) for b in args.batches.split(",")]
+    cap = Cap(caps)
+    torch.set_grad_enabled(False)
+    cap.set(False)
+    bw = copy_bandwidth(device, gib=1.0 if device.type == "cuda" else 0.125)
+    print(f"device {caps.gpu_name or 'cpu'}  profile {caps.profile}  copy bandwidth {bw / 1e9:.0f} GB/s  "
+          f"compile {compile}", flush=True)
+    result = {"device": caps.as_dict(), "bandwidth_Bps": bw, "settings": vars(args), "rows": [], "fit": []}
+
+    def add(row):
+        result["rows"].append(row)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))  # partial results survive a crash
+        msg = row.get("error") or f"{row['tok_s']:.1f} tok/s"
+        print(f"  {row['model']:>4} {row['engine']:<22} b={row['batch']:<3} {msg}", flush=True)
+
+    for shape in args.models.split(","):
+        cfg = llama_config(shape)
+        fp16_bytes = _fp16_weight_bytes(cfg)
+        fp16_fits = not cap.active or fp16_bytes / 2**30 < caps.memory_budget_gib - 1
+        for b in [int(x) for x in args.generate_batches.split(",") if x]:
+            row = {"model": shape, "engine": "generate", "quant": "none", "batch": b, "capped": cap.active and fp16_fits}
+            try:
+                cap.set(fp16_fits)
+                row.update(bench_generate(cfg, device, dtype, b, args.prompt_len, args.generate_tokens))
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            free(device)
+            add(row)
+        for quant in args.quants.split(","):
+            kernels = args.int4_kernels.split(",") if quant == "int4" else ["-"]
+            for kernel in kernels:
+                capped = quant != "none" or fp16_fits
+                engine = "fastcore-" + {"none": "fp16" if dtype == torch.float16 else "fp32"}.get(quant, quant)
+                if quant == "int4" and kernel != "auto":
+                    engine += f"-{kernel}"
+                try:
+                    cap.set(capped)
+                    rows = bench_core(cfg, device, caps, quant, kernel if kernel != "-" else "auto", batches,
+                                      args.prompt_len, args.new_tokens, compile)
+                except Exception as e:
+                    traceback.print_exc(file=sys.stderr)
+                    rows = [{"batch": b, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"} for b in batches]
+                free(device)
+                for r in rows:
+                    add({"model": shape, "engine": engine, "quant": quant, "capped": cap.active and capped, **r})
+                if not args.no_fit_check and device.type == "cuda" and quant != "none" and shape == "8b":
+                    try:
+                        cap.set(True)
+                        fit = fit_check(cfg, device, caps, quant, kernel if kernel != "-" else "auto")
+                    except Exception as e:
+                        fit = {"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+                    free(device)
+                    fit.update(model=shape, engine=engine, capped=cap.active)
+                    result["fit"].append(fit)
+                    print(f"  fit check {shape} {engine}: {fit}", flush=True)
+    finish(result)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print_table(result)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _fp16_weight_bytes(cfg) -> int:
+    h, f, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    hd = h // cfg.num_attention_heads
+    per_layer = h * hd * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) + 3 * h * f
+    return 2 * (n * per_layer + 2 * cfg.vocab_size * h)
+
+
+def finish(result: dict) -> None:
+    """Roofline fractions and ratios vs plain generate and vs fastcore fp16 at the same batch."""
+    bw = result["bandwidth_Bps"]
+    rows = result["rows"]
+    by = {(r["model"], r["engine"], r["batch"]): r for r in rows if "tok_s" in r}
+    for r in rows:
+        if "tok_s" not in r:
+            continue
+        if "step_bytes" in r:
+            r["roofline_pct"] = 100 * r["step_bytes"] / (r["step_ms"] / 1e3) / bw
+            r["roofline_tok_s_b1"] = bw / r["weight_bytes"]
+        elif "weight_bytes" in r:  # generate: weights only (its KV reads are small at this length)
+            r["roofline_pct"] = 100 * r["weight_bytes"] / (r["step_ms"] / 1e3) / bw
+        gen = by.get((r["model"], "generate", r["batch"])) or by.get((r["model"], "generate", 1))
+        if gen and r["engine"] != "generate":
+            r["vs_generate"] = r["tok_s"] / gen["tok_s"]
+        fp = by.get((r["model"], "fastcore-fp16", r["batch"])) or by.get((r["model"], "fastcore-fp32", r["batch"]))
+        if fp and r["engine"].startswith("fastcore"):
+            r["vs_fp16"] = r["tok_s"] / fp["tok_s"]
+
+
+def print_table(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"decode, copy bandwidth {result['bandwidth_Bps'] / 1e9:.0f} GB/s, "
+                    f"profile {result['device']['profile']}")
+    for c in ("model", "engine", "batch", "tok/s", "ms/step", "roofline %", "vs generate", "vs fp16",
+              "weights GB", "capped", "warm-up s", "note"):
+        t.add_column(c, justify="left" if c in ("model", "engine", "note") else "right")
+    f = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+    for r in result["rows"]:
+        t.add_row(r["model"], r["engine"], str(r["batch"]), f(r.get("tok_s")), f(r.get("step_ms"), 2),
+                  f(r.get("roofline_pct")), f(r.get("vs_generate"), 2), f(r.get("vs_fp16"), 2),
+                  f(r.get("weight_bytes") and r["weight_bytes"] / 1e9, 2), str(r.get("capped", "-")),
+                  f(r.get("warmup_s")), (r.get("error") or "")[:60])
+    Console(width=200).print(t)
+    for fit in result["fit"]:
+        print(f"fit check ({fit['model']} {fit['engine']}, capped={fit['capped']}): {fit}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Plot serving results: output throughput and p99 TPOT against concurrency, one line per JSON.
+
+    python -m bench.plot bench/results/serve-ours.json bench/results/serve-llamacpp.json -o serve.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def plot(paths: list[str], out: str, labels: list[str] | None = None) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for i, p in enumerate(paths):
+        res = json.loads(Path(p).read_text())
+        runs = sorted(res["runs"], key=lambda r: r["concurrency"])
+        label = labels[i] if labels and i < len(labels) else res.get("label") or Path(p).stem
+        conc = [r["concurrency"] for r in runs]
+        ax1.plot(conc, [r["output_throughput"] or 0 for r in runs], marker="o", label=label)
+        ax2.plot(conc, [r["tpot_ms"]["p99"] if r["tpot_ms"]["p99"] is not None else float("nan") for r in runs],
+                 marker="o", label=label)
+    for ax, title, ylabel in ((ax1, "output throughput", "tokens/s"), (ax2, "p99 TPOT", "ms")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("results", nargs="+", help="bench.serve JSON files")
+    ap.add_argument("-o", "--out", default="serve.png")
+    ap.add_argument("--labels", default=None, help="comma list, one per file (default: each file's label)")
+    args = ap.parse_args(argv)
+    print(plot(args.results, args.out, args.labels.split(",") if args.labels else None))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

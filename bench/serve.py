@@ -1,0 +1,240 @@
+"""Load generator for any OpenAI-compatible server: TTFT, TPOT, ITL and throughput vs concurrency.
+
+    python -m bench.serve --base-url http://127.0.0.1:8000/v1 --concurrency 1,8,32,64 \
+        --input-len 128 --output-len 128 --out bench/results/serve-ours.json
+
+Definitions are vLLM `bench serve`'s: TTFT = time to the first streamed token; TPOT = (latency -
+TTFT) / (output tokens - 1), per request; ITL = the gaps between streamed chunks, pooled over
+requests; request and output-token throughput = totals over the wall time of the whole run.  Each
+is reported as mean / median / p99.
+
+The same command runs unchanged against our server and against `python -m llama_cpp.server`: it
+streams `/v1/completions` (or `/v1/chat/completions` with --chat) over plain HTTP.  Output tokens
+are the server's `usage.completion_tokens` when it sends usage, else the number of streamed chunks
+with text (one token each on both servers).  Prompts are fixed-length random words from a seeded
+generator (about one token per word with a BPE tokenizer) or lines of a corpus file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+WORDS = ("the of and to in is was for on that with as by at from it his an were are which this be "
+         "also or had first one their its new after who they two her she been other when there all "
+         "during into school time may years more most only over city some world would where later up "
+         "such used many can state about national out known university united then made").split()
+
+
+@dataclass
+class Record:
+    """One request as seen by the client: wall-clock times in seconds from its start."""
+    ok: bool = False
+    prompt_tokens: int | None = None
+    output_tokens: int = 0
+    ttft: float | None = None
+    latency: float | None = None
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk with text
+    error: str | None = None
+
+
+def make_prompts(n: int, input_len: int, seed: int, corpus: str | None = None) -> list[str]:
+    rng = random.Random(seed)
+    if corpus:
+        lines = [ln.strip() for ln in Path(corpus).read_text().splitlines() if ln.strip()]
+        texts = []
+        for ln in lines:
+            try:  # JSONL (our corpus files: {"prompt": ...} or {"text": ...}) or plain text lines
+                obj = json.loads(ln)
+                ln = obj.get("prompt") or obj.get("text") or ln
+            except (json.JSONDecodeError, AttributeError):
+                pass
+            texts.append(" ".join(str(ln).split()[:input_len]))
+        rng.shuffle(texts)
+        return [texts[i % len(texts)] for i in range(n)]
+    return [" ".join(rng.choice(WORDS) for _ in range(input_len)) for _ in range(n)]
+
+
+async def one_request(client, url: str, body: dict, chat: bool) -> Record:
+    rec = Record()
+    t0 = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return rec
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if obj.get("usage"):
+                    rec.prompt_tokens = obj["usage"].get("prompt_tokens")
+                    rec.output_tokens = obj["usage"].get("completion_tokens") or rec.output_tokens
+                for ch in obj.get("choices") or []:
+                    text = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
+                    if text:
+                        now = time.perf_counter() - t0
+                        if rec.ttft is None:
+                            rec.ttft = now
+                        rec.chunk_times.append(now)
+        rec.latency = time.perf_counter() - t0
+        rec.output_tokens = max(rec.output_tokens, 0) or len(rec.chunk_times)
+        rec.ok = rec.ttft is not None
+        if not rec.ok:
+            rec.error = "no token streamed"
+    except Exception as e:  # a failed request is counted, not fatal
+        rec.error = f"{type(e).__name__}: {e}"
+    return rec
+
+
+def _stats(values: list[float], scale: float = 1e3) -> dict:
+    """mean / median / p99 (linear interpolation, numpy's default) in ms."""
+    if not values:
+        return {"mean": None, "median": None, "p99": None}
+    v = sorted(values)
+    k = (len(v) - 1) * 0.99
+    lo = int(k)
+    p99 = v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (k - lo)
+    return {"mean": statistics.fmean(v) * scale, "median": statistics.median(v) * scale, "p99": p99 * scale}
+
+
+def compute_metrics(records: list[Record], duration: float) -> dict:
+    ok = [r for r in records if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    itl = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    prompt_tokens = sum(r.prompt_tokens or 0 for r in ok)
+    return {
+        "completed": len(ok), "failed": len(records) - len(ok), "duration_s": duration,
+        "output_tokens": out_tokens, "prompt_tokens": prompt_tokens or None,
+        "request_throughput": len(ok) / duration if duration > 0 else None,
+        "output_throughput": out_tokens / duration if duration > 0 else None,
+        "ttft_ms": _stats([r.ttft for r in ok]), "tpot_ms": _stats(tpot), "itl_ms": _stats(itl),
+        "e2el_ms": _stats([r.latency for r in ok]),
+        "errors": sorted({r.error for r in records if r.error})[:5],
+    }
+
+
+async def run_level(base_url: str, model: str, prompts: list[str], concurrency: int, output_len: int,
+                    chat: bool, ignore_eos: bool, api_key: str | None, timeout: float) -> tuple[list[Record], float]:
+    import httpx
+
+    url = base_url.rstrip("/") + ("/chat/completions" if chat else "/completions")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+
+    def body(p: str) -> dict:
+        b = {"model": model, "max_tokens": output_len, "temperature": 0.0, "stream": True,
+             "stream_options": {"include_usage": True}}
+        b.update({"messages": [{"role": "user", "content": p}]} if chat else {"prompt": p})
+        if ignore_eos:
+            b["ignore_eos"] = True  # vLLM / llama.cpp extension: fixed output length
+        return b
+
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
+        async def guarded(p):
+            async with sem:
+                return await one_request(client, url, body(p), chat)
+
+        t0 = time.perf_counter()
+        records = await asyncio.gather(*(guarded(p) for p in prompts))
+        return list(records), time.perf_counter() - t0
+
+
+def served_model(base_url: str, api_key: str | None) -> str:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.get(base_url.rstrip("/") + "/models", headers=headers, timeout=30)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+def print_table(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"serve: {result['label']} @ {result['base_url']} ({result['model']})")
+    cols = ["conc", "ok/fail", "req/s", "out tok/s", "TTFT mean/med/p99 ms", "TPOT mean/med/p99 ms",
+            "ITL mean/med/p99 ms"]
+    for c in cols:
+        t.add_column(c, justify="right")
+    f = lambda d: "/".join("-" if d[k] is None else f"{d[k]:.1f}" for k in ("mean", "median", "p99"))  # noqa: E731
+    for r in result["runs"]:
+        t.add_row(str(r["concurrency"]), f"{r['completed']}/{r['failed']}",
+                  f"{r['request_throughput'] or 0:.2f}", f"{r['output_throughput'] or 0:.1f}",
+                  f(r["ttft_ms"]), f(r["tpot_ms"]), f(r["itl_ms"]))
+    Console(width=160).print(t)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    ap.add_argument("--model", default=None, help="model id; default: the first of /v1/models")
+    ap.add_argument("--label", default=None, help="name in tables and plots (default: the model id)")
+    ap.add_argument("--concurrency", default="1,8,32,64")
+    ap.add_argument("--num-prompts", type=int, default=0, help="requests per level; 0: max(16, 4 x concurrency)")
+    ap.add_argument("--input-len", type=int, default=128, help="words per random prompt")
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--corpus", default=None, help="a text or JSONL file of prompts instead of random words")
+    ap.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
+    ap.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (servers that know it)")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--out", default=None, help="JSON file to write")
+    ap.add_argument("--save-records", action="store_true", help="also store every request's timings")
+    args = ap.parse_args(argv)
+
+    model = args.model or served_model(args.base_url, args.api_key)
+    result = {"label": args.label or model, "base_url": args.base_url, "model": model,
+              "settings": vars(args), "runs": []}
+    if not args.no_warmup:
+        recs, _ = asyncio.run(run_level(args.base_url, model, make_prompts(1, args.input_len, args.seed + 1),
+                                        1, 8, args.chat, args.ignore_eos, args.api_key, args.timeout))
+        if not recs[0].ok:
+            print(f"warm-up request failed: {recs[0].error}", file=sys.stderr)
+            return 1
+    for c in [int(x) for x in args.concurrency.split(",")]:
+        n = args.num_prompts or max(16, 4 * c)
+        prompts = make_prompts(n, args.input_len, args.seed, args.corpus)
+        records, duration = asyncio.run(run_level(args.base_url, model, prompts, c, args.output_len, args.chat,
+                                                  args.ignore_eos, args.api_key, args.timeout))
+        m = {"concurrency": c, "num_prompts": n, **compute_metrics(records, duration)}
+        if args.save_records:
+            m["records"] = records_to_json(records)
+        result["runs"].append(m)
+        print(f"concurrency {c}: {m['completed']} ok, {m['failed']} failed, "
+              f"{m['output_throughput'] or 0:.1f} out tok/s, TPOT p99 {m['tpot_ms']['p99'] or 0:.1f} ms", flush=True)
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=1))
+    print_table(result)
+    c1 = next((r for r in result["runs"] if r["concurrency"] == 1), None)
+    for r in result["runs"]:
+        if c1 and r is not c1 and c1["output_throughput"]:
+            r["vs_concurrency_1"] = r["output_throughput"] / c1["output_throughput"]
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.out}")
+    return 0
+
+
+def records_to_json(records: list[Record]) -> list[dict]:
+    return [asdict(r) for r in records]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
