@@ -87,6 +87,14 @@ def generate(prompt: str = typer.Argument(..., help="A user message."),
 
 
 # Subcommands owned by the other packages are registered below (each module imports lazily).
+
+def _serve_command():  # server/cli.py imports only typer at module level; the server loads inside
+    from server.cli import serve
+
+    return serve
+
+
+app.command("serve")(_serve_command())
 # bench: decode / serve / plot (bench/cli.py imports only typer; the scripts load the rest)
 from bench.cli import app as _bench_app  # noqa: E402
 

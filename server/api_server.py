@@ -1,0 +1,195 @@
+"""Routes only: the FastAPI app, its error handlers, and start-up / shutdown of the engine.
+
+The model loads in a worker thread after the socket is open, so `/health` answers 503 while it
+loads and 200 once it is ready; `/v1/*` answers 503 until then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server import serving_chat, serving_completions
+from server.errors import APIError, error_response, from_api_error
+from server.metrics import Metrics
+from server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
+                             ModelList, TokenizeRequest)
+from server.serving import ServerState, check_model
+
+log = logging.getLogger("quantserve.server")
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events that stop generating as soon as the client disconnects.
+
+    Starlette (ASGI spec >= 2.4) only notices a gone client at the next write; a request still in
+    the queue writes nothing, so this also listens for `http.disconnect` and cancels at once.
+    """
+
+    def __init__(self, body, on_close):
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            async with anyio.create_task_group() as group:
+                async def stream():
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the client went away mid-write
+                        pass
+                    group.cancel_scope.cancel()
+
+                async def watch():
+                    await self.listen_for_disconnect(receive)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                group.start_soon(watch)
+        finally:
+            self._on_close()
+            await self.body_iterator.aclose()
+
+
+def create_app(engine, model_name: str, api_key: str | None = None, max_body_bytes: int = 4 << 20,
+               max_logprobs: int = 20, shutdown_grace_s: float = 10.0, on_load_error=None) -> FastAPI:
+    state = ServerState(engine=engine, model_name=model_name, metrics=Metrics(engine), max_logprobs=max_logprobs)
+    load_error: list[str] = []
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loop = asyncio.get_running_loop()
+
+        def load():
+            try:
+                engine.start(loop)
+            except Exception as e:  # reported on /health and by the CLI; the server then stops
+                load_error.append(f"{type(e).__name__}: {e}")
+                log.error("loading the model failed: %s", load_error[-1])
+                if on_load_error:
+                    loop.call_soon_threadsafe(on_load_error, load_error[-1])
+
+        loader = loop.run_in_executor(None, load)
+        yield
+        await loader
+        # uvicorn has already waited (up to the grace period) for open responses to finish
+        await asyncio.to_thread(engine.shutdown, shutdown_grace_s)
+
+    app = FastAPI(title="quantserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    # ---- errors, all in the OpenAI shape --------------------------------------------------------
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return from_api_error(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"Request body is not valid JSON: {first.get('msg', '')}",
+                                  code="invalid_json")
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        return error_response(400, f"Invalid request: {param or 'body'}: {first.get('msg', 'invalid value')}",
+                              param=param, code="invalid_value")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        message = f"Not found: {request.url.path}" if e.status_code == 404 else str(e.detail)
+        return error_response(e.status_code, message, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):
+        log.exception("unexpected error on %s", request.url.path)
+        return error_response(500, f"Internal server error ({type(e).__name__})", code="internal_error")
+
+    def ready() -> None:
+        if load_error:
+            raise APIError(503, f"the model failed to load: {load_error[-1]}", code="model_load_failed")
+        if not engine.is_ready():
+            raise APIError(503, "the model is still loading", code="model_loading",
+                           headers={"Retry-After": "5"})
+
+    # ---- routes -------------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health():
+        ready()
+        info = engine.info
+        return {"status": "ok", "model": model_name, "engine": info.engine, "attention": info.attention,
+                "dtype": info.dtype, "device": info.device, "quantization": info.quantization,
+                "context_length": info.context_length, "max_batch": info.max_batch,
+                "max_queue": info.max_queue, **info.extra}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def model_card() -> ModelCard:
+        info = engine.info
+        return ModelCard(id=model_name, engine=info.engine, context_length=info.context_length,
+                         dtype=info.dtype, attention=info.attention, quantization=info.quantization)
+
+    @app.get("/v1/models")
+    async def list_models():
+        ready()
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str):
+        ready()
+        check_model(state, model_id)
+        return model_card()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        ready()
+        if body.stream:
+            job, texts = serving_completions.prepare(state, body)
+            return SSEResponse(serving_completions.stream(state, body, job, texts), job.cancel)
+        return await serving_completions.complete(state, body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        ready()
+        if body.stream:
+            job = serving_chat.prepare(state, body)
+            return SSEResponse(serving_chat.stream(state, body, job), job.cancel)
+        return await serving_chat.complete(state, body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        ready()
+        check_model(state, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        if body.messages is not None:
+            tokens = serving_chat.render_prompt(state, body.messages)
+        else:
+            tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.info.context_length}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        ready()
+        check_model(state, body.model)
+        vocab = engine.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
+
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)  # added last = runs first
+    return app

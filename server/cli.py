@@ -1,0 +1,67 @@
+"""`quantserve serve`: check the arguments, then run the API server under uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from quantserve.settings import UserError
+
+
+def serve(
+    model: str = typer.Argument(..., help="A Hugging Face checkpoint folder (fp16/bf16/fp32 or a bitsandbytes "
+                                "int8/nf4 output), a .gguf file or a folder holding one; 'default' for the "
+                                "embedded default model."),
+    host: str = typer.Option("127.0.0.1", help="Address to bind; 0.0.0.0 exposes the server to the network."),
+    port: int = typer.Option(8000, min=0, max=65535),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="QUANTSERVE_API_KEY", show_default=False,
+                                          help="Require 'Authorization: Bearer KEY' (or set $QUANTSERVE_API_KEY)."),
+    max_queue: int = typer.Option(64, min=0, help="Requests allowed to wait; more get 429 + Retry-After."),
+    max_batch: int = typer.Option(32, min=1, max=512, help="Sequences decoded together (continuous batching)."),
+    context: Optional[int] = typer.Option(None, min=16, help="Context length; default: the model's own."),
+    gpu_profile: Optional[str] = typer.Option(None, "--gpu-profile", help="'t4' makes a bigger GPU behave like a T4."),
+    served_model_name: Optional[str] = typer.Option(None, help="Name clients use; default: the model's folder or file name."),
+    max_logprobs: int = typer.Option(20, min=0, help="Most top logprobs one request may ask for."),
+    max_body_bytes: int = typer.Option(4 << 20, min=1024, help="Largest request body accepted (413 above)."),
+    shutdown_grace: float = typer.Option(10.0, min=0, help="Seconds in-flight requests get to finish on shutdown."),
+    log_level: str = typer.Option("info", help="debug, info, warning or error."),
+) -> None:
+    """Serve a model with an OpenAI-compatible API (completions, chat, models, health, metrics)."""
+    import uvicorn
+
+    from server.api_server import create_app
+    from server.engines import EngineOptions, ScheduledEngine
+
+    if model == "default":
+        from quantserve.default_model import build_default_model
+
+        model = str(build_default_model(progress=False))
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if max_batch < 1:
+        raise UserError("--max-batch must be at least 1")
+    # fail on a bad path now, with one line, before any socket is opened
+    engine = ScheduledEngine(Path(model), EngineOptions(context=context, max_batch=max_batch,
+                                                        max_queue=max_queue, gpu_profile=gpu_profile))
+    name = served_model_name or (engine.path.stem if engine.kind == "gguf" and engine.path != Path(model)
+                                 else Path(model).resolve().name)
+    failure: list[str] = []
+
+    def on_load_error(message: str) -> None:
+        failure.append(message)
+        server.should_exit = True
+
+    app = create_app(engine, name, api_key=api_key, max_body_bytes=max_body_bytes, max_logprobs=max_logprobs,
+                     shutdown_grace_s=shutdown_grace, on_load_error=on_load_error)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
+                            timeout_graceful_shutdown=shutdown_grace, access_log=log_level == "debug")
+    server = uvicorn.Server(config)
+    print(f"serving {name!r} from {engine.path} ({engine.kind} engine) on http://{host}:{port}/v1", flush=True)
+    server.run()
+    if failure:
+        raise UserError(f"the model failed to load: {failure[0]}")
+    if not server.started and os.environ.get("QUANTSERVE_DEBUG") is None:
+        raise UserError(f"could not start the server on {host}:{port} (port in use?)")

@@ -1,0 +1,150 @@
+"""The engine interface: what the API layer needs from anything that generates tokens.
+
+The API layer speaks only to `Engine` (submit a request, read an async stream of `TokenEvent`s,
+cancel) and to `ModelTokenizer` (text <-> ids, chat template).  Both engines (`hf`, `gguf`) share
+one scheduler (`scheduler.py`) and differ only in their `DecodeBackend` (`backend.py`), so a
+faster decode core replaces the internals without touching the routes or the serving logic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol
+
+from server.sampling import SamplingParams
+
+_ids = itertools.count(1)
+
+
+class QueueFullError(Exception):
+    """The admission queue is full: the API answers 429 with Retry-After."""
+
+
+class EngineClosedError(Exception):
+    """The engine is shutting down and takes no new work: the API answers 503."""
+
+
+@dataclass
+class EngineRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    request_id: int = field(default_factory=lambda: next(_ids))
+
+
+@dataclass
+class TopLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass
+class TokenEvent:
+    """One generated token, or the end of the stream (`finish_reason` set, token may be None)."""
+
+    token_id: int | None
+    logprob: float | None = None
+    top_logprobs: list[TopLogprob] | None = None
+    finish_reason: str | None = None  # "stop" (eos), "length", "cancelled" or "error"
+    error: str | None = None
+    # timing filled in by the scheduler, for metrics: seconds since the request was submitted
+    elapsed_s: float = 0.0
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    kv_used_tokens: int
+    kv_capacity_tokens: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_used_tokens / self.kv_capacity_tokens if self.kv_capacity_tokens else 0.0
+
+
+@dataclass
+class EngineInfo:
+    """What `/v1/models` and `/health` report about the loaded model."""
+
+    engine: str  # "hf" or "gguf"
+    model_path: str
+    context_length: int
+    max_batch: int
+    max_queue: int
+    device: str
+    dtype: str
+    attention: str  # hf: flash_attention_2 / sdpa / eager; gguf: llama.cpp
+    quantization: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class ModelTokenizer(Protocol):
+    eos_token_ids: set[int]
+    vocab_size: int
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of `ids` without special tokens; split UTF-8 characters come out as U+FFFD."""
+
+    def token_text(self, token_id: int) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+    def render_chat(self, messages: list[dict]) -> str:
+        """The chat template applied with the generation prompt; its text already holds BOS."""
+
+
+class TokenStream:
+    """The async side of one request: iterate for `TokenEvent`s, `cancel()` to stop it early.
+
+    The scheduler thread pushes events through `loop.call_soon_threadsafe`, so the event loop never
+    blocks on the model.
+    """
+
+    def __init__(self, request: EngineRequest, loop: asyncio.AbstractEventLoop, engine: "Engine"):
+        self.request = request
+        self._loop = loop
+        self._queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._engine = engine
+        self.finished = False
+
+    def push(self, event: TokenEvent) -> None:  # called from the scheduler thread
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+
+    def cancel(self) -> None:
+        if not self.finished:
+            self._engine.cancel(self.request.request_id)
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[TokenEvent]:
+        while not self.finished:
+            event = await self._queue.get()
+            if event.finish_reason is not None:
+                self.finished = True
+            yield event
+
+
+class Engine(Protocol):
+    info: EngineInfo
+    tokenizer: ModelTokenizer
+
+    def submit(self, request: EngineRequest) -> TokenStream:
+        """Queue a request (raises QueueFullError / EngineClosedError at once, never later)."""
+
+    def cancel(self, request_id: int) -> None:
+        """Stop a request and free its KV memory; its stream ends with finish_reason "cancelled"."""
+
+    def stats(self) -> EngineStats: ...
+
+    def is_ready(self) -> bool: ...
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Load the model (blocking; called from a worker thread) and start the scheduler."""
+
+    def shutdown(self, grace_s: float) -> None:
+        """Refuse new work, let running requests finish for up to `grace_s`, cancel the rest."""

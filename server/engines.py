@@ -1,0 +1,100 @@
+"""Pick and build the engine for a model path: a GGUF file (or a folder holding one) -> `gguf`,
+a Hugging Face folder (including bitsandbytes outputs) -> `hf`.  Both are a `ScheduledEngine`:
+the shared continuous-batching scheduler over that engine's `DecodeBackend`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from server.engine import EngineInfo, EngineRequest, EngineStats, TokenStream
+from quantserve.settings import UserError
+
+log = logging.getLogger("quantserve.server")
+
+
+@dataclass
+class EngineOptions:
+    context: int | None = None  # default: the model's trained context
+    max_batch: int = 32
+    max_queue: int = 64
+    gpu_profile: str | None = None
+
+
+def resolve_model(path: Path) -> tuple[str, Path]:
+    """('gguf' | 'hf', the file or folder to load), or a UserError saying what is wrong."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"{path}: no such file or folder")
+    if path.is_file():
+        if path.suffix == ".gguf":
+            return "gguf", path
+        raise UserError(f"{path}: not a model (serve a .gguf file or a Hugging Face checkpoint folder)")
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1 and not (path / "config.json").is_file():
+        return "gguf", ggufs[0]
+    if len(ggufs) > 1 and not (path / "config.json").is_file():
+        raise UserError(f"{path}: holds {len(ggufs)} .gguf files; name the one to serve")
+    if not (path / "config.json").is_file():
+        raise UserError(f"{path}: not a Hugging Face checkpoint (no config.json) and no .gguf file")
+    if not any(path.glob("*.safetensors")):
+        bins = [p.name for p in path.glob("*.bin")]
+        why = f"found only pickle files ({', '.join(bins)}), which are refused" if bins else "found no weights"
+        raise UserError(f"{path}: only safetensors checkpoints are served; {why}")
+    return "hf", path
+
+
+class ScheduledEngine:
+    """An `Engine`: a backend loaded at start-up, driven by the shared scheduler thread."""
+
+    def __init__(self, path: Path, options: EngineOptions):
+        self.kind, self.path = resolve_model(path)
+        self.options = options
+        self.info: EngineInfo | None = None
+        self.tokenizer = None
+        self._scheduler = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        from server.scheduler import Scheduler
+
+        o = self.options
+        if self.kind == "hf":
+            from server.backend import HFBackend
+            from server.hf_engine import load_hf
+
+            model, self.tokenizer, info = load_hf(self.path, o.gpu_profile, o.context, o.max_batch, o.max_queue)
+            backend = HFBackend(model, o.max_batch, info.context_length)
+        else:
+            from server.gguf_engine import load_gguf
+
+            backend, self.tokenizer, info = load_gguf(self.path, o.context, o.max_batch, o.max_queue)
+        self._loop = loop
+        self._scheduler = Scheduler(backend, self.tokenizer.eos_token_ids, o.max_batch, o.max_queue,
+                                    log=log.error)
+        self.info = info  # set last: is_ready() turns true only when everything is in place
+        log.info("loaded %s engine: %s (%s, attention %s, context %d, batch %d)", info.engine,
+                 info.model_path, info.dtype, info.attention, info.context_length, info.max_batch)
+
+    def is_ready(self) -> bool:
+        return self.info is not None
+
+    def submit(self, request: EngineRequest) -> TokenStream:
+        stream = TokenStream(request, self._loop, self)
+        self._scheduler.submit(stream)
+        return stream
+
+    def cancel(self, request_id: int) -> None:
+        if self._scheduler is not None:
+            self._scheduler.cancel(request_id)
+
+    def stats(self) -> EngineStats:
+        if self._scheduler is None:
+            return EngineStats(0, 0, 0, 0)
+        return self._scheduler.stats()
+
+    def shutdown(self, grace_s: float) -> None:
+        if self._scheduler is not None:
+            self._scheduler.shutdown(grace_s)

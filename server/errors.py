@@ -1,0 +1,33 @@
+"""Errors in the OpenAI shape: `{"error": {"message", "type", "param", "code"}}` with the right status."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+from server.protocol import ErrorInfo, ErrorResponse
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+          500: "server_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    info = ErrorInfo(message=message, type=_TYPES.get(status, "invalid_request_error"), param=param, code=code)
+    return ErrorResponse(error=info).model_dump()
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def from_api_error(e: APIError) -> JSONResponse:
+    return error_response(e.status, e.message, e.param, e.code, e.headers)

@@ -1,0 +1,151 @@
+"""The `gguf` engine's parts: llama.cpp (through llama-cpp-python's low-level API) as a
+`DecodeBackend`, and the GGUF file's own tokenizer and chat template.
+
+llama.cpp batches natively: one context holds `max_batch` sequences (`n_seq_max`, one KV stream
+each, `kv_unified=False`), and a decode step is one `llama_decode` of a batch with one token per
+sequence id.  So the shared scheduler gives GGUF models the same continuous batching, sampling and
+logprobs as the `hf` engine; the layers go to the GPU when llama.cpp is built with CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from server.engine import EngineInfo
+from quantserve.settings import UserError
+
+_FILE_TYPES = {0: "F32", 1: "F16", 7: "Q8_0", 2: "Q4_0", 3: "Q4_1", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
+               12: "Q3_K_M", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K"}
+
+
+class LlamaCppTokenizer:
+    def __init__(self, model):
+        self.model = model  # llama_cpp._internals.LlamaModel
+        self.vocab_size = model.n_vocab()
+        self.eos_token_ids = {t for t in (model.token_eos(), model.token_eot()) if t is not None and t >= 0}
+        self._add_bos = model.add_bos_token()
+        self._template = model.metadata().get("tokenizer.chat_template")
+        self._bos = self.token_text(model.token_bos()) if model.token_bos() >= 0 else ""
+        self._eos = self.token_text(model.token_eos()) if model.token_eos() >= 0 else ""
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        # special=True: control tokens written in the text are parsed, as Hugging Face tokenizers do
+        return self.model.tokenize(text.encode(), add_bos=add_special_tokens and self._add_bos, special=True)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.model.detokenize(ids, special=False).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.model.detokenize([token_id], special=True)
+
+    def token_text(self, token_id: int) -> str:
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def render_chat(self, messages: list[dict]) -> str:
+        if not self._template:
+            raise UserError("this GGUF file has no chat template (tokenizer.chat_template): use /v1/completions")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise ValueError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)  # as transformers renders
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(self._template).render(messages=messages, add_generation_prompt=True,
+                                                      bos_token=self._bos, eos_token=self._eos)
+
+
+class LlamaCppBackend:
+    def __init__(self, model, max_batch: int, context_length: int, threads: int):
+        import llama_cpp
+        from llama_cpp import _internals
+
+        self._llama_cpp = llama_cpp
+        self.vocab_size = model.n_vocab()
+        self.kv_capacity_tokens = max_batch * context_length
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = max_batch * context_length  # split evenly: each sequence gets context_length
+        params.n_batch = max(context_length, max_batch)
+        params.n_ubatch = min(512, params.n_batch)
+        params.n_seq_max = max_batch
+        params.kv_unified = False
+        params.n_threads = params.n_threads_batch = threads
+        params.no_perf = True
+        self.ctx = _internals.LlamaContext(model=model, params=params, verbose=False)
+        self.batch = _internals.LlamaBatch(n_tokens=params.n_batch, embd=0, n_seq_max=1, verbose=False)
+        self._lengths: dict[int, int] = {}
+
+    def _run(self, entries: list[tuple[int, int, int, bool]]) -> None:
+        """Decode (token, position, sequence id, wants logits) entries as one llama.cpp batch."""
+        b = self.batch.batch
+        b.n_tokens = len(entries)
+        for i, (token, pos, seq, logits) in enumerate(entries):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, logits
+            b.seq_id[i][0] = seq
+        rc = self._llama_cpp.llama_decode(self.ctx.ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc} (KV cache full?)")
+
+    def _logits(self, index: int):
+        import numpy as np
+        import torch
+
+        ptr = self._llama_cpp.llama_get_logits_ith(self.ctx.ctx, index)
+        return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(self.vocab_size,)).copy())
+
+    def prefill(self, slot: int, prompt_ids: list[int]):
+        self.ctx.kv_cache_seq_rm(slot, 0, -1)  # the slot's old sequence, if any, is gone
+        n = len(prompt_ids)
+        self._run([(t, i, slot, i == n - 1) for i, t in enumerate(prompt_ids)])
+        self._lengths[slot] = n
+        return self._logits(n - 1)
+
+    def decode(self, slots: list[int], tokens: list[int]):
+        import torch
+
+        self._run([(t, self._lengths[s], s, True) for s, t in zip(slots, tokens)])
+        for s in slots:
+            self._lengths[s] += 1
+        return torch.stack([self._logits(i) for i in range(len(slots))])
+
+    def free(self, slot: int) -> None:
+        if self._lengths.pop(slot, None) is not None:
+            self.ctx.kv_cache_seq_rm(slot, 0, -1)
+
+    def cached_tokens(self) -> int:
+        return sum(self._lengths.values())
+
+
+def load_gguf(path: Path, context: int | None, max_batch: int, max_queue: int):
+    """Load a GGUF file; returns (LlamaCppBackend, LlamaCppTokenizer, EngineInfo)."""
+    try:
+        import llama_cpp
+        from llama_cpp import _internals
+    except ImportError as e:
+        raise UserError("serving GGUF needs llama-cpp-python: pip install 'quantserve[quant]'") from e
+
+    llama_cpp.llama_backend_init()
+    gpu = bool(llama_cpp.llama_supports_gpu_offload())
+    model_params = llama_cpp.llama_model_default_params()
+    model_params.n_gpu_layers = -1 if gpu else 0
+    try:
+        model = _internals.LlamaModel(path_model=str(path), params=model_params, verbose=False)
+    except ValueError as e:
+        raise UserError(f"{path}: llama.cpp cannot load this GGUF file ({e})") from e
+    trained = model.n_ctx_train()
+    if context and context > trained:
+        raise UserError(f"--context {context} exceeds the model's trained context of {trained} tokens")
+    context = context or trained
+    if max_batch > llama_cpp.llama_max_parallel_sequences():
+        raise UserError(f"--max-batch {max_batch} exceeds llama.cpp's limit of "
+                        f"{llama_cpp.llama_max_parallel_sequences()} parallel sequences")
+    threads = max(1, min(8, os.cpu_count() or 1))
+    backend = LlamaCppBackend(model, max_batch, context, threads)
+    meta = model.metadata()
+    file_type = _FILE_TYPES.get(int(meta.get("general.file_type", -1)), meta.get("general.file_type"))
+    info = EngineInfo(engine="gguf", model_path=str(path), context_length=context, max_batch=max_batch,
+                      max_queue=max_queue, device="cuda" if gpu else "cpu", dtype=str(file_type),
+                      attention="llama.cpp", quantization=str(file_type),
+                      extra={"gpu_offload": gpu, "llama_cpp_python": llama_cpp.__version__})
+    return backend, LlamaCppTokenizer(model), info

@@ -1,0 +1,120 @@
+"""The `hf` engine's parts: load a transformers checkpoint (fp32/fp16/bf16 or a bitsandbytes
+int8/nf4 output), pick the attention backend, and wrap the tokenizer for the API layer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from server.engine import EngineInfo
+from quantserve.settings import UserError
+
+
+class HFTokenizer:
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        eos = tokenizer.eos_token_id
+        self.eos_token_ids = {eos} if eos is not None else set()
+        self.vocab_size = len(tokenizer)
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.tok(text, add_special_tokens=add_special_tokens).input_ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tok.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        # byte-level BPE tokens map back to raw bytes; others fall back to their UTF-8 text
+        token = self.tok.convert_ids_to_tokens(token_id)
+        decoder = _BYTE_DECODER
+        if token and all(ch in decoder for ch in token):
+            return bytes(decoder[ch] for ch in token)
+        return self.token_text(token_id).encode()
+
+    def render_chat(self, messages: list[dict]) -> str:
+        if not self.tok.chat_template:
+            raise UserError("this model's tokenizer has no chat template: use /v1/completions")
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: printable stand-in character -> byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
+def quantization_of(path: Path) -> str | None:
+    """'int8' / 'nf4' / 'fp4' for a bitsandbytes output folder, else None."""
+    config = json.loads((path / "config.json").read_text())
+    q = config.get("quantization_config")
+    if not q:
+        return None
+    if q.get("load_in_8bit"):
+        return "int8"
+    if q.get("load_in_4bit"):
+        return q.get("bnb_4bit_quant_type", "nf4")
+    return q.get("quant_method", "unknown")
+
+
+def load_hf(path: Path, gpu_profile: str | None, context: int | None, max_batch: int, max_queue: int):
+    """Load model + tokenizer; returns (model, HFTokenizer, EngineInfo)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quantserve.capabilities import apply_profile, detect, torch_dtype
+    from quantserve.modeling import load_tokenizer
+
+    caps = detect(gpu_profile)
+    apply_profile(caps)
+    if not any(path.glob("*.safetensors")):
+        raise UserError(f"{path}: only safetensors checkpoints are served (pickle *.bin files are refused)")
+    quant = quantization_of(path)
+    kwargs = dict(dtype=torch_dtype(caps.dtype), use_safetensors=True)
+    if quant:  # bitsandbytes models are placed by device_map; `.to()` is refused for them
+        kwargs["device_map"] = {"": caps.device}
+    model, attention = None, None
+    # best attention first; fall back when this model or build does not support it
+    for attention in _attention_order(caps.attention):
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation=attention, **kwargs)
+            break
+        except (ImportError, ValueError) as e:
+            last_error = e
+            continue
+        except OSError as e:
+            raise UserError(f"{path}: cannot load checkpoint: {str(e).splitlines()[0]}") from e
+    if model is None:
+        raise UserError(f"{path}: cannot load checkpoint: {last_error}")
+    if not quant:
+        model.to(caps.device)
+    model.eval()
+    torch.set_grad_enabled(False)
+    tokenizer = HFTokenizer(load_tokenizer(path))
+    trained = getattr(model.config, "max_position_embeddings", None) or 2048
+    if context and context > trained:
+        raise UserError(f"--context {context} exceeds the model's trained context of {trained} tokens")
+    info = EngineInfo(engine="hf", model_path=str(path), context_length=context or trained,
+                      max_batch=max_batch, max_queue=max_queue, device=caps.device,
+                      dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
+                      attention=model.config._attn_implementation, quantization=quant,
+                      extra={"gpu_profile": caps.profile, "gpu": caps.gpu_name})
+    return model, tokenizer, info
+
+
+def _attention_order(best: str) -> list[str]:
+    order = ["flash_attention_2", "sdpa", "eager"]
+    return order[order.index(best):] if best in order else order

@@ -1,0 +1,60 @@
+"""Prometheus metrics, named after vLLM's (`vllm:` -> `quantserve:`) so dashboards carry over.
+
+Gauges that describe the engine right now (running, waiting, KV-cache use) are read from
+`engine.stats()` at scrape time; counters and histograms are fed by the serving layer.  Each server
+has its own registry, so two servers in one process (tests) never share numbers.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class _EngineCollector:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        s = self.engine.stats()
+        for name, doc, value in [
+            ("quantserve:num_requests_running", "Requests in the running batch.", s.running),
+            ("quantserve:num_requests_waiting", "Requests waiting in the admission queue.", s.waiting),
+            ("quantserve:kv_cache_usage_perc", "Fraction of KV-cache capacity in use (0-1).", s.kv_usage),
+            ("quantserve:kv_cache_used_tokens", "Tokens held in the KV cache.", s.kv_used_tokens),
+        ]:
+            yield GaugeMetricFamily(name, doc, value=value)
+
+
+class Metrics:
+    def __init__(self, engine):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine))
+        r = self.registry
+        self.prompt_tokens = Counter("quantserve:prompt_tokens", "Prompt tokens processed.", registry=r)
+        self.generation_tokens = Counter("quantserve:generation_tokens", "Tokens generated.", registry=r)
+        self.requests = Counter("quantserve:request_success", "Finished requests by finish reason.",
+                                ["finished_reason"], registry=r)
+        self.rejected = Counter("quantserve:request_rejected", "Requests refused by status code.",
+                                ["status"], registry=r)
+        self.ttft = Histogram("quantserve:time_to_first_token_seconds", "Time to first token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("quantserve:time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("quantserve:e2e_request_latency_seconds", "Request latency.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+
+    def record_choice(self, ttft_s: float | None, latency_s: float, tokens: int, finish_reason: str) -> None:
+        self.generation_tokens.inc(tokens)
+        self.requests.labels(finish_reason).inc()
+        self.e2e.observe(latency_s)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+            if tokens > 1:
+                self.tpot.observe((latency_s - ttft_s) / (tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

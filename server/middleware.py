@@ -1,0 +1,79 @@
+"""ASGI middleware: request body size limit and the optional Bearer API key.
+
+Pure ASGI (not Starlette's BaseHTTPMiddleware) so streaming responses and client-disconnect
+detection pass through untouched.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from server.errors import error_body
+
+# Paths anyone may read: probes and scrapers usually carry no key.
+OPEN_PATHS = ("/health", "/metrics")
+
+
+async def _send_error(send, status: int, message: str, code: str, headers: list | None = None) -> None:
+    body = json.dumps(error_body(status, message, code=code)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())] + (headers or [])})
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyLimitMiddleware:
+    """Refuse bodies over `max_bytes` with 413, whether or not they announce a Content-Length."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        too_big = f"request body exceeds the limit of {self.max_bytes} bytes"
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await _send_error(send, 413, too_big, "request_too_large")
+        # read the body here, counting, then replay it to the app
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await _send_error(send, 413, too_big, "request_too_large")
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # afterwards: the real channel, so disconnects are seen
+
+        return await self.app(scope, replay, send)
+
+
+class APIKeyMiddleware:
+    """`Authorization: Bearer <key>` on everything but the open paths; constant-time comparison."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers") or []).get(b"authorization", b"")
+        if not hmac.compare_digest(given, self._expected):
+            # never echo or log what was sent
+            return await _send_error(send, 401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
+                                     "invalid_api_key", [(b"www-authenticate", b"Bearer")])
+        return await self.app(scope, receive, send)

@@ -1,0 +1,172 @@
+"""Continuous batching: one thread owns the model and runs the batch one token at a time.
+
+Each iteration, at a token boundary: drop cancelled requests (their slot and KV memory are freed
+at once), admit waiting requests into free slots (prefill + their first token), then run one
+batched decode step for every running sequence, each sampled with its own parameters.  Finished
+sequences leave the batch before the next step, so a request arriving mid-batch starts after at
+most one step plus its own prefill, not after the batch ends.
+
+The scheduler is the same for every engine; only the `DecodeBackend` differs.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass
+
+from server.backend import DecodeBackend
+from server.engine import (EngineClosedError, EngineRequest, EngineStats, QueueFullError,
+                           TokenEvent, TokenStream, TopLogprob)
+from server.sampling import SequenceSampler
+
+
+@dataclass
+class _Running:
+    stream: TokenStream
+    slot: int
+    sampler: SequenceSampler
+    last_token: int
+    generated: int
+    submitted_at: float
+
+
+class Scheduler:
+    def __init__(self, backend: DecodeBackend, eos_token_ids: set[int], max_batch: int, max_queue: int,
+                 log=None):
+        self.backend = backend
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self._log = log or (lambda msg: None)
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[tuple[TokenStream, float]] = collections.deque()
+        self._running: dict[int, _Running] = {}  # request id -> state
+        self._cancelled: set[int] = set()
+        self._free_slots = list(range(max_batch - 1, -1, -1))
+        self._closing = False
+        self._deadline: float | None = None
+        self._thread = threading.Thread(target=self._loop, name="quantserve-scheduler", daemon=True)
+        self._thread.start()
+
+    # ---- called from the event loop -------------------------------------------------------------
+
+    def submit(self, stream: TokenStream) -> None:
+        with self._cond:
+            if self._closing:
+                raise EngineClosedError("the server is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFullError(f"the request queue is full ({self.max_queue} waiting, "
+                                     f"{len(self._running)} running)")
+            self._waiting.append((stream, time.perf_counter()))
+            self._cond.notify()
+
+    def cancel(self, request_id: int) -> None:
+        with self._cond:
+            self._cancelled.add(request_id)
+            self._cond.notify()
+
+    def stats(self) -> EngineStats:
+        with self._cond:
+            running, waiting = len(self._running), len(self._waiting)
+        return EngineStats(running=running, waiting=waiting, kv_used_tokens=self.backend.cached_tokens(),
+                           kv_capacity_tokens=self.backend.kv_capacity_tokens)
+
+    def shutdown(self, grace_s: float) -> None:
+        """Stop admitting; let queued and running work finish for `grace_s`, then cancel the rest."""
+        with self._cond:
+            self._closing = True
+            self._deadline = time.perf_counter() + grace_s
+            self._cond.notify()
+        self._thread.join(grace_s + 30)
+
+    # ---- the scheduler thread -------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._running or self._waiting or self._closing):
+                    self._cond.wait()
+                self._drop_cancelled()
+                if self._closing and self._deadline is not None and time.perf_counter() >= self._deadline:
+                    self._cancel_everything()
+                if self._closing and not (self._running or self._waiting):
+                    return
+                admitted = []
+                while self._waiting and self._free_slots:
+                    admitted.append((*self._waiting.popleft(), self._free_slots.pop()))
+            for stream, submitted_at, slot in admitted:
+                self._prefill(stream, submitted_at, slot)
+            if self._running:
+                self._decode_step()
+
+    def _drop_cancelled(self) -> None:
+        if not self._cancelled:
+            return
+        for stream, t in list(self._waiting):
+            if stream.request.request_id in self._cancelled:
+                self._waiting.remove((stream, t))
+                stream.push(TokenEvent(None, finish_reason="cancelled"))
+        for rid in list(self._running):
+            if rid in self._cancelled:
+                self._finish(self._running[rid], TokenEvent(None, finish_reason="cancelled"))
+        self._cancelled.clear()
+
+    def _cancel_everything(self) -> None:
+        for stream, _ in self._waiting:
+            stream.push(TokenEvent(None, finish_reason="cancelled"))
+        self._waiting.clear()
+        for seq in list(self._running.values()):
+            self._finish(seq, TokenEvent(None, finish_reason="cancelled"))
+
+    def _finish(self, seq: _Running, event: TokenEvent) -> None:
+        """Remove a sequence from the batch, free its KV memory, and end its stream."""
+        self._running.pop(seq.stream.request.request_id, None)
+        self.backend.free(seq.slot)
+        with self._cond:
+            self._free_slots.append(seq.slot)
+        event.elapsed_s = time.perf_counter() - seq.submitted_at
+        seq.stream.push(event)
+
+    def _prefill(self, stream: TokenStream, submitted_at: float, slot: int) -> None:
+        req = stream.request
+        seq = _Running(stream, slot, SequenceSampler(req.params, req.prompt_ids, self.backend.vocab_size),
+                       last_token=-1, generated=0, submitted_at=submitted_at)
+        self._running[req.request_id] = seq
+        try:
+            logits = self.backend.prefill(slot, req.prompt_ids)
+        except Exception as e:  # a failed prompt must not take the server down
+            self._log(f"prefill failed: {type(e).__name__}: {e}")
+            self._finish(seq, TokenEvent(None, finish_reason="error", error=f"{type(e).__name__}: {e}"))
+            return
+        self._emit(seq, logits)
+
+    def _decode_step(self) -> None:
+        batch = list(self._running.values())
+        try:
+            logits = self.backend.decode([s.slot for s in batch], [s.last_token for s in batch])
+        except Exception as e:
+            self._log(f"decode step failed: {type(e).__name__}: {e}")
+            for seq in batch:
+                self._finish(seq, TokenEvent(None, finish_reason="error", error=f"{type(e).__name__}: {e}"))
+            return
+        for row, seq in enumerate(batch):
+            self._emit(seq, logits[row])
+
+    def _emit(self, seq: _Running, logits) -> None:
+        """Sample one token for `seq`, send it, and retire the sequence if it is done."""
+        params = seq.stream.request.params
+        token, logprob, top = seq.sampler.sample(logits)
+        seq.generated += 1
+        seq.last_token = token
+        event = TokenEvent(token, logprob, [TopLogprob(t, lp) for t, lp in top] if top is not None else None)
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            event.finish_reason = "stop"
+        elif seq.generated >= params.max_tokens:
+            event.finish_reason = "length"
+        if event.finish_reason:
+            self._finish(seq, event)
+        else:
+            event.elapsed_s = time.perf_counter() - seq.submitted_at
+            seq.stream.push(event)

@@ -1,0 +1,196 @@
+"""Serving logic shared by completions and chat: validate, turn a request into engine requests,
+and run their token streams into choices (merged for streaming, collected otherwise).
+
+Routes live in `api_server.py`; the two endpoint-specific shapes live in `serving_completions.py`
+and `serving_chat.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from server.engine import EngineClosedError, EngineRequest, QueueFullError, TokenStream
+from server.errors import APIError
+from server.metrics import Metrics
+from server.protocol import _SamplingFields
+from server.sampling import SamplingParams
+from server.textstream import ChoiceText, Delta
+
+log = logging.getLogger("quantserve.server")
+
+
+@dataclass
+class ServerState:
+    engine: object  # an Engine
+    model_name: str
+    metrics: Metrics
+    max_logprobs: int = 20
+    retry_after_s: int = 1
+
+
+@dataclass
+class Job:
+    """All engine streams of one API request: one per (prompt, n) pair, in choice order."""
+
+    streams: list[TokenStream]
+    choices: list[ChoiceText]
+    prompt_tokens: int
+    started: float = field(default_factory=time.perf_counter)
+
+    def cancel(self) -> None:
+        for s in self.streams:
+            s.cancel()
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens for c in self.choices)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_model(state: ServerState, name: str) -> None:
+    if name != state.model_name:
+        raise APIError(404, f"The model '{name}' does not exist; this server serves '{state.model_name}'.",
+                       param="model", code="model_not_found")
+
+
+def sampling_params(state: ServerState, req: _SamplingFields, prompt_len: int, max_tokens: int | None,
+                    logprobs: int | None, param: str, choice_index: int) -> SamplingParams:
+    context = state.engine.info.context_length
+    if max_tokens is None:
+        max_tokens = context - prompt_len
+        if max_tokens < 1:
+            raise APIError(400, f"This model's maximum context length is {context} tokens. However, your "
+                           f"{param} is {prompt_len} tokens, leaving no room for a completion.",
+                           param=param, code="context_length_exceeded")
+    if prompt_len + max_tokens > context:
+        raise APIError(400, f"This model's maximum context length is {context} tokens. However, you "
+                       f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the {param}, "
+                       f"{max_tokens} in the completion). Please reduce the length of the {param} or "
+                       "the completion.", param=param, code="context_length_exceeded")
+    if logprobs is not None and logprobs > state.max_logprobs:
+        raise APIError(400, f"at most {state.max_logprobs} top logprobs are returned (asked for {logprobs})",
+                       param="logprobs")
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
+        seed=None if req.seed is None else req.seed + choice_index,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty, logprobs=logprobs, ignore_eos=req.ignore_eos)
+
+
+def start_job(state: ServerState, req: _SamplingFields, prompts: list[list[int]], max_tokens: int | None,
+              logprobs: int | None, param: str) -> Job:
+    """Validate everything first, then submit all choices; a refused submit withdraws the others."""
+    engine = state.engine
+    vocab = engine.tokenizer.vocab_size
+    planned = []
+    for prompt in prompts:
+        if not prompt:
+            raise APIError(400, f"the {param} is empty", param=param)
+        if any(not 0 <= t < vocab for t in prompt):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param=param)
+        for j in range(req.n):
+            planned.append((prompt, sampling_params(state, req, len(prompt), max_tokens, logprobs, param,
+                                                    len(planned))))
+    streams, choices = [], []
+    try:
+        for prompt, params in planned:
+            streams.append(engine.submit(EngineRequest(prompt, params)))
+            choices.append(ChoiceText(engine.tokenizer, prompt, req.stop_list(), logprobs is not None))
+    except QueueFullError as e:
+        for s in streams:
+            s.cancel()
+        state.metrics.rejected.labels("429").inc()
+        raise APIError(429, f"Server busy: {e}. Retry later.", code="queue_full",
+                       headers={"Retry-After": str(state.retry_after_s)}) from e
+    except EngineClosedError as e:
+        for s in streams:
+            s.cancel()
+        raise APIError(503, str(e), code="shutting_down") from e
+    state.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
+    return Job(streams, choices, prompt_tokens=sum(len(p) for p in prompts))
+
+
+async def run_job(state: ServerState, job: Job) -> AsyncIterator[tuple[int, Delta]]:
+    """Yield (choice index, delta) as tokens arrive from all the job's streams, interleaved.
+
+    Closing this generator early (client gone, error) cancels every unfinished stream, which frees
+    its slot and KV memory in the engine at the next token boundary.
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        try:
+            await _pump(i)
+        except Exception as e:  # never leave the request hanging: end the choice with an error
+            log.exception("choice %d failed", i)
+            choice = job.choices[i]
+            choice.finish_reason, choice.error = "error", f"{type(e).__name__}: {e}"
+            job.streams[i].cancel()
+            await queue.put((i, Delta("", [], "error")))
+        await queue.put((i, None))
+
+    async def _pump(i: int) -> None:
+        stream, choice = job.streams[i], job.choices[i]
+        first = None
+        async for event in stream:
+            delta = choice.push(event)
+            if first is None and event.token_id is not None:
+                first = time.perf_counter() - job.started
+            if delta.text or delta.logprobs or delta.finish_reason:
+                await queue.put((i, delta))
+            if delta.finish_reason:
+                stream.cancel()  # a stop string ends the choice before the engine would
+                state.metrics.record_choice(first, time.perf_counter() - job.started,
+                                            choice.completion_tokens, delta.finish_reason)
+                break
+
+    tasks = [asyncio.ensure_future(pump(i)) for i in range(len(job.streams))]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, delta = await queue.get()
+            if delta is None:
+                remaining -= 1
+                continue
+            yield i, delta
+    finally:
+        job.cancel()
+        for t in tasks:
+            t.cancel()
+
+
+async def collect(state: ServerState, job: Job) -> None:
+    """Run a job to the end (non-streaming); each ChoiceText then holds its full text."""
+    async for _ in run_job(state, job):
+        pass
+    raise_if_failed(job)
+
+
+def raise_if_failed(job: Job) -> None:
+    for c in job.choices:
+        if c.finish_reason == "error":
+            raise APIError(500, f"generation failed: {c.error}", code="engine_error")
+
+
+async def until_disconnected(request, coro, poll_s: float = 0.25):
+    """Await `coro`, but cancel it if the HTTP client goes away first (non-streaming requests)."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise APIError(499, "client disconnected", code="client_closed_request")
+    finally:
+        if not task.done():
+            task.cancel()

@@ -1,0 +1,84 @@
+"""`/v1/chat/completions`: messages rendered with the tokenizer's chat template."""
+
+from __future__ import annotations
+
+import json
+from typing import AsyncIterator
+
+from server.errors import APIError, error_body
+from server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
+                             ChatCompletionChunk, ChatCompletionRequest, ChoiceLogprobs, DeltaMessage,
+                             TokenLogprobOut, TopLogprobOut, Usage)
+from server.serving import (Job, ServerState, check_model, collect, new_id, run_job, start_job,
+                            until_disconnected)
+from server.textstream import LogprobEntry
+from quantserve.settings import UserError
+
+
+def render_prompt(state: ServerState, messages) -> list[int]:
+    tok = state.engine.tokenizer
+    try:
+        text = tok.render_chat([{"role": m.role, "content": m.text()} for m in messages])
+    except UserError as e:
+        raise APIError(400, str(e), param="messages") from e
+    except Exception as e:  # template errors (e.g. roles the template refuses) are the caller's
+        raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
+    # the rendered text already holds BOS and the special tokens: no second BOS
+    return tok.encode(text, add_special_tokens=False)
+
+
+def _logprobs_out(entries: list[LogprobEntry]) -> ChoiceLogprobs:
+    return ChoiceLogprobs(content=[
+        TokenLogprobOut(token=e.token, logprob=e.logprob, bytes=e.token_bytes,
+                        top_logprobs=[TopLogprobOut(token=t, logprob=lp, bytes=b) for t, b, lp in e.top])
+        for e in entries])
+
+
+def prepare(state: ServerState, req: ChatCompletionRequest) -> Job:
+    check_model(state, req.model)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    prompt = render_prompt(state, req.messages)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return start_job(state, req, [prompt], max_tokens, logprobs, "messages")
+
+
+async def complete(state: ServerState, req: ChatCompletionRequest, request) -> ChatCompletion:
+    job = prepare(state, req)
+    await until_disconnected(request, collect(state, job))
+    choices = [ChatChoice(index=i, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
+                          logprobs=_logprobs_out(c.all_logprobs) if req.logprobs else None)
+               for i, c in enumerate(job.choices)]
+    usage = Usage(prompt_tokens=job.prompt_tokens, completion_tokens=job.completion_tokens,
+                  total_tokens=job.prompt_tokens + job.completion_tokens)
+    return ChatCompletion(id=new_id("chatcmpl"), model=state.model_name, choices=choices, usage=usage)
+
+
+async def stream(state: ServerState, req: ChatCompletionRequest, job: Job) -> AsyncIterator[str]:
+    cid = new_id("chatcmpl")
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def chunk(choices, usage=None) -> str:
+        c = ChatCompletionChunk(id=cid, model=state.model_name, choices=choices, usage=usage)
+        return f"data: {c.model_dump_json()}\n\n"
+
+    try:
+        # OpenAI opens every choice with a role-only delta
+        for i in range(len(job.choices)):
+            yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+        async for i, delta in run_job(state, job):
+            if delta.finish_reason == "error":
+                yield f"data: {json.dumps(error_body(500, 'generation failed: ' + str(job.choices[i].error)))}\n\n"
+                continue
+            lp = _logprobs_out(delta.logprobs) if req.logprobs and delta.logprobs else None
+            content = delta.text if delta.text else None
+            yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=content), logprobs=lp,
+                                         finish_reason=delta.finish_reason)])
+        if include_usage:
+            usage = Usage(prompt_tokens=job.prompt_tokens, completion_tokens=job.completion_tokens,
+                          total_tokens=job.prompt_tokens + job.completion_tokens)
+            yield chunk([], usage)
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancel()

@@ -1,0 +1,99 @@
+"""`/v1/completions`: raw prompts (text or token ids, one or a list), the legacy response shape."""
+
+from __future__ import annotations
+
+import json
+from typing import AsyncIterator
+
+from server.errors import APIError, error_body
+from server.protocol import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, Usage
+from server.serving import (Job, ServerState, check_model, collect, new_id, run_job, start_job,
+                            until_disconnected)
+from server.textstream import LogprobEntry
+
+DEFAULT_MAX_TOKENS = 16  # the OpenAI completions default
+
+
+def _prompts(state: ServerState, req: CompletionRequest) -> tuple[list[list[int]], list[str]]:
+    """Token ids and text of every prompt in the request."""
+    tok = state.engine.tokenizer
+    p = req.prompt
+    if isinstance(p, str):
+        texts = [p]
+    elif p and all(isinstance(x, int) for x in p):
+        return [list(p)], [tok.decode(list(p))]
+    elif p and all(isinstance(x, list) for x in p):
+        return [list(x) for x in p], [tok.decode(list(x)) for x in p]
+    elif p and all(isinstance(x, str) for x in p):
+        texts = list(p)
+    else:
+        raise APIError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
+    return [tok.encode(t, add_special_tokens=True) for t in texts], texts
+
+
+def _legacy_logprobs(entries: list[LogprobEntry], offset: int) -> CompletionLogprobs:
+    out = CompletionLogprobs()
+    for e in entries:
+        out.text_offset.append(offset)
+        offset += len(e.token)
+        out.tokens.append(e.token)
+        out.token_logprobs.append(e.logprob)
+        out.top_logprobs.append({t: lp for t, _, lp in e.top} if e.top else None)
+    return out
+
+
+def prepare(state: ServerState, req: CompletionRequest) -> tuple[Job, list[str]]:
+    check_model(state, req.model)
+    if req.suffix:
+        raise APIError(400, "suffix (fill-in-the-middle) is not supported by this server", param="suffix")
+    if req.echo and req.logprobs is not None:
+        raise APIError(400, "echo with logprobs is not supported by this server", param="echo")
+    prompts, texts = _prompts(state, req)
+    max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS
+    job = start_job(state, req, prompts, max_tokens, req.logprobs, "prompt")
+    return job, texts
+
+
+async def complete(state: ServerState, req: CompletionRequest, request) -> Completion:
+    job, texts = prepare(state, req)
+    await until_disconnected(request, collect(state, job))
+    choices = []
+    for i, c in enumerate(job.choices):
+        prefix = texts[i // req.n] if req.echo else ""
+        entries = c.all_logprobs
+        choices.append(CompletionChoice(index=i, text=prefix + c.text, finish_reason=c.finish_reason,
+                                        logprobs=_legacy_logprobs(entries, 0) if req.logprobs is not None else None))
+    usage = Usage(prompt_tokens=job.prompt_tokens, completion_tokens=job.completion_tokens,
+                  total_tokens=job.prompt_tokens + job.completion_tokens)
+    return Completion(id=new_id("cmpl"), model=state.model_name, choices=choices, usage=usage)
+
+
+async def stream(state: ServerState, req: CompletionRequest, job: Job, texts: list[str]) -> AsyncIterator[str]:
+    cid = new_id("cmpl")
+    offsets = [0] * len(job.choices)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    try:
+        if req.echo:
+            for i in range(len(job.choices)):
+                yield _sse(Completion(id=cid, model=state.model_name,
+                                      choices=[CompletionChoice(index=i, text=texts[i // req.n])]))
+        async for i, delta in run_job(state, job):
+            lp = _legacy_logprobs(delta.logprobs, offsets[i]) if req.logprobs is not None else None
+            offsets[i] += len(delta.text)
+            if delta.finish_reason == "error":
+                yield f"data: {json.dumps(error_body(500, 'generation failed: ' + str(job.choices[i].error)))}\n\n"
+                continue
+            chunk = Completion(id=cid, model=state.model_name, choices=[
+                CompletionChoice(index=i, text=delta.text, logprobs=lp, finish_reason=delta.finish_reason)])
+            yield _sse(chunk)
+        if include_usage:
+            usage = Usage(prompt_tokens=job.prompt_tokens, completion_tokens=job.completion_tokens,
+                          total_tokens=job.prompt_tokens + job.completion_tokens)
+            yield _sse(Completion(id=cid, model=state.model_name, choices=[], usage=usage))
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancel()
+
+
+def _sse(model) -> str:
+    return f"data: {model.model_dump_json()}\n\n"

@@ -1,0 +1,135 @@
+"""From generated token ids to the text a client sees: incremental detokenization and stop strings.
+
+- Decoding token by token breaks multi-byte characters (U+FFFD halves); `IncrementalDetokenizer`
+  decodes a small window and releases text only once it no longer ends in U+FFFD (vLLM's method).
+- Stop strings are never emitted, even when split across tokens: `StopMatcher` holds back the
+  longest tail of the text that could still become a stop string, and cuts at the first match.
+- `ChoiceText` ties both together for one choice and pairs each released piece of text with the
+  logprob entries of the tokens that produced it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from server.engine import ModelTokenizer, TokenEvent
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: ModelTokenizer, prompt_ids: list[int]):
+        self._decode = tokenizer.decode
+        # a few prompt tokens as context, so the first generated token decodes as it would in place
+        self._ids = list(prompt_ids[-4:])
+        self._prefix = 0
+        self._read = len(self._ids)
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        before = self._decode(self._ids[self._prefix:self._read])
+        after = self._decode(self._ids[self._prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self._ids)
+            return after[len(before):]
+        return ""
+
+    def flush(self) -> str:
+        """Text still held back at the end (an incomplete character stays as U+FFFD)."""
+        before = self._decode(self._ids[self._prefix:self._read])
+        after = self._decode(self._ids[self._prefix:])
+        self._prefix = self._read = len(self._ids)
+        return after[len(before):]
+
+
+class StopMatcher:
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self._pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """(text safe to emit now, whether a stop string was reached)."""
+        if not self.stops:
+            return text, False
+        buf = self._pending + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self._pending = ""
+            return buf[:min(hits)], True
+        hold = self._held_tail(buf)
+        self._pending = buf[len(buf) - hold:]
+        return buf[:len(buf) - hold], False
+
+    def flush(self) -> str:
+        text, self._pending = self._pending, ""
+        return text
+
+    def _held_tail(self, buf: str) -> int:
+        """Length of the longest suffix of `buf` that is a proper prefix of some stop string."""
+        for n in range(min(len(buf), max(len(s) for s in self.stops) - 1), 0, -1):
+            tail = buf[-n:]
+            if any(s.startswith(tail) for s in self.stops):
+                return n
+        return 0
+
+
+@dataclass
+class LogprobEntry:
+    token: str
+    token_bytes: list[int]
+    logprob: float
+    top: list[tuple[str, list[int], float]]
+
+
+@dataclass
+class Delta:
+    text: str
+    logprobs: list[LogprobEntry] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class ChoiceText:
+    """One choice's text as it grows; `push(event)` returns what to send for that event."""
+
+    def __init__(self, tokenizer: ModelTokenizer, prompt_ids: list[int], stop: list[str], want_logprobs: bool):
+        self.tokenizer = tokenizer
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.stop = StopMatcher(stop)
+        self.want_logprobs = want_logprobs
+        self.completion_tokens = 0
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.all_logprobs: list[LogprobEntry] = []  # every released entry, for non-streaming replies
+        self._waiting_logprobs: list[LogprobEntry] = []  # tokens whose text is not released yet
+
+    def push(self, event: TokenEvent) -> Delta:
+        text = ""
+        if event.token_id is not None:
+            self.completion_tokens += 1
+            is_end_token = event.finish_reason == "stop"  # eos / stop token ids are not text
+            if not is_end_token:
+                text = self.detok.push(event.token_id)
+                if self.want_logprobs:
+                    self._waiting_logprobs.append(self._entry(event))
+        if event.finish_reason is not None:
+            text += self.detok.flush()
+        out, hit = self.stop.push(text)
+        if hit:
+            self.finish_reason = "stop"
+        elif event.finish_reason is not None:
+            out += self.stop.flush()
+            # the engine's "cancelled" (shutdown) is vLLM's "abort"; "error" is turned into an error reply
+            self.finish_reason = {"cancelled": "abort"}.get(event.finish_reason, event.finish_reason)
+            self.error = event.error
+        logprobs = []
+        if out or self.finish_reason:
+            logprobs, self._waiting_logprobs = self._waiting_logprobs, []
+        self.text += out
+        self.all_logprobs += logprobs
+        return Delta(out, logprobs, self.finish_reason)
+
+    def _entry(self, event: TokenEvent) -> LogprobEntry:
+        tok = self.tokenizer
+        top = [(tok.token_text(t.token_id), list(tok.token_bytes(t.token_id)), t.logprob)
+               for t in (event.top_logprobs or [])]
+        return LogprobEntry(tok.token_text(event.token_id), list(tok.token_bytes(event.token_id)),
+                            event.logprob, top)
