@@ -1,0 +1,23 @@
+"""Shared fixtures: the real default model (built once, cached like `make run` caches it)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Tests never reach a model hub: everything they load is built here.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Path:
+    """Folder of the embedded default checkpoint (built on first use, then reused)."""
+    from quantserve.default_model import build_default_model
+
+    return build_default_model(progress=False)

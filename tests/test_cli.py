@@ -1,0 +1,88 @@
+"""The `quantserve` command line: fast help, `info`, and one clear line for every bad input."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO
+
+
+def cli(*args, env=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "quantserve", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def assert_one_line_error(proc, code, *needles):
+    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_help_is_fast_and_imports_no_heavy_library():
+    code = ("import sys, time; t=time.time(); from quantserve.cli import app; "
+            "import typer.main; typer.main.get_command(app); "
+            "heavy=[m for m in ('torch','transformers','deepspeed','llama_cpp','bitsandbytes') if m in sys.modules]; "
+            "print(time.time()-t, heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO).stdout.split(" ", 1)
+    assert float(out[0]) < 1.0 and out[1].strip() == "[]", out
+    t = time.time()
+    proc = cli("--help")
+    assert proc.returncode == 0 and "info" in proc.stdout
+    assert time.time() - t < 5  # includes interpreter start-up
+
+
+def test_unknown_subcommand_and_option():
+    assert_one_line_error(cli("frobnicate"), 2, "frobnicate")
+    assert_one_line_error(cli("info", "--no-such-flag"), 2, "--no-such-flag")
+
+
+def test_info_json_reports_the_environment():
+    proc = cli("info", "--json")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    import torch
+
+    assert info["torch_version"] == torch.__version__
+    assert info["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert info["profile"] == "native"
+    assert info["attention"] in ("flash_attention_2", "sdpa", "eager")
+    assert set(info["packages"]) >= {"liger_kernel", "bitsandbytes", "deepspeed", "llama_cpp"}
+    if info["device"] == "cpu":
+        assert info["dtype"] == "float32" and info["liger"] is False
+
+
+def test_info_table_and_t4_profile():
+    proc = cli("info", "--gpu-profile", "t4")
+    assert proc.returncode == 0 and "t4" in proc.stdout and "attention" in proc.stdout
+    assert_one_line_error(cli("info", "--gpu-profile", "a100"), 1, "unknown GPU profile")
+    assert_one_line_error(cli("info", env={"QUANTSERVE_GPU_PROFILE": "h100"}), 1, "unknown GPU profile")
+
+
+def test_model_that_is_not_a_checkpoint(tmp_path):
+    assert_one_line_error(cli("generate", "hi", "--model", str(tmp_path / "missing")), 1, "no such file")
+    assert_one_line_error(cli("generate", "hi", "--model", str(tmp_path)), 1, "no config.json")
+    (tmp_path / "config.json").write_text("{}")
+    assert_one_line_error(cli("generate", "hi", "--model", str(tmp_path)), 1, "no weight files")
+    f = tmp_path / "weights.safetensors"
+    f.write_text("junk")
+    assert_one_line_error(cli("generate", "hi", "--model", str(f)), 1, "not a checkpoint folder")
+
+
+def test_unwritable_cache_folder(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    proc = cli("default-model", "--quiet", env={"QUANTSERVE_HOME": str(blocker / "cache")})
+    assert_one_line_error(proc, 1, "cannot create cache folder")
+
+
+def test_generate_from_the_default_model(default_model):
+    proc = cli("generate", "Sort: [d,a,c,b]", "--model", str(default_model))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[a,b,c,d]"

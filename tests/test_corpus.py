@@ -1,0 +1,69 @@
+"""The default corpus generator: deterministic, split by prompt, task kept out of pretraining."""
+
+import pytest
+
+from quantserve import corpus
+
+
+def test_same_seed_same_examples_other_seed_other_examples():
+    a = corpus.pretrain_examples(200, seed=3)
+    assert a == corpus.pretrain_examples(200, seed=3)
+    assert a != corpus.pretrain_examples(200, seed=4)
+
+
+def test_every_pretrain_skill_is_drawn_and_the_task_is_not():
+    skills = {e.skill for e in corpus.pretrain_examples(700)}
+    assert skills == set(corpus.PRETRAIN_SKILLS)
+    assert corpus.TASK_SKILL not in skills
+
+
+def test_heldout_prompts_never_appear_in_train():
+    train = {e.prompt for e in corpus.task_examples(3000, "train")}
+    heldout = {e.prompt for e in corpus.task_examples(200, "heldout")}
+    assert len(heldout) > 150  # mostly distinct prompts
+    assert not train & heldout
+    assert all(corpus.is_heldout(p) for p in heldout)
+
+
+@pytest.mark.parametrize("skill", sorted(corpus.SKILLS))
+def test_answers_are_correct_for_each_skill(skill):
+    for ex in corpus.examples([skill], 50, seed=1):
+        if skill == "reverse":
+            assert ex.answer.split() == ex.prompt.split(": ")[1].split()[::-1]
+            assert ex.answer != ex.prompt.split(": ")[1]  # never a palindrome
+        elif skill == "sort":
+            assert ex.answer.split() == sorted(ex.prompt.split(": ")[1].split())
+        elif skill == "add":
+            a, b = ex.prompt.removeprefix("What is ").removesuffix("?").split(" + ")
+            assert int(ex.answer) == int(a) + int(b)
+        elif skill == "copy":
+            assert ex.answer == ex.prompt.split(": ")[1]
+        elif skill == "count":
+            assert int(ex.answer) == len(ex.prompt.split(": ")[1].split())
+
+
+def test_memorised_skills_have_no_heldout_split():
+    with pytest.raises(ValueError, match="no held-out split"):
+        corpus.examples(["capital"], 5, 0, "heldout")
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="unknown skill"):
+        corpus.examples(["juggling"], 5, 0)
+    with pytest.raises(ValueError, match="split"):
+        corpus.examples(["copy"], 5, 0, "test")
+
+
+def test_exact_match():
+    assert corpus.exact_match(["a b", " c "], ["a b", "c"]) == 1.0
+    assert corpus.exact_match(["a b", "c"], ["b a", "c"]) == 0.5
+    with pytest.raises(ValueError):
+        corpus.exact_match(["a"], [])
+
+
+def test_default_data_files_round_trip(tmp_path):
+    files = corpus.write_default_data(tmp_path, n_task_train=50, n_task_heldout=20, n_heldout_text=30)
+    train = corpus.read_examples(files["task_train"])
+    assert len(train) == 50 and all(e.prompt.startswith("Reverse: ") for e in train)
+    assert len(corpus.read_examples(files["task_heldout"])) == 20
+    assert len(corpus.read_examples(files["heldout_text"])) == 30
