@@ -50,9 +50,9 @@ def write_bnb(ckpt: Checkpoint, out_dir: Path, fmt: str, progress: bool = False)
         model = AutoModelForCausalLM.from_pretrained(
             str(ckpt.path), quantization_config=quantization_config(fmt), device_map=_device(),
             dtype=torch.float16 if torch.cuda.is_available() else torch.float32)
+        model.save_pretrained(out_dir, safe_serialization=True)
     finally:
         hf_logging.enable_progress_bar()
-    model.save_pretrained(out_dir, safe_serialization=True)
     load_tokenizer(ckpt.path).save_pretrained(out_dir)
     linear = [m for m in model.modules() if type(m).__name__ in ("Linear8bitLt", "Linear4bit")]
     n_tensors = sum(1 for _ in model.state_dict())
@@ -63,9 +63,13 @@ def write_bnb(ckpt: Checkpoint, out_dir: Path, fmt: str, progress: bool = False)
 
 def load_bnb(folder: Path):
     """Reload a saved bitsandbytes model (quantized weights as saved) in eval mode."""
+    import logging
+
     import torch
     from transformers import AutoModelForCausalLM
 
+    # LLM.int8 on the CPU logs "inputs will be cast ... to float16" on every matmul call.
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     model = AutoModelForCausalLM.from_pretrained(str(folder), device_map=_device())
     model.eval()
     torch.set_grad_enabled(False)

@@ -44,8 +44,14 @@ def check_format(fmt: str) -> str:
     return fmt
 
 
+def _is_disk_error(e: OSError) -> bool:
+    # numpy's tofile reports a short write as a bare OSError("N requested and M written")
+    return (e.errno in _DISK_FULL or e.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
+            or (e.errno is None and "requested and" in str(e) and "written" in str(e)))
+
+
 def _disk_error(e: OSError, target: Path) -> UserError:
-    if e.errno in _DISK_FULL:
+    if e.errno in _DISK_FULL or e.errno is None:
         why = "no space left on the device (or file size limit reached)"
     elif e.errno == errno.EROFS:
         why = "the file system is read-only"
@@ -79,7 +85,7 @@ def staging(out: Path, force: bool):
         else:
             tmp.rename(out)
     except OSError as e:
-        if e.errno in _DISK_FULL or e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        if _is_disk_error(e):
             raise _disk_error(e, out) from e
         raise
     finally:

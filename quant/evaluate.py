@@ -143,26 +143,46 @@ def _quantized_kind(quantized: Path) -> tuple[str, Path, dict | None]:
     raise UserError(f"{quantized}: neither a quant output folder, a GGUF file nor a checkpoint")
 
 
-def evaluate(src: Path, quantized: Path, text_file: Path | None = None) -> dict:
-    """Score `quantized` against its source; store the row in the quantized folder's manifest."""
+# The source's logits for the last text scored: `quant table` scores many outputs of one source.
+_SOURCE_CACHE: dict[tuple, tuple] = {}
+
+
+def _source_logits(src: Path, text_file: Path | None):
+    """(windows, logits, label, weight bytes) of the fp32 source on the held-out text."""
     from quantserve.modeling import load_model, load_tokenizer
 
-    kind, target, manifest = _quantized_kind(Path(quantized))
     with tempfile.TemporaryDirectory(prefix="quant-eval-") as tmp:
         ckpt = open_checkpoint(Path(src), merge_dir=Path(tmp) / "merged")
-        tokenizer = load_tokenizer(ckpt.path)
-        docs, text_label = heldout_documents(text_file, tokenizer)
-        windows = token_windows(tokenizer, docs)
-        src_logits = transformers_logits(load_model(ckpt.path), windows)
-        source_bytes = sum(f.stat().st_size for f in ckpt.weight_files)
-    if kind == "gguf":
-        q_logits = gguf_logits(target, windows)
-        size = target.stat().st_size
-    else:
-        from quant.bnb import load_bnb
+        text_key = (str(text_file), Path(text_file).stat().st_mtime_ns) if text_file and Path(text_file).is_file() else None
+        key = (tuple(sorted(ckpt.source_files.items())), text_key)
+        if key not in _SOURCE_CACHE:
+            tokenizer = load_tokenizer(ckpt.path)
+            docs, label = heldout_documents(text_file, tokenizer)
+            windows = token_windows(tokenizer, docs)
+            logits = transformers_logits(load_model(ckpt.path), windows)
+            _SOURCE_CACHE.clear()
+            _SOURCE_CACHE[key] = (windows, logits, label, sum(f.stat().st_size for f in ckpt.weight_files))
+        return _SOURCE_CACHE[key]
 
-        q_logits = transformers_logits(load_bnb(target), windows)
-        size = sum(f.stat().st_size for f in target.glob("*.safetensors"))
+
+def evaluate(src: Path, quantized: Path, text_file: Path | None = None) -> dict:
+    """Score `quantized` against its source; store the row in the quantized folder's manifest."""
+    from transformers.utils import logging as hf_logging
+
+    kind, target, manifest = _quantized_kind(Path(quantized))
+    hf_logging.disable_progress_bar()  # weight-loading bars: noise around a one-line result
+    try:
+        windows, src_logits, text_label, source_bytes = _source_logits(Path(src), text_file)
+        if kind == "gguf":
+            q_logits = gguf_logits(target, windows)
+            size = target.stat().st_size
+        else:
+            from quant.bnb import load_bnb
+
+            q_logits = transformers_logits(load_bnb(target), windows)
+            size = sum(f.stat().st_size for f in target.glob("*.safetensors"))
+    finally:
+        hf_logging.enable_progress_bar()
     if q_logits[0].shape[-1] < src_logits[0].shape[-1]:
         raise UserError(f"{quantized}: vocabulary ({q_logits[0].shape[-1]}) is smaller than the "
                         f"source's ({src_logits[0].shape[-1]}): not a conversion of {src}")

@@ -10,6 +10,7 @@ BOS is prepended.  A test compares the ids with the Hugging Face tokenizer's on 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from quantserve.settings import UserError
@@ -85,7 +86,13 @@ def add_tokenizer(writer, folder: Path, n_vocab: int) -> dict:
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     # Merges, bos/eos/pad/unk ids, add_bos (parsed from the post-processor) and the chat template.
-    special = gguf.SpecialVocab(folder, load_merges=True, n_vocab=n_vocab)
+    # SpecialVocab warns about the pair template ("A <s> B"), which llama.cpp never uses.
+    vocab_log = logging.getLogger("gguf.vocab")
+    level, vocab_log.level = vocab_log.level, logging.ERROR
+    try:
+        special = gguf.SpecialVocab(folder, load_merges=True, n_vocab=n_vocab)
+    finally:
+        vocab_log.setLevel(level)
     if not special.merges:
         raise UserError(f"{folder}: tokenizer.json has no BPE merges")
     special.add_to_gguf(writer, quiet=True)

@@ -31,7 +31,8 @@ def tool_versions() -> dict[str, str]:
 
 
 def folder_size(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    """Bytes of everything in an output folder but the manifest itself."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
 def kv_cache_bytes(config: dict, context: int) -> int:
