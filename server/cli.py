@@ -12,6 +12,28 @@ import typer
 from quantserve.settings import UserError
 
 
+def _server_class():
+    import contextlib
+    import signal
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, so the process would die by
+        the signal; a clean shutdown here exits 0 instead."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server
+
+
 def serve(
     model: str = typer.Argument(..., help="A Hugging Face checkpoint folder (fp16/bf16/fp32 or a bitsandbytes "
                                 "int8/nf4 output), a .gguf file or a folder holding one; 'default' for the "
@@ -36,6 +58,8 @@ def serve(
     from server.api_server import create_app
     from server.engines import EngineOptions, ScheduledEngine
 
+    _Server = _server_class()
+
     if model == "default":
         from quantserve.default_model import build_default_model
 
@@ -46,8 +70,9 @@ def serve(
     # fail on a bad path now, with one line, before any socket is opened
     engine = ScheduledEngine(Path(model), EngineOptions(context=context, max_batch=max_batch,
                                                         max_queue=max_queue, gpu_profile=gpu_profile))
-    name = served_model_name or (engine.path.stem if engine.kind == "gguf" and engine.path != Path(model)
-                                 else Path(model).resolve().name)
+    # a folder is known by its name, a file by its name without the extension
+    given = Path(model).resolve()
+    name = served_model_name or (given.stem if given.is_file() else given.name)
     failure: list[str] = []
 
     def on_load_error(message: str) -> None:
@@ -58,7 +83,7 @@ def serve(
                      shutdown_grace_s=shutdown_grace, on_load_error=on_load_error)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
                             timeout_graceful_shutdown=shutdown_grace, access_log=log_level == "debug")
-    server = uvicorn.Server(config)
+    server = _Server(config)
     print(f"serving {name!r} from {engine.path} ({engine.kind} engine) on http://{host}:{port}/v1", flush=True)
     server.run()
     if failure:

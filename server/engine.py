@@ -58,6 +58,8 @@ class EngineStats:
     waiting: int
     kv_used_tokens: int
     kv_capacity_tokens: int
+    generated_tokens: int = 0  # every token the engine sampled, since start
+    cancelled: int = 0  # requests stopped early (client gone, stop string, shutdown)
 
     @property
     def kv_usage(self) -> float:

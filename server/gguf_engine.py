@@ -125,6 +125,9 @@ def load_gguf(path: Path, context: int | None, max_batch: int, max_queue: int):
     except ImportError as e:
         raise UserError("serving GGUF needs llama-cpp-python: pip install 'quantserve[quant]'") from e
 
+    from llama_cpp import _logger
+
+    _logger.set_verbose(False)  # llama.cpp's load chatter off; its errors still reach stderr
     llama_cpp.llama_backend_init()
     gpu = bool(llama_cpp.llama_supports_gpu_offload())
     model_params = llama_cpp.llama_model_default_params()

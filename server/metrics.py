@@ -8,7 +8,7 @@ has its own registry, so two servers in one process (tests) never share numbers.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -26,6 +26,10 @@ class _EngineCollector:
             ("quantserve:kv_cache_used_tokens", "Tokens held in the KV cache.", s.kv_used_tokens),
         ]:
             yield GaugeMetricFamily(name, doc, value=value)
+        yield CounterMetricFamily("quantserve:engine_generated_tokens", "Tokens sampled by the engine, "
+                                  "including those of requests cancelled later.", value=s.generated_tokens)
+        yield CounterMetricFamily("quantserve:engine_cancelled_requests", "Requests stopped early by "
+                                  "disconnect, stop string or shutdown.", value=s.cancelled)
 
 
 class Metrics:

@@ -46,6 +46,8 @@ class Scheduler:
         self._cancelled: set[int] = set()
         self._free_slots = list(range(max_batch - 1, -1, -1))
         self._closing = False
+        self._generated_tokens = 0
+        self._cancelled_count = 0
         self._deadline: float | None = None
         self._thread = threading.Thread(target=self._loop, name="quantserve-scheduler", daemon=True)
         self._thread.start()
@@ -71,7 +73,8 @@ class Scheduler:
         with self._cond:
             running, waiting = len(self._running), len(self._waiting)
         return EngineStats(running=running, waiting=waiting, kv_used_tokens=self.backend.cached_tokens(),
-                           kv_capacity_tokens=self.backend.kv_capacity_tokens)
+                           kv_capacity_tokens=self.backend.kv_capacity_tokens,
+                           generated_tokens=self._generated_tokens, cancelled=self._cancelled_count)
 
     def shutdown(self, grace_s: float) -> None:
         """Stop admitting; let queued and running work finish for `grace_s`, then cancel the rest."""
@@ -107,6 +110,7 @@ class Scheduler:
         for stream, t in list(self._waiting):
             if stream.request.request_id in self._cancelled:
                 self._waiting.remove((stream, t))
+                self._cancelled_count += 1
                 stream.push(TokenEvent(None, finish_reason="cancelled"))
         for rid in list(self._running):
             if rid in self._cancelled:
@@ -126,6 +130,8 @@ class Scheduler:
         self.backend.free(seq.slot)
         with self._cond:
             self._free_slots.append(seq.slot)
+        if event.finish_reason == "cancelled":
+            self._cancelled_count += 1
         event.elapsed_s = time.perf_counter() - seq.submitted_at
         seq.stream.push(event)
 
@@ -159,6 +165,7 @@ class Scheduler:
         params = seq.stream.request.params
         token, logprob, top = seq.sampler.sample(logits)
         seq.generated += 1
+        self._generated_tokens += 1
         seq.last_token = token
         event = TokenEvent(token, logprob, [TopLogprob(t, lp) for t, lp in top] if top is not None else None)
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:

@@ -1,0 +1,118 @@
+"""Helpers for the server tests (no tests here): a real `quantserve serve` process on 127.0.0.1,
+and the offline references the served output is compared with."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = ["Sort: d a c b", "What is 12 + 30?", "Repeat: k q m", "What comes after g?",
+           "How many letters in: a b c", "What is the capital of Keltria?"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m quantserve serve ...` in its own process; `stop()` ends it (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, model: Path | str, *args: str, api_key: str | None = None, name: str | None = None,
+                 start_timeout: float = 90.0, threads: int = 1):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.model_name = name
+        self.api_key = api_key
+        cmd = [sys.executable, "-m", "quantserve", "serve", str(model), "--port", str(self.port),
+               "--log-level", "warning", *args]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        if name:
+            cmd += ["--served-model-name", name]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"quantserve-test-{self.port}.log"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        try:
+            self._wait_ready(start_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                r = httpx.get(self.base_url + "/health", timeout=2)
+                if r.status_code == 200:
+                    self.health = r.json()
+                    self.model_name = self.model_name or self.health["model"]
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"server not ready after {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text()[-4000:]
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode
+
+    def client(self, **kw):
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.base_url + "/v1", api_key=self.api_key or "unused", max_retries=0,
+                      timeout=kw.pop("timeout", 60), **kw)
+
+    def async_client(self, **kw):
+        from openai import AsyncOpenAI
+
+        return AsyncOpenAI(base_url=self.base_url + "/v1", api_key=self.api_key or "unused", max_retries=0,
+                           timeout=kw.pop("timeout", 120), **kw)
+
+    def metrics(self) -> dict[str, float]:
+        """The unlabelled samples of /metrics, name -> value."""
+        out = {}
+        for line in httpx.get(self.base_url + "/metrics", timeout=10).text.splitlines():
+            if line and not line.startswith("#") and "{" not in line:
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+
+def collect_stream(stream) -> tuple[list[str], list[str | None], object]:
+    """(text per choice, finish_reason per choice, usage) from a chat or completions stream."""
+    texts: dict[int, str] = {}
+    finish: dict[int, str | None] = {}
+    usage = None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            piece = c.delta.content if hasattr(c, "delta") else c.text
+            texts[c.index] = texts.get(c.index, "") + (piece or "")
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+    n = max(texts) + 1 if texts else 0
+    return [texts[i] for i in range(n)], [finish[i] for i in range(n)], usage
