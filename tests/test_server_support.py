@@ -35,11 +35,12 @@ class ServerProcess:
         self.api_key = api_key
         cmd = [sys.executable, "-m", "quantserve", "serve", str(model), "--port", str(self.port),
                "--log-level", "warning", *args]
-        if api_key:
-            cmd += ["--api-key", api_key]
         if name:
             cmd += ["--served-model-name", name]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+        env.pop("QUANTSERVE_API_KEY", None)
+        if api_key:  # through the environment, so the key never shows in a process listing
+            env["QUANTSERVE_API_KEY"] = api_key
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"quantserve-test-{self.port}.log"
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
@@ -84,8 +85,8 @@ class ServerProcess:
     def client(self, **kw):
         from openai import OpenAI
 
-        return OpenAI(base_url=self.base_url + "/v1", api_key=self.api_key or "unused", max_retries=0,
-                      timeout=kw.pop("timeout", 60), **kw)
+        return OpenAI(base_url=self.base_url + "/v1", api_key=kw.pop("api_key", self.api_key or "unused"),
+                      max_retries=0, timeout=kw.pop("timeout", 60), **kw)
 
     def async_client(self, **kw):
         from openai import AsyncOpenAI
