@@ -1,0 +1,132 @@
+"""bench/serve.py against a real OpenAI-compatible server (llama.cpp's, on the default model's
+GGUF), its metric definitions recomputed independently from the recorded timings, the plot, and
+bench/decode.py --quick end to end."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from bench import serve as bs
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def llama_server(default_model, tmp_path_factory):
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("sse_starlette", reason="llama_cpp.server needs llama-cpp-python[server]")
+    import httpx
+
+    from quant.convert import convert
+
+    out = convert(default_model, "gguf-f16", tmp_path_factory.mktemp("gguf") / "f16", progress=False)
+    gguf = next(out.glob("*.gguf"))
+    port = _free_port()
+    log = open(tmp_path_factory.mktemp("log") / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--port", str(port),
+                             "--host", "127.0.0.1", "--n_ctx", "512", "--n_threads", "1"], stdout=log, stderr=log)
+    base = f"http://127.0.0.1:{port}/v1"
+    try:
+        for _ in range(120):
+            try:
+                if httpx.get(base + "/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, "llama_cpp.server exited at start-up"
+            time.sleep(0.5)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def serve_result(llama_server, tmp_path_factory):
+    from quantserve import corpus
+
+    d = tmp_path_factory.mktemp("serve")
+    prompts = d / "prompts.jsonl"  # pretraining questions: the default model goes on for a while
+    qs = [e.prompt for e in corpus.pretrain_examples(40, 0) if e.prompt.startswith("What is the")][:6]
+    prompts.write_text("".join(json.dumps({"prompt": q.rsplit(" ", 1)[0]}) + "\n" for q in qs))
+    out = d / "llamacpp.json"
+    code = bs.main(["--base-url", llama_server, "--corpus", str(prompts), "--concurrency", "1,3",
+                    "--num-prompts", "6", "--output-len", "8", "--save-records", "--label", "llama.cpp f16",
+                    "--out", str(out)])
+    assert code == 0
+    return json.loads(out.read_text())
+
+
+def test_serve_against_llama_cpp_server(serve_result):
+    assert [r["concurrency"] for r in serve_result["runs"]] == [1, 3]
+    for run in serve_result["runs"]:
+        assert run["completed"] == 6 and run["failed"] == 0
+        for rec in run["records"]:
+            assert 0 <= rec["output_tokens"] <= 8
+            if rec["output_tokens"]:
+                assert 0 < rec["ttft"] <= rec["chunk_times"][-1] <= rec["latency"]
+        assert run["output_throughput"] > 0 and run["ttft_ms"]["p99"] >= run["ttft_ms"]["median"]
+
+
+def test_metrics_recomputed_from_recorded_timings(serve_result):
+    """vLLM's definitions, recomputed with numpy from the real per-request records."""
+    for run in serve_result["runs"]:
+        recs = [bs.Record(**r) for r in run["records"]]
+        m = bs.compute_metrics(recs, run["duration_s"])
+        ttft = np.array([r.ttft for r in recs if r.ttft is not None])
+        tpot = np.array([(r.latency - r.ttft) / (r.output_tokens - 1) for r in recs if r.output_tokens > 1])
+        itl = np.concatenate([np.diff(r.chunk_times) for r in recs])
+        assert sum(r.output_tokens for r in recs) > 0
+        assert m["ttft_ms"]["mean"] == pytest.approx(ttft.mean() * 1e3)
+        assert m["ttft_ms"]["median"] == pytest.approx(np.median(ttft) * 1e3)
+        assert m["ttft_ms"]["p99"] == pytest.approx(np.percentile(ttft, 99) * 1e3)
+        if len(tpot):
+            assert m["tpot_ms"]["p99"] == pytest.approx(np.percentile(tpot, 99) * 1e3)
+        assert m["itl_ms"]["median"] == pytest.approx(np.median(itl) * 1e3)
+        assert m["output_throughput"] == pytest.approx(sum(r.output_tokens for r in recs) / run["duration_s"])
+        assert m["request_throughput"] == pytest.approx(len(recs) / run["duration_s"])
+        assert m == {k: v for k, v in run.items() if k in m}
+
+
+def test_failed_requests_are_counted_not_averaged():
+    ok = bs.Record(ok=True, output_tokens=3, ttft=0.1, latency=0.3, chunk_times=[0.1, 0.2, 0.3])
+    bad = bs.Record(error="HTTP 429: busy")
+    m = bs.compute_metrics([ok, bad], 1.0)
+    assert (m["completed"], m["failed"], m["output_tokens"]) == (1, 1, 3)
+    assert m["tpot_ms"]["mean"] == pytest.approx(100.0) and m["errors"] == ["HTTP 429: busy"]
+
+
+def test_plot(serve_result, tmp_path):
+    from PIL import Image
+
+    from bench.plot import plot
+
+    a = tmp_path / "a.json"
+    a.write_text(json.dumps(serve_result))
+    png = plot([str(a), str(a)], str(tmp_path / "p.png"), ["ours", "llama.cpp"])
+    assert Image.open(png).size[0] > 500
+
+
+def test_decode_quick(tmp_path):
+    from bench.decode import main
+
+    out = tmp_path / "d.json"
+    assert main(["--quick", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    engines = {(r["engine"], r["batch"]) for r in res["rows"] if "tok_s" in r}
+    assert {("generate", 1), ("fastcore-fp32", 1), ("fastcore-int8", 4), ("fastcore-int4", 1)} <= engines
+    assert not [r for r in res["rows"] if "error" in r]
+    assert all(0 < r["roofline_pct"] for r in res["rows"])
+    assert res["bandwidth_Bps"] > 1e8
