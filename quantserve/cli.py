@@ -86,7 +86,38 @@ def generate(prompt: str = typer.Argument(..., help="A user message."),
     print(generate_chat(load_model(path), tok, [prompt], max_new_tokens=max_tokens)[0])
 
 
+@app.command()
+def pipeline(
+    out: Path = typer.Option(Path("runs/default"), help="Folder for every stage's output (reused on reruns)."),
+    model: str = typer.Option("default", help="Base checkpoint folder; 'default' = the embedded model."),
+    data: Optional[Path] = typer.Option(None, help="Fine-tune JSONL; default: the default task's data."),
+    eval_data: Optional[Path] = typer.Option(None, help="Held-out chat JSONL scored by exact match over HTTP."),
+    method: str = typer.Option("full", help="full | lora | qlora"),
+    formats: str = typer.Option(",".join(("bnb-int8", "bnb-nf4", "gguf-q8_0", "gguf-q4_k_m")),
+                                help="Comma-separated formats to build, evaluate and serve."),
+    epochs: Optional[float] = typer.Option(None, help="Fine-tune epochs; default: training's own."),
+    n_eval: int = typer.Option(100, min=1, help="Held-out prompts sent through the API per format."),
+    serve: bool = typer.Option(True, "--serve/--no-serve", help="Keep serving --serve-format at the end."),
+    serve_format: str = typer.Option("gguf-q8_0", help="What to serve at the end ('source' = unquantized)."),
+    port: int = typer.Option(8000, min=1, max=65535),
+    gpu_profile: Optional[str] = ProfileOpt,
+    force: bool = typer.Option(False, help="Redo every stage even when its output is current."),
+) -> None:
+    """Fine-tune → quantize → evaluate → serve, with task accuracy measured through the HTTP API."""
+    from quantserve.pipeline import PipelineConfig, run_pipeline
+
+    run_pipeline(PipelineConfig(
+        out=out, model=model, data=data, eval_data=eval_data, method=method,
+        formats=tuple(f.strip() for f in formats.split(",") if f.strip()), train_epochs=epochs,
+        n_eval=n_eval, serve=serve, serve_format=serve_format, port=port, gpu_profile=gpu_profile,
+        force=force))
+
+
 # Subcommands owned by the other packages are registered below (each module imports lazily).
+# bench: decode / serve / plot (bench/cli.py imports only typer; the scripts load the rest)
+from bench.cli import app as _bench_app  # noqa: E402
+
+app.add_typer(_bench_app, name="bench")
 
 def _serve_command():  # server/cli.py imports only typer at module level; the server loads inside
     from server.cli import serve
@@ -95,10 +126,10 @@ def _serve_command():  # server/cli.py imports only typer at module level; the s
 
 
 app.command("serve")(_serve_command())
-# bench: decode / serve / plot (bench/cli.py imports only typer; the scripts load the rest)
-from bench.cli import app as _bench_app  # noqa: E402
+from training.cli import plan_command, train_command  # noqa: E402  (typer only; torch loads lazily)
 
-app.add_typer(_bench_app, name="bench")
+app.command("train")(train_command)
+app.command("plan")(plan_command)
 # quant: convert / eval / inspect (quant/cli.py imports its heavy libraries inside the commands)
 from quant import cli as _quant_cli  # noqa: E402
 

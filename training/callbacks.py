@@ -1,0 +1,93 @@
+"""What a run shows and leaves behind: a progress bar with tokens/s and ETA, a per-step log, a PNG.
+
+The Trainer keeps `state.log_history` inside its checkpoints, so after a resume the log and the
+loss curve cover the whole run, not only the part after the crash.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+
+class ProgressCallback(TrainerCallback):
+    """One line per step on rank 0: step/total, loss, tokens/s (all ranks) and ETA."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.bar = None
+        self.t0 = None
+        self.tokens0 = 0
+        self.step0 = 0
+        self.last_loss: float | None = None
+
+    def on_train_begin(self, args, state, control, **kw):
+        if not (self.enabled and state.is_world_process_zero):
+            return
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train", unit="step",
+                        dynamic_ncols=True, file=sys.stderr)
+        self.t0, self.tokens0, self.step0 = time.time(), state.num_input_tokens_seen, state.global_step
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        if logs and "loss" in logs:
+            self.last_loss = logs["loss"]
+
+    def on_step_end(self, args, state, control, **kw):
+        if self.bar is None:
+            return
+        dt = max(time.time() - self.t0, 1e-9)
+        tok_s = (state.num_input_tokens_seen - self.tokens0) / dt
+        done = state.global_step - self.step0
+        eta = (state.max_steps - state.global_step) * dt / max(done, 1)
+        self.bar.update(state.global_step - self.bar.n)
+        loss = f"{self.last_loss:.4f}" if self.last_loss is not None else "-"
+        self.bar.set_postfix_str(f"loss {loss}  {tok_s:,.0f} tok/s  ETA {_fmt(eta)}")
+
+    def on_train_end(self, args, state, control, **kw):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class StepLogCallback(TrainerCallback):
+    """Adds tokens seen and tokens/s to every log entry (so they land in `state.log_history`)."""
+
+    def __init__(self):
+        self.t_last = None
+        self.tokens_last = 0
+
+    def on_train_begin(self, args, state, control, **kw):
+        self.t_last, self.tokens_last = time.time(), state.num_input_tokens_seen
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        if logs is None or "loss" not in logs:
+            return
+        now = time.time()
+        logs["tokens_seen"] = int(state.num_input_tokens_seen)
+        logs["tokens_per_s"] = round((state.num_input_tokens_seen - self.tokens_last) / max(now - self.t_last, 1e-9), 1)
+        self.t_last, self.tokens_last = now, state.num_input_tokens_seen
+
+
+def write_log(out: Path, log_history: list[dict], summary: dict) -> Path:
+    """`train_log.json` (summary + per-step entries) and `loss.png`."""
+    steps = [e for e in log_history if "loss" in e]
+    path = out / "train_log.json"
+    path.write_text(json.dumps({**summary, "steps": steps}, indent=1))
+    if steps:
+        from quantserve.default_model import save_loss_plot
+
+        title = f"fine-tune: {summary.get('method')} / ZeRO {summary.get('zero')} x{summary.get('world_size')}"
+        save_loss_plot([e["loss"] for e in steps], out / "loss.png", title)
+    return path
+
+
+def _fmt(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 \
+        else f"{seconds // 60}:{seconds % 60:02d}"

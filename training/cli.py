@@ -1,0 +1,122 @@
+"""`quantserve train` and `quantserve plan`: thin typer front-ends for `training.train` / `training.plan`.
+
+`--nproc N` (and `--hostfile`) re-launch the very same command on N processes per node through
+torchrun (one node) or DeepSpeed's launcher (several nodes); each process then runs `train()`
+with the launcher's RANK/WORLD_SIZE.  Heavy libraries load inside the functions only.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from quantserve.settings import UserError
+
+
+def train_command(
+    data: Path = typer.Option(..., help="JSONL of {\"text\": ...} or chat {\"messages\": [...]} records."),
+    out: Path = typer.Option(..., help="Output folder: the checkpoint, train_log.json, loss.png."),
+    model: str = typer.Option("default", help="Checkpoint folder to fine-tune; 'default' is the embedded model."),
+    method: str = typer.Option("full", help="full | lora | qlora"),
+    zero: Optional[int] = typer.Option(None, help="DeepSpeed ZeRO stage 0-3 (default: no DeepSpeed)."),
+    offload: str = typer.Option("none", help="none | optimizer | all (all: ZeRO-3 parameters too). Slow: last resort."),
+    liger: Optional[bool] = typer.Option(None, "--liger/--no-liger", help="Liger kernels (default: on where the GPU supports them)."),
+    attn: str = typer.Option("auto", help="auto | flash2 | sdpa | eager"),
+    grad_ckpt: bool = typer.Option(False, "--grad-ckpt/--no-grad-ckpt", help="Activation checkpointing."),
+    micro_batch: int = typer.Option(32, help="Sequences per process per step."),
+    global_batch: Optional[int] = typer.Option(None, help="Sequences per optimizer step over all ranks (gradient accumulation)."),
+    seq_len: Optional[int] = typer.Option(None, help="Maximum tokens per sequence (default: the model's limit, at most 2048)."),
+    packing: bool = typer.Option(False, help="Concatenate examples into seq-len blocks."),
+    dtype: str = typer.Option("auto", help="auto | fp16 | bf16 | fp32 (auto: bf16 where supported, fp16 on a T4)."),
+    gpu_profile: Optional[str] = typer.Option(None, "--gpu-profile", help="'t4': behave like a T4 (fp16, 15 GiB)."),
+    plan: Optional[str] = typer.Option(None, help="'auto': let the planner choose ZeRO stage, offload and checkpointing."),
+    epochs: float = typer.Option(1.0),
+    max_steps: Optional[int] = typer.Option(None, help="Stop after this many optimizer steps (overrides --epochs)."),
+    lr: float = typer.Option(2e-3, help="Peak learning rate (cosine schedule with warmup)."),
+    warmup_ratio: float = typer.Option(0.05),
+    lora_r: int = typer.Option(16),
+    lora_alpha: int = typer.Option(32),
+    lora_targets: str = typer.Option("all-linear", help="Comma-separated module names, or all-linear."),
+    merge: bool = typer.Option(False, help="LoRA: write merged full weights as the output checkpoint (adapter in OUT/adapter)."),
+    skip_bad_lines: bool = typer.Option(False, help="Skip malformed JSONL lines (reported) instead of stopping."),
+    resume: bool = typer.Option(True, "--resume/--no-resume", help="Continue from the last checkpoint in OUT."),
+    save_steps: int = typer.Option(50, help="Checkpoint every N steps (for resuming)."),
+    seed: int = typer.Option(0),
+    nproc: int = typer.Option(1, help="Processes (GPUs) per node; >1 re-launches through torchrun."),
+    hostfile: Optional[Path] = typer.Option(None, help="DeepSpeed hostfile for multi-node runs."),
+    audit_data: bool = typer.Option(False, help="Record the example indices each rank trained on."),
+    quiet: bool = typer.Option(False, help="No progress bar."),
+    local_rank: Optional[int] = typer.Option(None, "--local_rank", hidden=True, help="Set by the deepspeed launcher."),
+) -> None:
+    """Fine-tune a model (full, LoRA or QLoRA; optionally DeepSpeed ZeRO) into a Hugging Face checkpoint."""
+    from training import distributed
+    from training.config import TrainConfig
+
+    cfg = TrainConfig(
+        data=data, out=out, model=model, method=method, zero=zero, offload=offload, liger=liger,
+        attn=attn, grad_ckpt=grad_ckpt, micro_batch=micro_batch, global_batch=global_batch,
+        seq_len=seq_len, packing=packing, dtype=dtype, gpu_profile=gpu_profile, plan=plan,
+        epochs=epochs, max_steps=max_steps, lr=lr, warmup_ratio=warmup_ratio, lora_r=lora_r,
+        lora_alpha=lora_alpha, lora_targets=lora_targets, merge=merge, skip_bad_lines=skip_bad_lines,
+        resume=resume, save_steps=save_steps, seed=seed, audit_data=audit_data, progress=not quiet,
+    )
+    cfg.validate()  # bad requests fail here, before any process is launched
+    if nproc < 1:
+        raise UserError("--nproc must be at least 1")
+    if (nproc > 1 or hostfile is not None) and not distributed.launched():
+        argv = _strip_launch_args(sys.argv[1:])
+        code = distributed.launch(argv, nproc, hostfile)  # children print nothing to stdout
+        if code:
+            raise UserError(f"training failed on at least one of {nproc} processes (exit code {code}); "
+                            "see the messages above")
+        print(out)
+        return
+    from training.train import train
+
+    path = train(cfg)
+    if distributed.world()[1] == 0 and not os.environ.get("QUANTSERVE_LAUNCHED"):
+        print(path)
+
+
+def _strip_launch_args(argv: list[str]) -> list[str]:
+    """The command line minus --nproc/--hostfile, so the launched copies do not launch again."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("--nproc", "--hostfile"):
+            skip = True
+            continue
+        if a.startswith(("--nproc=", "--hostfile=")):
+            continue
+        out.append(a)
+    return out
+
+
+def plan_command(
+    model: str = typer.Option("default", help="Checkpoint folder, a config.json, or a shape name (llama-3.2-1b, llama-3.1-8b, ...)."),
+    seq_len: int = typer.Option(..., help="Tokens per sequence."),
+    micro_batch: int = typer.Option(1, help="Sequences per GPU per step."),
+    gpu: Optional[str] = typer.Option(None, help="t4 | a10g | l4 | a100-40g | a100-80g | h100 | h200."),
+    gpu_mem: Optional[float] = typer.Option(None, "--gpu-mem", help="GPU memory in GiB (instead of --gpu)."),
+    gpus: int = typer.Option(1, help="Data-parallel GPUs."),
+    method: Optional[str] = typer.Option(None, help="Only this method (full | lora | qlora); default: all."),
+    liger: Optional[bool] = typer.Option(None, "--liger/--no-liger", help="Count Liger's kernels (default: where the GPU supports them)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """Memory arithmetic per setup (ZeRO 0-3, offload, LoRA/QLoRA, checkpointing) and the one that fits."""
+    from training.plan import plan, print_report
+
+    report = plan(model=model, seq_len=seq_len, micro_batch=micro_batch, gpu=gpu, gpu_mem_gib=gpu_mem,
+                  gpus=gpus, method=method, liger=liger)
+    if as_json:
+        import json
+
+        print(json.dumps(report.as_dict(), indent=1))
+    else:
+        print_report(report)

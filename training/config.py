@@ -1,0 +1,149 @@
+"""The typed training config: every knob of `quantserve train`, checked before any memory is touched.
+
+`TrainConfig` is the one source of truth; the CLI mirrors its fields and `train()` takes it.
+`validate()` turns every impossible request into a `UserError` (one line, non-zero exit) while the
+process has still done nothing expensive: no model loaded, no GPU memory allocated.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Optional
+
+from quantserve.settings import UserError
+
+METHODS = ("full", "lora", "qlora")
+OFFLOADS = ("none", "optimizer", "all")
+ATTENTIONS = ("auto", "flash2", "sdpa", "eager")
+DTYPES = ("auto", "fp16", "bf16", "fp32")
+ATTN_IMPL = {"flash2": "flash_attention_2", "sdpa": "sdpa", "eager": "eager"}
+
+
+@dataclass
+class TrainConfig:
+    data: Path
+    out: Path
+    model: str = "default"  # a checkpoint folder, or "default" for the embedded model
+    method: str = "full"  # full | lora | qlora
+    zero: Optional[int] = None  # DeepSpeed ZeRO stage 0-3; None trains without DeepSpeed
+    offload: str = "none"  # none | optimizer | all (all = optimizer + parameters, ZeRO-3 only)
+    liger: Optional[bool] = None  # None: on where the GPU supports it
+    attn: str = "auto"
+    grad_ckpt: bool = False
+    micro_batch: int = 32
+    global_batch: Optional[int] = None  # None: micro_batch x world size (no accumulation)
+    seq_len: Optional[int] = None  # None: the model's limit, capped at 2048
+    packing: bool = False
+    dtype: str = "auto"  # auto picks what capabilities.detect() says: bf16 > fp16 > fp32 on CPU
+    gpu_profile: Optional[str] = None
+    plan: Optional[str] = None  # "auto": let `training.plan` pick zero/offload/ckpt/micro-batch
+    # Optimisation.  Defaults are tuned so a full fine-tune of the default model on its task data
+    # reaches >= 90 % held-out exact match in a few CPU minutes.
+    epochs: float = 1.0
+    max_steps: Optional[int] = None  # overrides epochs when set
+    lr: float = 2e-3
+    warmup_ratio: float = 0.05
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    # LoRA / QLoRA
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    lora_targets: str = "all-linear"  # comma-separated module names, or peft's "all-linear"
+    merge: bool = False  # LoRA: also write merged full weights as the output checkpoint
+    # Bookkeeping
+    skip_bad_lines: bool = False
+    resume: bool = True  # continue from the last checkpoint in `out` if one is there
+    save_steps: int = 50
+    save_total_limit: int = 2
+    logging_steps: int = 1
+    seed: int = 0
+    progress: bool = True
+    threads: Optional[int] = None  # CPU threads per process; None leaves torch's default
+    audit_data: bool = False  # record which examples each rank trained on (data_audit/rankN.json)
+
+    def __post_init__(self) -> None:
+        self.data, self.out = Path(self.data), Path(self.out)
+
+    @classmethod
+    def from_file(cls, path: Path) -> "TrainConfig":
+        raw = json.loads(Path(path).read_text())
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise UserError(f"{path}: unknown config keys {unknown}")
+        return cls(**raw)
+
+    def as_dict(self) -> dict:
+        return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()}
+
+    def validate(self) -> None:
+        """Static checks that need neither the model nor the GPU."""
+        _choice("--method", self.method, METHODS)
+        _choice("--offload", self.offload, OFFLOADS)
+        _choice("--attn", self.attn, ATTENTIONS)
+        _choice("--dtype", self.dtype, DTYPES)
+        if self.zero is not None and self.zero not in (0, 1, 2, 3):
+            raise UserError(f"--zero must be 0, 1, 2 or 3, not {self.zero}")
+        if self.plan not in (None, "auto"):
+            raise UserError(f"--plan must be 'auto', not {self.plan!r}")
+        if self.method == "qlora" and self.zero == 3:
+            raise UserError("QLoRA does not combine with ZeRO-3 (4-bit weights cannot be partitioned): "
+                            "use --zero 2 (or none)")
+        if self.offload != "none" and self.zero is None:
+            raise UserError("--offload needs DeepSpeed: add --zero 2 (optimizer) or --zero 3 (all)")
+        if self.offload == "optimizer" and self.zero == 0:
+            raise UserError("optimizer offload needs ZeRO stage 1 or more (--zero 2 recommended)")
+        if self.offload == "all" and self.zero != 3:
+            raise UserError("--offload all (parameters too) needs --zero 3")
+        if self.merge and self.method == "full":
+            raise UserError("--merge applies to --method lora/qlora only")
+        for name in ("micro_batch", "lora_r", "save_steps", "logging_steps"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.global_batch is not None and self.global_batch < 1:
+            raise UserError("--global-batch must be at least 1")
+        if self.seq_len is not None and self.seq_len < 8:
+            raise UserError("--seq-len must be at least 8")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise UserError("--max-steps must be at least 1")
+        if self.epochs <= 0 or self.lr <= 0:
+            raise UserError("--epochs and --lr must be positive")
+        if not self.data.exists():
+            raise UserError(f"{self.data}: no such data file")
+        if self.data.is_dir():
+            raise UserError(f"{self.data}: is a folder, expected a JSONL file")
+        if self.out.exists() and not self.out.is_dir():
+            raise UserError(f"{self.out}: exists and is not a folder")
+
+    def accumulation(self, world_size: int) -> int:
+        """Gradient accumulation steps that turn micro-batches on `world_size` ranks into the global batch."""
+        if self.global_batch is None:
+            return 1
+        per_step = self.micro_batch * world_size
+        if self.global_batch % per_step:
+            raise UserError(f"--global-batch {self.global_batch} is not a multiple of micro-batch x ranks "
+                            f"= {self.micro_batch} x {world_size} = {per_step}")
+        return self.global_batch // per_step
+
+
+def _choice(flag: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise UserError(f"{flag} must be one of {', '.join(allowed)}, not {value!r}")
+
+
+@dataclass
+class Resolved:
+    """What the checks against this machine decided: the facts a run is built on (and logs)."""
+
+    device: str
+    dtype: str  # "float16", "bfloat16" or "float32"
+    attention: str  # attn_implementation given to transformers
+    liger: bool
+    liger_reason: str
+    world_size: int
+    rank: int
+    local_rank: int
+    notes: list[str] = field(default_factory=list)

@@ -1,0 +1,98 @@
+"""Loading the model to train: precision, attention backend, Liger, checkpointing, LoRA / QLoRA.
+
+Order matters and follows the libraries' own recipes:
+1. weights load (under ZeRO-3 the Trainer's DeepSpeed config is already alive, so transformers
+   partitions them at load with `zero.Init` instead of materialising the full model per rank);
+2. Liger patches the model instance, as `AutoLigerKernelForCausalLM` does at load;
+3. activation checkpointing (non-reentrant, which also works for LoRA's frozen inputs);
+4. peft wraps it; adapter weights stay fp32 (peft's `autocast_adapter_dtype`), so fp16 loss
+   scaling can unscale their gradients.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from training.config import Resolved, TrainConfig
+
+
+def enable_checkpointing(model) -> None:
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.config.use_cache = False
+
+
+def apply_liger(model, zero: int | None) -> None:
+    """Patch RMSNorm/RoPE/SwiGLU with Liger's Triton kernels and fuse lm_head + cross-entropy.
+
+    Under ZeRO-3 the lm_head weight is a partitioned placeholder outside its module's forward,
+    so the fused linear cross-entropy (which reads it directly) is left off there.
+    """
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    fused = zero != 3
+    _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True,
+                                    cross_entropy=not fused, fused_linear_cross_entropy=fused)
+
+
+def load_for_training(path: Path, cfg: TrainConfig, res: Resolved):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quantserve.capabilities import torch_dtype
+
+    compute = torch_dtype(res.dtype)
+    kwargs: dict = {"attn_implementation": res.attention}
+    if cfg.method == "full":
+        # Full fine-tunes keep fp32 weights: mixed precision (amp or DeepSpeed's fp16/bf16
+        # engine) computes in 16 bit and needs fp32 master weights for the optimizer.
+        kwargs["dtype"] = torch.float32
+    elif cfg.method == "lora":
+        kwargs["dtype"] = compute
+    else:
+        from transformers import BitsAndBytesConfig
+
+        kwargs["dtype"] = compute
+        # Double quantization: the form that survives save -> reload (GUIDE: 4-bit without it did not).
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=compute)
+        if res.device == "cuda":
+            kwargs["device_map"] = {"": res.local_rank}
+    model = AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True, **kwargs)
+    return prepare(model, cfg, res)
+
+
+def prepare(model, cfg: TrainConfig, res: Resolved):
+    """Everything after the weights are in memory (also used by the benchmark on random weights)."""
+    model.config.use_cache = False
+    if res.liger:
+        apply_liger(model, cfg.zero)
+    if cfg.grad_ckpt:
+        enable_checkpointing(model)
+    if cfg.method in ("lora", "qlora"):
+        model = wrap_lora(model, cfg)
+    return model
+
+
+def wrap_lora(model, cfg: TrainConfig):
+    from peft import LoraConfig, get_peft_model
+
+    if cfg.method == "qlora" and cfg.grad_ckpt:
+        # What peft's prepare_model_for_kbit_training does for checkpointing, without its cast of
+        # every non-quantized weight to fp32 (gigabytes of embeddings and lm_head on an 8B model).
+        model.enable_input_require_grads()
+    targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else \
+        [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
+    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=targets, task_type="CAUSAL_LM")
+    return get_peft_model(model, lora, autocast_adapter_dtype=True)
+
+
+def trainable_summary(model) -> tuple[int, int]:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    return trainable, total
