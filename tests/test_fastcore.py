@@ -166,3 +166,23 @@ def test_compiled_cuda_decode_matches_eager(hf, prompts):
         a = eager.decode([0, 1, 2], [5, 6, 7], pos)
         b = fast.decode([0, 1, 2], [5, 6, 7], pos)
         assert torch.allclose(a, b, atol=1e-3)
+
+
+def test_adapter_matches_server_hf_backend(hf, default_model, prompts):
+    """Through the server's decode seam, FastCoreBackend gives HFBackend's logits, including after
+    the scheduler frees a slot and reuses it out of order."""
+    from server.backend import HFBackend
+    from server.fastcore.adapter import FastCoreBackend
+
+    model, _ = hf
+    ref, fast = HFBackend(model, 4, 256), FastCoreBackend(default_model, 4, 256)
+    assert fast.vocab_size == ref.vocab_size
+    for be in (ref, fast):
+        be.prefill(3, prompts[0]), be.prefill(1, prompts[1])
+        be.free(3)
+        be.prefill(2, prompts[2])
+    for be in (ref, fast):
+        be.l1 = be.decode([1, 2], [5, 6])
+        be.l2 = be.decode([2, 1], [7, 8])
+    assert torch.allclose(ref.l1, fast.l1, atol=1e-4) and torch.allclose(ref.l2, fast.l2, atol=1e-4)
+    assert fast.cached_tokens() == ref.cached_tokens() == len(prompts[1]) + len(prompts[2]) + 4

@@ -93,7 +93,7 @@ class FastCore:
         if random_config is not None:
             get, has, cfg, inv_freq, rope_scale = _random_tensors(random_config, device, dtype, seed)
         else:
-            hf = _load_hf(model) if isinstance(model, (str, Path)) else model
+            hf = _load_hf(model, dtype) if isinstance(model, (str, Path)) else model
             get, has, cfg, inv_freq, rope_scale = _hf_tensors(hf)
         self.config = cfg
         self.args = a = ModelArgs.from_hf(cfg)
@@ -261,7 +261,8 @@ class FastCore:
         return fn(tok, pos, kv_idx)
 
 
-def _load_hf(path):
+def _load_hf(path, dtype: torch.dtype):
+    """The checkpoint on the CPU in the serving dtype; weights move to the device one at a time."""
     from quantserve.modeling import load_model
 
-    return load_model(Path(path), dtype="float32", device="cpu")
+    return load_model(Path(path), dtype=str(dtype).removeprefix("torch."), device="cpu")

@@ -1,0 +1,41 @@
+"""FastCore behind the server's decode seam (`server.backend.DecodeBackend`).
+
+The scheduler numbers its slots itself and reuses the most recently freed one; FastCore is fastest
+when the live slots are the lowest ones (its decode batch covers slots 0..max).  So this adapter
+maps each scheduler slot to the lowest free FastCore slot at prefill time.
+"""
+
+from __future__ import annotations
+
+from server.fastcore.core import FastCore
+
+
+class FastCoreBackend:
+    def __init__(self, model, max_batch: int, context_length: int, weight_quant: str = "none",
+                 profile: str = "native", compile: bool | None = None, prefill_chunk: int = 512):
+        """model: a checkpoint folder or a loaded (not bitsandbytes-quantized) HF Llama-family model."""
+        if getattr(getattr(model, "config", None), "quantization_config", None):
+            raise ValueError("FastCore quantizes fp16 weights itself: give it the unquantized checkpoint "
+                             "and weight_quant='int8' or 'int4'")
+        self.core = FastCore(model, max_slots=max_batch, max_seq=context_length, weight_quant=weight_quant,
+                             profile=profile, compile=compile, prefill_chunk=prefill_chunk)
+        self.vocab_size = self.core.args.vocab_size
+        self.kv_capacity_tokens = max_batch * context_length
+        self._slot: dict[int, int] = {}  # scheduler slot -> FastCore slot
+
+    def prefill(self, slot: int, prompt_ids: list[int]):
+        self.free(slot)
+        self._slot[slot] = s = self.core.acquire()
+        return self.core.prefill(s, prompt_ids).cpu()
+
+    def decode(self, slots: list[int], tokens: list[int]):
+        cs = [self._slot[s] for s in slots]
+        return self.core.decode(cs, tokens, [self.core.lengths[c] for c in cs]).cpu()
+
+    def free(self, slot: int) -> None:
+        s = self._slot.pop(slot, None)
+        if s is not None:
+            self.core.release(s)
+
+    def cached_tokens(self) -> int:
+        return sum(self.core.lengths)
