@@ -131,7 +131,7 @@ def format_report(info: dict, show_tensors: bool = False) -> str:
         lines.append(f"  GGUF architecture {gg['architecture']}, {gg['tensor_count']} tensors, "
                      f"types {gg['tensor_types']}, {gg['size_bytes'] / 2**20:.2f} MiB")
         for k, v in gg["metadata"].items():
-            lines.append(f"    {k} = {v}")
+            lines.append(f"    {k} = {v!r}" if isinstance(v, str) and "\n" in v else f"    {k} = {v}")
         if show_tensors:
             lines += [f"    {t['name']:32} {t['type']:6} {t['shape']}" for t in gg["tensors"]]
     elif info["kind"] == "safetensors":

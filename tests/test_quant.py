@@ -175,6 +175,39 @@ def test_kquant_really_uses_k_blocks(outputs):
     assert sorted(p.name for p in outputs["gguf-q4_k_m"].iterdir()) == ["manifest.json", "model.gguf"]
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_gguf_config_variants(arch, default_model, tmp_path):
+    """Mistral (Llama graph) and Qwen2 (q/k/v biases, NEOX rotary: no permutation) convert exactly.
+
+    Random weights, so the bound is F32's: a missing or extra permutation gives ~2e-2 here.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+
+    from quantserve.modeling import load_tokenizer
+
+    tok = load_tokenizer(default_model)
+    common = dict(vocab_size=len(tok) + 8,  # padded embedding rows: [PADn] tokens in the GGUF
+                  hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg = Qwen2Config(**common) if arch == "qwen2" else MistralConfig(**common, sliding_window=None)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)  # zero biases would hide a wrong bias mapping
+    model.save_pretrained(tmp_path / arch)
+    tok.save_pretrained(tmp_path / arch)
+    out = convert(tmp_path / arch, "gguf-f32", tmp_path / "out", progress=False)
+    from quant.inspect import inspect
+    assert inspect(out / "model.gguf")["architecture"] == ("qwen2" if arch == "qwen2" else "llama")
+    err = worst_relative_error(out / "model.gguf", model, fresh_prompts(tok)[:3])
+    print(f"{arch}: relative logit error {err:.2e}")
+    assert err < 1e-3
+
+
 # --- bitsandbytes ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fmt", ["bnb-int8", "bnb-nf4", "bnb-fp4"])
@@ -222,11 +255,11 @@ def test_manifest(outputs, default_model):
 
 @pytest.fixture(scope="module")
 def small_heldout(tmp_path_factory):
-    """40 held-out chats (~1200 tokens): stable enough, and fast on bnb's slow CPU int8 kernels."""
+    """24 held-out chats (~700 tokens): stable enough, and fast on bnb's slow CPU int8 kernels."""
     from quantserve import corpus
 
     path = tmp_path_factory.mktemp("text") / "heldout.jsonl"
-    corpus.write_jsonl(path, corpus.examples(corpus.PRETRAIN_SKILLS + [corpus.TASK_SKILL], 40, 2000, "heldout"))
+    corpus.write_jsonl(path, corpus.examples(corpus.PRETRAIN_SKILLS + [corpus.TASK_SKILL], 24, 2000, "heldout"))
     return path
 
 
