@@ -62,12 +62,27 @@ def _disk_error(e: OSError, target: Path) -> UserError:
     return UserError(f"cannot write {target}: {why}; nothing was left behind")
 
 
+def _remove_stale_partials(out: Path) -> None:
+    """Delete `.OUT.partial-PID` folders of conversions that were killed (their PID is gone)."""
+    for leftover in out.parent.glob(f".{out.name}.partial-*"):
+        pid = leftover.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(leftover, ignore_errors=True)
+        except PermissionError:
+            pass  # alive, someone else's
+
+
 @contextlib.contextmanager
 def staging(out: Path, force: bool):
     """Yield a fresh temporary folder beside `out`; on success rename it to `out`."""
     parent = out.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_partials(out)
         tmp = parent / f".{out.name}.partial-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()

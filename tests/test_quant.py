@@ -363,6 +363,27 @@ def test_cli_convert_inspect_eval(default_model, tmp_path, monkeypatch, capsys, 
     assert leftovers(tmp_path) == ["q8"]  # no temporary or old folders left beside it
 
 
+def test_killed_conversion_leaves_nothing_that_looks_valid(default_model, tmp_path):
+    """A conversion killed outright (SIGKILL: no cleanup runs) leaves only a hidden partial
+    folder, never OUT itself; the next conversion removes it."""
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "quant"), "convert", str(default_model),
+                             "-f", "gguf-q4_k_m", "-o", str(out), "-q"])
+    partial = tmp_path / f".out.partial-{proc.pid}"
+    deadline = time.time() + 60
+    while not partial.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert partial.exists(), "the conversion was not killed mid-way: the test proved nothing"
+    assert not out.exists(), "a killed conversion left a folder that looks like a finished output"
+    convert(default_model, "gguf-f16", out, progress=False)
+    assert leftovers(tmp_path) == ["out"] and (out / "manifest.json").is_file()
+
+
 def corrupt_copies(default_model: Path, root: Path) -> dict[str, Path]:
     """Checkpoint folders broken in one way each."""
     def copy(name):
