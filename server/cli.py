@@ -46,6 +46,8 @@ def serve(
     max_batch: int = typer.Option(32, min=1, max=512, help="Sequences decoded together (continuous batching)."),
     context: Optional[int] = typer.Option(None, min=16, help="Context length; default: the model's own."),
     gpu_profile: Optional[str] = typer.Option(None, "--gpu-profile", help="'t4' makes a bigger GPU behave like a T4."),
+    threads: Optional[int] = typer.Option(None, min=1, help="CPU threads for the model (default: torch's "
+                                          "choice; llama.cpp: half the cores)."),
     served_model_name: Optional[str] = typer.Option(None, help="Name clients use; default: the model's folder or file name."),
     max_logprobs: int = typer.Option(20, min=0, help="Most top logprobs one request may ask for."),
     max_body_bytes: int = typer.Option(4 << 20, min=1024, help="Largest request body accepted (413 above)."),
@@ -69,7 +71,8 @@ def serve(
         raise UserError("--max-batch must be at least 1")
     # fail on a bad path now, with one line, before any socket is opened
     engine = ScheduledEngine(Path(model), EngineOptions(context=context, max_batch=max_batch,
-                                                        max_queue=max_queue, gpu_profile=gpu_profile))
+                                                        max_queue=max_queue, gpu_profile=gpu_profile,
+                                                        threads=threads))
     # a folder is known by its name, a file by its name without the extension
     given = Path(model).resolve()
     name = served_model_name or (given.stem if given.is_file() else given.name)

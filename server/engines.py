@@ -21,6 +21,7 @@ class EngineOptions:
     max_batch: int = 32
     max_queue: int = 64
     gpu_profile: str | None = None
+    threads: int | None = None  # CPU threads for the model; default: torch's own / half the cores for llama.cpp
 
 
 def resolve_model(path: Path) -> tuple[str, Path]:
@@ -46,6 +47,14 @@ def resolve_model(path: Path) -> tuple[str, Path]:
     return "hf", path
 
 
+def _warm_up(backend) -> None:
+    """One tiny prefill + decode before /health says ready: the first call of a backend allocates
+    its buffers (llama.cpp: seconds), which should not land on the first user's request."""
+    logits = backend.prefill(0, [0])
+    backend.decode([0], [int(logits.argmax())])
+    backend.free(0)
+
+
 class ScheduledEngine:
     """An `Engine`: a backend loaded at start-up, driven by the shared scheduler thread."""
 
@@ -65,12 +74,17 @@ class ScheduledEngine:
             from server.backend import HFBackend
             from server.hf_engine import load_hf
 
+            if o.threads:
+                import torch
+
+                torch.set_num_threads(o.threads)
             model, self.tokenizer, info = load_hf(self.path, o.gpu_profile, o.context, o.max_batch, o.max_queue)
             backend = HFBackend(model, o.max_batch, info.context_length)
         else:
             from server.gguf_engine import load_gguf
 
-            backend, self.tokenizer, info = load_gguf(self.path, o.context, o.max_batch, o.max_queue)
+            backend, self.tokenizer, info = load_gguf(self.path, o.context, o.max_batch, o.max_queue, o.threads)
+        _warm_up(backend)
         self._loop = loop
         self._scheduler = Scheduler(backend, self.tokenizer.eos_token_ids, o.max_batch, o.max_queue,
                                     log=log.error)

@@ -117,7 +117,14 @@ class LlamaCppBackend:
         return sum(self._lengths.values())
 
 
-def load_gguf(path: Path, context: int | None, max_batch: int, max_queue: int):
+def default_threads() -> int:
+    """Half the usable cores (at most 8): llama.cpp's threads spin while they wait, so using every
+    core, or cores other processes need, slows decoding down by an order of magnitude."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(8, cores // 2))
+
+
+def load_gguf(path: Path, context: int | None, max_batch: int, max_queue: int, threads: int | None = None):
     """Load a GGUF file; returns (LlamaCppBackend, LlamaCppTokenizer, EngineInfo)."""
     try:
         import llama_cpp
@@ -143,12 +150,12 @@ def load_gguf(path: Path, context: int | None, max_batch: int, max_queue: int):
     if max_batch > llama_cpp.llama_max_parallel_sequences():
         raise UserError(f"--max-batch {max_batch} exceeds llama.cpp's limit of "
                         f"{llama_cpp.llama_max_parallel_sequences()} parallel sequences")
-    threads = max(1, min(8, os.cpu_count() or 1))
+    threads = threads or default_threads()
     backend = LlamaCppBackend(model, max_batch, context, threads)
     meta = model.metadata()
     file_type = _FILE_TYPES.get(int(meta.get("general.file_type", -1)), meta.get("general.file_type"))
     info = EngineInfo(engine="gguf", model_path=str(path), context_length=context, max_batch=max_batch,
                       max_queue=max_queue, device="cuda" if gpu else "cpu", dtype=str(file_type),
                       attention="llama.cpp", quantization=str(file_type),
-                      extra={"gpu_offload": gpu, "llama_cpp_python": llama_cpp.__version__})
+                      extra={"gpu_offload": gpu, "threads": threads, "llama_cpp_python": llama_cpp.__version__})
     return backend, LlamaCppTokenizer(model), info
