@@ -46,6 +46,9 @@ def serve(
     max_batch: int = typer.Option(32, min=1, max=512, help="Sequences decoded together (continuous batching)."),
     context: Optional[int] = typer.Option(None, min=16, help="Context length; default: the model's own."),
     gpu_profile: Optional[str] = typer.Option(None, "--gpu-profile", help="'t4' makes a bigger GPU behave like a T4."),
+    engine: str = typer.Option("auto", help="auto (by the path), hf (transformers), fast (static KV cache, "
+                               "CUDA graphs on a GPU; Llama-family) or gguf (llama.cpp)."),
+    weight_quant: str = typer.Option("none", help="--engine fast only: none, int8 or int4 weight-only."),
     threads: Optional[int] = typer.Option(None, min=1, help="CPU threads for the model (default: torch's "
                                           "choice; llama.cpp: half the cores)."),
     served_model_name: Optional[str] = typer.Option(None, help="Name clients use; default: the model's folder or file name."),
@@ -67,12 +70,15 @@ def serve(
 
         model = str(build_default_model(progress=False))
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if max_batch < 1:
-        raise UserError("--max-batch must be at least 1")
+    if engine not in ("auto", "hf", "fast", "gguf"):
+        raise UserError(f"unknown --engine {engine!r}: choose auto, hf, fast or gguf")
+    if weight_quant not in ("none", "int8", "int4"):
+        raise UserError(f"unknown --weight-quant {weight_quant!r}: choose none, int8 or int4")
     # fail on a bad path now, with one line, before any socket is opened
     engine = ScheduledEngine(Path(model), EngineOptions(context=context, max_batch=max_batch,
                                                         max_queue=max_queue, gpu_profile=gpu_profile,
-                                                        threads=threads))
+                                                        threads=threads, engine=engine,
+                                                        weight_quant=weight_quant))
     # a folder is known by its name, a file by its name without the extension
     given = Path(model).resolve()
     name = served_model_name or (given.stem if given.is_file() else given.name)

@@ -21,6 +21,8 @@ class EngineOptions:
     max_batch: int = 32
     max_queue: int = 64
     gpu_profile: str | None = None
+    engine: str = "auto"  # auto (by the path), hf, fast (server/fastcore) or gguf
+    weight_quant: str = "none"  # fast engine only: none, int8 or int4 weight-only
     threads: int | None = None  # CPU threads for the model; default: torch's own / half the cores for llama.cpp
 
 
@@ -61,6 +63,12 @@ class ScheduledEngine:
     def __init__(self, path: Path, options: EngineOptions):
         self.kind, self.path = resolve_model(path)
         self.options = options
+        if options.engine not in ("auto", self.kind) and not (options.engine == "fast" and self.kind == "hf"):
+            raise UserError(f"{path} is a {self.kind} model: --engine {options.engine} cannot serve it")
+        if options.engine == "fast":
+            self.kind = "fast"
+        if options.weight_quant != "none" and self.kind != "fast":
+            raise UserError("--weight-quant applies to --engine fast only")
         self.info: EngineInfo | None = None
         self.tokenizer = None
         self._scheduler = None
@@ -80,6 +88,15 @@ class ScheduledEngine:
                 torch.set_num_threads(o.threads)
             model, self.tokenizer, info = load_hf(self.path, o.gpu_profile, o.context, o.max_batch, o.max_queue)
             backend = HFBackend(model, o.max_batch, info.context_length)
+        elif self.kind == "fast":
+            from server.hf_engine import load_fast
+
+            if o.threads:
+                import torch
+
+                torch.set_num_threads(o.threads)
+            backend, self.tokenizer, info = load_fast(self.path, o.gpu_profile, o.context, o.max_batch,
+                                                      o.max_queue, o.weight_quant)
         else:
             from server.gguf_engine import load_gguf
 

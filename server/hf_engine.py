@@ -115,6 +115,38 @@ def load_hf(path: Path, gpu_profile: str | None, context: int | None, max_batch:
     return model, tokenizer, info
 
 
+def load_fast(path: Path, gpu_profile: str | None, context: int | None, max_batch: int, max_queue: int,
+              weight_quant: str):
+    """The `fast` engine: server/fastcore's static-KV-cache decoder behind the same seam.
+    Returns (FastCoreBackend, HFTokenizer, EngineInfo)."""
+    from quantserve.capabilities import apply_profile, detect
+    from quantserve.modeling import load_tokenizer
+    from server.fastcore.adapter import FastCoreBackend
+
+    caps = detect(gpu_profile)
+    apply_profile(caps)
+    if quantization_of(path):
+        raise UserError(f"{path}: a bitsandbytes checkpoint; the fast engine quantizes by itself: serve the "
+                        "fp16/fp32 checkpoint with --engine fast --weight-quant int8|int4, or use --engine hf")
+    if not any(path.glob("*.safetensors")):
+        raise UserError(f"{path}: only safetensors checkpoints are served (pickle *.bin files are refused)")
+    trained = json.loads((path / "config.json").read_text()).get("max_position_embeddings") or 2048
+    if context and context > trained:
+        raise UserError(f"--context {context} exceeds the model's trained context of {trained} tokens")
+    context = context or trained
+    try:
+        backend = FastCoreBackend(str(path), max_batch, context, weight_quant=weight_quant, profile=caps.profile)
+    except (ValueError, KeyError, NotImplementedError) as e:
+        raise UserError(f"{path}: the fast engine cannot run this model ({e}); use --engine hf") from e
+    core = backend.core
+    info = EngineInfo(engine="fast", model_path=str(path), context_length=context, max_batch=max_batch,
+                      max_queue=max_queue, device=str(core.device), dtype=str(core.dtype).replace("torch.", ""),
+                      attention="sdpa (fastcore static KV cache)",
+                      quantization=None if weight_quant == "none" else f"{weight_quant} weight-only",
+                      extra={"gpu_profile": caps.profile, "gpu": caps.gpu_name, "compiled": core.compile})
+    return backend, HFTokenizer(load_tokenizer(path)), info
+
+
 def _attention_order(best: str) -> list[str]:
     order = ["flash_attention_2", "sdpa", "eager"]
     return order[order.index(best):] if best in order else order

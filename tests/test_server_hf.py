@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from test_server_support import PROMPTS, ServerProcess, collect_stream
+from test_server_support import PROMPTS, hf_reference, ServerProcess, collect_stream
 
 MAX_TOKENS = 24
 
@@ -27,51 +27,7 @@ def server(default_model):
 
 @pytest.fixture(scope="module")
 def reference(default_model):
-    """Offline greedy generation with transformers' own `generate`, one prompt at a time."""
-    import torch
-
-    from quantserve.modeling import chat_prompt, load_model, load_tokenizer
-
-    torch.set_num_threads(1)  # the machine is shared: spinning OpenMP threads slow a tiny model ~30x
-    tok, model = load_tokenizer(default_model), load_model(default_model)
-
-    class Ref:
-        tokenizer = tok
-
-        @staticmethod
-        def chat_ids(user: str) -> list[int]:
-            return tok(chat_prompt(tok, user), add_special_tokens=False).input_ids
-
-        @staticmethod
-        def greedy(prompt_ids: list[int], max_new: int = MAX_TOKENS) -> list[int]:
-            ids = torch.tensor([prompt_ids])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                                 do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-            return out[0, len(prompt_ids):].tolist()
-
-        @staticmethod
-        def greedy_ignoring_eos(prompt_ids: list[int], max_new: int) -> list[int]:
-            """Greedy decoding that runs past eos, as the server's `ignore_eos` does."""
-            ids, out = list(prompt_ids), []
-            with torch.no_grad():
-                for _ in range(max_new):
-                    token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
-                    ids.append(token)
-                    out.append(token)
-            return out
-
-        @staticmethod
-        def text(ids: list[int]) -> str:
-            return tok.decode(ids, skip_special_tokens=True)
-
-        @staticmethod
-        def logprobs(prompt_ids: list[int], new_ids: list[int]):
-            """Teacher-forced log-softmax rows for each generated position."""
-            with torch.no_grad():
-                logits = model(torch.tensor([prompt_ids + new_ids])).logits[0]
-            return torch.log_softmax(logits[len(prompt_ids) - 1: -1].float(), dim=-1)
-
-    return Ref
+    return hf_reference(default_model)
 
 
 def test_models_and_health_report_the_engine(server):

@@ -117,3 +117,56 @@ def collect_stream(stream) -> tuple[list[str], list[str | None], object]:
             finish[c.index] = c.finish_reason or finish.get(c.index)
     n = max(texts) + 1 if texts else 0
     return [texts[i] for i in range(n)], [finish[i] for i in range(n)], usage
+
+
+MAX_TOKENS = 24
+
+
+def hf_reference(folder):
+    """Offline greedy generation with transformers' own `generate`, one prompt at a time."""
+    import torch
+
+    from quantserve.modeling import chat_prompt, load_model, load_tokenizer
+
+    torch.set_num_threads(1)  # the machine is shared: spinning OpenMP threads slow a tiny model ~30x
+    tok, model = load_tokenizer(folder), load_model(folder)
+
+    class Ref:
+        tokenizer = tok
+
+        @staticmethod
+        def chat_ids(user: str) -> list[int]:
+            return tok(chat_prompt(tok, user), add_special_tokens=False).input_ids
+
+        @staticmethod
+        def greedy(prompt_ids: list[int], max_new: int = MAX_TOKENS) -> list[int]:
+            ids = torch.tensor([prompt_ids])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                                 do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+            return out[0, len(prompt_ids):].tolist()
+
+        @staticmethod
+        def greedy_ignoring_eos(prompt_ids: list[int], max_new: int) -> list[int]:
+            """Greedy decoding that runs past eos, as the server's `ignore_eos` does."""
+            ids, out = list(prompt_ids), []
+            with torch.no_grad():
+                for _ in range(max_new):
+                    token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+                    ids.append(token)
+                    out.append(token)
+            return out
+
+        @staticmethod
+        def text(ids: list[int]) -> str:
+            return tok.decode(ids, skip_special_tokens=True)
+
+        @staticmethod
+        def logprobs(prompt_ids: list[int], new_ids: list[int]):
+            """Teacher-forced log-softmax rows for each generated position."""
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt_ids + new_ids])).logits[0]
+            return torch.log_softmax(logits[len(prompt_ids) - 1: -1].float(), dim=-1)
+
+    return Ref
+
+
