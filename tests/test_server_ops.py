@@ -52,6 +52,11 @@ def test_api_key_is_required_and_checked(server):
     assert KEY not in server.log()
 
 
+def test_health_is_503_until_the_model_is_loaded(server):
+    assert server.saw_loading, "never saw /health answer 503 while the model loaded"
+    assert httpx.get(server.base_url + "/health").json()["status"] == "ok"
+
+
 def test_unknown_model_is_404(server):
     with pytest.raises(openai.NotFoundError) as e:
         server.client().completions.create(model="gpt-4", prompt="hi", max_tokens=2)

@@ -33,6 +33,7 @@ class ServerProcess:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.model_name = name
         self.api_key = api_key
+        self.saw_loading = False
         cmd = [sys.executable, "-m", "quantserve", "serve", str(model), "--port", str(self.port),
                "--log-level", "warning", *args]
         if name:
@@ -57,6 +58,8 @@ class ServerProcess:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
                 r = httpx.get(self.base_url + "/health", timeout=2)
+                if r.status_code == 503 and r.json()["error"]["code"] == "model_loading":
+                    self.saw_loading = True  # the socket is open before the model is ready
                 if r.status_code == 200:
                     self.health = r.json()
                     self.model_name = self.model_name or self.health["model"]
