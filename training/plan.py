@@ -3,8 +3,9 @@
 Per GPU, in bytes, for Ψ parameters, T = micro-batch x seq-len tokens and L layers:
 
 - model states (ZeRO paper, mixed-precision Adam): 16-bit weights 2Ψ, 16-bit grads 2Ψ, fp32 master
-  weights + Adam m, v 12Ψ.  ZeRO-1 splits the 12Ψ over N GPUs, ZeRO-2 also the grads, ZeRO-3 also
-  the weights; optimizer offload moves the 12Ψ to CPU RAM, parameter offload the rest.  Without
+  weights + Adam m, v 12Ψ, plus (as DeepSpeed's estimators count) the fp32 gradient partition its
+  optimizer step uses, 4Ψ.  ZeRO-1 splits the 12Ψ + 4Ψ over N GPUs, ZeRO-2 also the 16-bit grads,
+  ZeRO-3 also the weights; optimizer offload moves the 12Ψ to CPU RAM, parameter offload the rest.  Without
   DeepSpeed the Trainer keeps fp32 weights and grads and runs autocast (4Ψ + 4Ψ + 8Ψ).
   LoRA: frozen 16-bit base (2Ψ) + fp32 adapters with full Adam state (16 bytes each); QLoRA:
   NF4 base with double quantization (~0.52 bytes per quantized weight, the rest 16-bit).
@@ -152,13 +153,16 @@ def setup_row(s: Shape, method: str, zero: int | None, offload: str, ckpt: bool,
         if dtype_bytes == 4 or zero is None:  # autocast over fp32 weights (or plain fp32)
             w, g, o, amp = 4 * P, 4 * P, 8 * P, dtype_bytes != 4
         else:
-            w, g, o, amp = 2 * P, 2 * P, 12 * P, False
+            # DeepSpeed also keeps an fp32 copy of each rank's gradient partition for the step
+            # (as its estimators count): 12 + 4 bytes of optimizer-side state per parameter.
+            w, g, o, amp = 2 * P, 2 * P, 16 * P, False
             if zero >= 1:
-                o = 12 * P / n
+                o = 16 * P / n
             if zero >= 2:
                 g = 2 * P / n
             if zero == 3:
                 w = 2 * P / n + 4 * s.largest_layer  # + the gathered layer being computed
+                g = 0.0  # reduced straight into the fp32 partition (only buckets stay in 16 bit)
             if offload in ("optimizer", "all"):
                 cpu += 12 * P / n + 4 * P / n
                 o, g = 0.0, 0.0
@@ -192,7 +196,14 @@ def setup_row(s: Shape, method: str, zero: int | None, offload: str, ckpt: bool,
 
 def _ds_estimate(s: Shape, zero: int, offload: str, n: int) -> float | None:
     """DeepSpeed's own model-states estimate for the GPU (bytes), or None before ZeRO-2."""
+    import contextlib
+    import sys
+
     try:
+        # DeepSpeed's logger writes to stdout at import; keep stdout for the table / JSON.
+        with contextlib.redirect_stdout(sys.stderr):
+            import deepspeed  # noqa: F401
+
         if zero == 2:
             from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 

@@ -151,6 +151,7 @@ def train(cfg: TrainConfig) -> Path:
     if cfg.plan == "auto":
         cfg = apply_auto_plan(cfg, model_config, caps, ws)
     res = resolve(cfg, caps, model_config)
+    cfg.accumulation(res.world_size)  # a global batch the ranks cannot split fails here
     seq_len = cfg.seq_len or min(getattr(model_config, "max_position_embeddings", MAX_DEFAULT_SEQ), MAX_DEFAULT_SEQ)
 
     tok = load_tokenizer(model_path)

@@ -1,0 +1,136 @@
+"""Bad requests end in one clear line and a non-zero exit, before any model or GPU memory exists."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from quantserve.capabilities import Capabilities
+from quantserve.settings import UserError
+from training.config import TrainConfig
+
+CHAT = json.dumps({"messages": [{"role": "user", "content": "Reverse: [a,b,c,d]"},
+                                {"role": "assistant", "content": "[d,c,b,a]"}]})
+
+
+def cli(*args, cwd=None):
+    env = dict(os.environ, QUANTSERVE_DEBUG="")
+    return subprocess.run([sys.executable, "-m", "quantserve", "train", *args], capture_output=True,
+                          text=True, env=env, cwd=cwd, timeout=300)
+
+
+@pytest.fixture
+def good(tmp_path):
+    p = tmp_path / "good.jsonl"
+    p.write_text(CHAT + "\n")
+    return p
+
+
+def one_line_error(r, *needles):
+    assert r.returncode != 0, r.stdout + r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, r.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+    assert "Traceback" not in r.stderr
+
+
+def test_malformed_jsonl_names_lines(tmp_path, default_model):
+    p = tmp_path / "bad.jsonl"
+    p.write_text(CHAT + "\n{oops\n" + CHAT + "\n")
+    one_line_error(cli("--data", str(p), "--out", str(tmp_path / "o")), "line 2", "--skip-bad-lines")
+    assert not (tmp_path / "o").exists()
+
+
+def test_impossible_setup_via_cli(good, tmp_path):
+    one_line_error(cli("--data", str(good), "--out", str(tmp_path / "o"), "--method", "qlora", "--zero", "3"),
+                   "QLoRA does not combine with ZeRO-3")
+
+
+def train_error(cfg: TrainConfig) -> str:
+    """train() must refuse `cfg` with a UserError before creating the output folder."""
+    from training.train import train
+
+    with pytest.raises(UserError) as e:
+        train(cfg)
+    assert not cfg.out.exists()
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_empty_data(tmp_path, default_model):
+    p = tmp_path / "empty.jsonl"
+    p.write_text("")
+    assert "no training records" in train_error(TrainConfig(data=p, out=tmp_path / "o"))
+
+
+def test_missing_data(tmp_path):
+    assert "no such data file" in train_error(TrainConfig(data=tmp_path / "nope.jsonl", out=tmp_path / "o"))
+
+
+def test_seq_len_over_model_limit(good, tmp_path, default_model):
+    msg = train_error(TrainConfig(data=good, out=tmp_path / "o", seq_len=100000))
+    assert "over the model's limit" in msg
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(method="qlora", zero=3), "QLoRA does not combine with ZeRO-3"),
+    (dict(offload="optimizer"), "--offload needs DeepSpeed"),
+    (dict(zero=2, offload="all"), "needs --zero 3"),
+    (dict(zero=5), "--zero must be 0, 1, 2 or 3"),
+    (dict(method="full", merge=True), "--merge applies to"),
+    (dict(micro_batch=4, global_batch=6), "--global-batch 6 is not a multiple"),
+    (dict(dtype="fp16"), "fp16 training needs a CUDA GPU"),
+    (dict(attn="flash2"), "--attn flash2 cannot run here"),
+    (dict(method="dora"), "--method must be one of"),
+])
+def test_impossible_setups(good, tmp_path, default_model, kw, needle):
+    if kw.get("dtype") == "fp16" or kw.get("attn") == "flash2":
+        from quantserve.capabilities import detect
+
+        if detect().device != "cpu":
+            pytest.skip("checks what a CPU-only host refuses")
+    assert needle in train_error(TrainConfig(data=good, out=tmp_path / "o", **kw))
+
+
+def t4(**kw) -> Capabilities:
+    """What `detect()` returns on a T4 (or under the T4 profile)."""
+    base = dict(torch_version="2", cuda_version="12", device="cuda", gpu_name="Tesla T4",
+                compute_capability=(7, 5), gpu_memory_gib=15.0, profile="native", dtype="float16",
+                attention="sdpa", sdpa_kernels=["efficient", "math"], liger=False,
+                packages={"bitsandbytes": "0.50", "deepspeed": "0.19", "flash_attn": None, "liger_kernel": None})
+    return Capabilities(**{**base, **kw})
+
+
+def test_bf16_on_a_t4_is_refused(good, tmp_path):
+    from transformers import LlamaConfig
+
+    from training.train import resolve
+
+    cfg = TrainConfig(data=good, out=tmp_path / "o", dtype="bf16")
+    with pytest.raises(UserError, match="bf16 is not supported on Tesla T4"):
+        resolve(cfg, t4(), LlamaConfig())
+    cfg = TrainConfig(data=good, out=tmp_path / "o", attn="flash2")
+    with pytest.raises(UserError, match="flash-attn is not installed"):
+        resolve(cfg, t4(), LlamaConfig())
+    # auto on a T4: fp16 and SDPA; Liger reported off with its reason
+    res = resolve(TrainConfig(data=good, out=tmp_path / "o"), t4(), LlamaConfig())
+    assert (res.dtype, res.attention, res.liger) == ("float16", "sdpa", False)
+    assert "not installed" in res.liger_reason
+
+
+def test_liger_on_cpu_falls_back_and_says_so(good, tmp_path):
+    from transformers import LlamaConfig
+
+    from quantserve.capabilities import detect
+    from training.train import resolve
+
+    caps = detect()
+    if caps.device != "cpu":
+        pytest.skip("checks the CPU fallback; on a GPU Liger may really be on")
+    res = resolve(TrainConfig(data=good, out=tmp_path / "o", liger=True), caps, LlamaConfig())
+    assert res.liger is False and res.notes and "training without it" in res.notes[0]
