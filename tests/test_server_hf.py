@@ -215,3 +215,16 @@ def test_request_arriving_mid_batch_starts_before_the_batch_ends(server):
     # the newcomer got its first token quickly and finished while the long batch was still running
     assert new_end < first_long_end
     assert first < long_total / 4
+
+
+def test_non_streaming_request_is_cancelled_when_the_client_goes(server):
+    before = server.metrics()["quantserve:engine_generated_tokens_total"]
+    body = {"model": server.model_name, "prompt": "Repeat: a b c", "max_tokens": 480, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.4))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and server.metrics()["quantserve:num_requests_running"] > 0:
+        time.sleep(0.05)
+    m = server.metrics()
+    assert m["quantserve:num_requests_running"] == 0 and m["quantserve:kv_cache_used_tokens"] == 0
+    assert m["quantserve:engine_generated_tokens_total"] - before < 480
