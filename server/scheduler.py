@@ -88,21 +88,33 @@ class Scheduler:
 
     def _loop(self) -> None:
         while True:
-            with self._cond:
-                while not (self._running or self._waiting or self._closing):
-                    self._cond.wait()
-                self._drop_cancelled()
-                if self._closing and self._deadline is not None and time.perf_counter() >= self._deadline:
-                    self._cancel_everything()
-                if self._closing and not (self._running or self._waiting):
+            try:
+                if self._iteration():
                     return
-                admitted = []
-                while self._waiting and self._free_slots:
-                    admitted.append((*self._waiting.popleft(), self._free_slots.pop()))
-            for stream, submitted_at, slot in admitted:
-                self._prefill(stream, submitted_at, slot)
-            if self._running:
-                self._decode_step()
+            except Exception as e:  # a bug here must fail the requests, not hang them forever
+                self._log(f"scheduler error: {type(e).__name__}: {e}")
+                with self._cond:
+                    for seq in list(self._running.values()):
+                        self._finish(seq, TokenEvent(None, finish_reason="error", error=f"{type(e).__name__}: {e}"))
+
+    def _iteration(self) -> bool:
+        """One round: cancellations, admissions, one decode step.  True when shut down."""
+        with self._cond:
+            while not (self._running or self._waiting or self._closing):
+                self._cond.wait()
+            self._drop_cancelled()
+            if self._closing and self._deadline is not None and time.perf_counter() >= self._deadline:
+                self._cancel_everything()
+            if self._closing and not (self._running or self._waiting):
+                return True
+            admitted = []
+            while self._waiting and self._free_slots:
+                admitted.append((*self._waiting.popleft(), self._free_slots.pop()))
+        for stream, submitted_at, slot in admitted:
+            self._prefill(stream, submitted_at, slot)
+        if self._running:
+            self._decode_step()
+        return False
 
     def _drop_cancelled(self) -> None:
         if not self._cancelled:
@@ -161,6 +173,13 @@ class Scheduler:
             self._emit(seq, logits[row])
 
     def _emit(self, seq: _Running, logits) -> None:
+        try:
+            self._sample_and_send(seq, logits)
+        except Exception as e:  # e.g. sampling from non-finite logits: only this request fails
+            self._log(f"sampling failed: {type(e).__name__}: {e}")
+            self._finish(seq, TokenEvent(None, finish_reason="error", error=f"{type(e).__name__}: {e}"))
+
+    def _sample_and_send(self, seq: _Running, logits) -> None:
         """Sample one token for `seq`, send it, and retire the sequence if it is done."""
         params = seq.stream.request.params
         token, logprob, top = seq.sampler.sample(logits)
