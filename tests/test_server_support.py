@@ -72,7 +72,7 @@ class ServerProcess:
     def log(self) -> str:
         if not self._log.closed:
             self._log.flush()
-        return self.log_path.read_text()[-4000:]
+        return self.log_path.read_text()[-4000:] if self.log_path.exists() else "(log removed after a clean exit)"
 
     def stop(self, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
@@ -83,6 +83,8 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait(10)
         self._log.close()
+        if self.proc.returncode == 0:
+            self.log_path.unlink(missing_ok=True)  # keep the log only when something went wrong
         return self.proc.returncode
 
     def client(self, **kw):
