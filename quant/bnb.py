@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from quant.source import Checkpoint, require_causal_lm
+from quantserve.settings import UserError
 
 BNB_FORMATS = ("bnb-int8", "bnb-nf4", "bnb-fp4")
 
@@ -44,6 +45,10 @@ def write_bnb(ckpt: Checkpoint, out_dir: Path, fmt: str, progress: bool = False)
     from quantserve.modeling import load_tokenizer
 
     require_causal_lm(ckpt)
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as e:
+        raise UserError("bitsandbytes formats need bitsandbytes (pip install 'quantserve[quant]')") from e
     if not progress:
         hf_logging.disable_progress_bar()
     try:

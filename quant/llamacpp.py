@@ -27,6 +27,15 @@ KQUANT_FTYPES = {
 }
 
 
+def _llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise UserError("GGUF k-quants and GGUF evaluation need llama-cpp-python "
+                        "(pip install 'quantserve[quant]')") from e
+    return llama_cpp
+
+
 def _threads() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
@@ -49,7 +58,7 @@ def quiet_native_stderr():
 
 def quantize(src_gguf: Path, dst_gguf: Path, kind: str) -> None:
     """k-quantize an F16/F32 GGUF with llama.cpp's own quantizer (`llama_model_quantize`)."""
-    import llama_cpp
+    llama_cpp = _llama_cpp()
 
     if kind not in KQUANT_FTYPES:
         raise UserError(f"unknown llama.cpp quantization {kind!r} (known: {', '.join(KQUANT_FTYPES)})")
@@ -66,7 +75,7 @@ def quantize(src_gguf: Path, dst_gguf: Path, kind: str) -> None:
 
 def load(path: Path, n_ctx: int = 512, logits_all: bool = True):
     """A `llama_cpp.Llama` on the CPU, quiet, with logits for every position when asked."""
-    import llama_cpp
+    llama_cpp = _llama_cpp()
 
     path = Path(path)
     if not path.is_file():
