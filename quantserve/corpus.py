@@ -43,17 +43,28 @@ class Example:
 
 
 def _letters(rng: random.Random, lo: int = 3, hi: int = 6) -> list[str]:
-    return [rng.choice(LETTERS) for _ in range(rng.randint(lo, hi))]
+    """Distinct letters: with no repeats, "find this letter in the prompt" is never ambiguous."""
+    return rng.sample(LETTERS, rng.randint(lo, hi))
+
+
+def _fmt(letters: list[str]) -> str:
+    return " ".join(letters)
+
+
+# Letter lists start on a new line in the prompt, so every letter is the same token in the prompt
+# and in the answer (the BPE pre-tokenizer glues a preceding space to a letter: " k" after
+# "Sort: " but "k" after a newline, as at the start of an answer).  That sameness is what lets a
+# tiny model learn to copy, sort and reverse by looking letters up in the prompt.
 
 
 def _copy(rng: random.Random) -> tuple[str, str]:
-    w = " ".join(_letters(rng))
-    return f"Repeat: {w}", w
+    w = _fmt(_letters(rng))
+    return f"Repeat:\n{w}", w
 
 
 def _count(rng: random.Random) -> tuple[str, str]:
     w = _letters(rng, 1, 9)
-    return f"How many letters in: {' '.join(w)}", str(len(w))
+    return f"How many letters?\n{_fmt(w)}", str(len(w))
 
 
 def _add(rng: random.Random) -> tuple[str, str]:
@@ -73,14 +84,12 @@ def _capital(rng: random.Random) -> tuple[str, str]:
 
 def _sort(rng: random.Random) -> tuple[str, str]:
     w = _letters(rng)
-    return f"Sort: {' '.join(w)}", " ".join(sorted(w))
+    return f"Sort:\n{_fmt(w)}", _fmt(sorted(w))
 
 
 def _reverse(rng: random.Random) -> tuple[str, str]:
-    w = _letters(rng, 4, 6)
-    while w == w[::-1]:  # a palindrome would let a "copy" answer pass as a reversal
-        w = _letters(rng, 4, 6)
-    return f"Reverse: {' '.join(w)}", " ".join(reversed(w))
+    w = _letters(rng, 4, 6)  # distinct letters: never a palindrome, so copying is never right
+    return f"Reverse:\n{_fmt(w)}", _fmt(w[::-1])
 
 
 SKILLS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
