@@ -1,0 +1,347 @@
+"""`quantserve pipeline`: data → plan → fine-tune → quantize → evaluate → serve, with proof at each step.
+
+Each stage writes its output under `--out` together with a `stage.json` holding a fingerprint of
+its inputs; a rerun skips every stage whose fingerprint still matches, so only what changed is
+redone (`--force` redoes everything).  A failing stage stops the run with one line naming it and
+leaves the earlier stages' outputs intact for the next run to reuse.
+
+The proof: the task's held-out prompts are sent through the real HTTP API (the `openai` client
+against `quantserve serve`) for the fine-tuned model and every quantized format, and the summary
+table gives size, perplexity change, task accuracy and tokens/s for each.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from quantserve.settings import UserError
+
+DEFAULT_FORMATS = ("bnb-int8", "bnb-nf4", "gguf-q8_0", "gguf-q4_k_m")
+SOURCE = "source"  # the fine-tuned checkpoint itself, served unquantized
+
+
+@dataclass
+class PipelineConfig:
+    out: Path = Path("runs/default")
+    model: str = "default"  # a checkpoint folder, or the embedded default model
+    data: Path | None = None  # chat/text JSONL to fine-tune on; default: the default task
+    eval_data: Path | None = None  # held-out chat JSONL scored by exact match; default: the task's
+    method: str = "full"
+    formats: tuple[str, ...] = DEFAULT_FORMATS
+    train_epochs: float | None = None  # None: training's own default
+    n_eval: int = 100  # held-out prompts sent through the API per format
+    max_tokens: int = 32
+    concurrency: int = 16
+    serve: bool = True  # keep serving `serve_format` at the end
+    serve_format: str = "gguf-q8_0"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    gpu_profile: str | None = None
+    force: bool = False
+    progress: bool = True
+
+
+@dataclass
+class FormatResult:
+    format: str
+    path: str
+    size_mib: float
+    ppl: float | None = None
+    ppl_delta: float | None = None
+    top1_agreement: float | None = None
+    task_accuracy: float | None = None
+    tokens_per_s: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def fingerprint(*parts: object) -> str:
+    """A hash of files (by content; by size+mtime above 256 MiB, where hashing would be slow),
+    folders (their files) and plain values."""
+    h = hashlib.sha256()
+    for part in parts:
+        if isinstance(part, Path) and part.exists():
+            files = sorted(p for p in part.rglob("*") if p.is_file()) if part.is_dir() else [part]
+            for f in files:
+                st = f.stat()
+                h.update(f"{f.relative_to(part) if part.is_dir() else f.name}:{st.st_size}".encode())
+                if st.st_size > 256 << 20:
+                    h.update(str(st.st_mtime_ns).encode())
+                else:
+                    h.update(f.read_bytes())
+        else:
+            h.update(json.dumps(part, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:16]
+
+
+class Stage:
+    """Runs `work` unless `out/stage.json` records the same input fingerprint."""
+
+    def __init__(self, name: str, out: Path, inputs: str, force: bool):
+        self.name, self.out, self.inputs, self.force = name, out, inputs, force
+
+    def current(self) -> dict | None:
+        marker = self.out / "stage.json"
+        if self.force or not marker.is_file():
+            return None
+        record = json.loads(marker.read_text())
+        return record if record.get("inputs") == self.inputs else None
+
+    def run(self, work: Callable[[], dict]) -> dict:
+        done = self.current()
+        if done is not None:
+            say(f"[{self.name}] up to date, reusing {self.out}")
+            return done["result"]
+        say(f"[{self.name}] running ...")
+        t0 = time.time()
+        try:
+            result = work()
+        except UserError as e:
+            raise UserError(f"pipeline stopped at stage '{self.name}': {e}") from e
+        except Exception as e:
+            raise UserError(f"pipeline stopped at stage '{self.name}': {type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}") from e
+        self.out.mkdir(parents=True, exist_ok=True)
+        record = {"inputs": self.inputs, "seconds": round(time.time() - t0, 1), "result": result}
+        (self.out / "stage.json").write_text(json.dumps(record, indent=1, default=str))
+        say(f"[{self.name}] done in {record['seconds']} s")
+        return result
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def run_pipeline(cfg: PipelineConfig) -> dict:
+    from quant.convert import FORMATS
+    from quantserve import corpus
+    from quantserve.default_model import resolve_model
+
+    unknown = [f for f in cfg.formats if f not in FORMATS]
+    if unknown:
+        raise UserError(f"unknown format(s) {unknown}; choose from {', '.join(FORMATS)}")
+    if cfg.serve and cfg.serve_format not in (SOURCE, *cfg.formats):
+        raise UserError(f"--serve-format {cfg.serve_format} is not among the formats built "
+                        f"({', '.join((SOURCE, *cfg.formats))})")
+    for path in (cfg.data, cfg.eval_data):
+        if path is not None and not Path(path).is_file():
+            raise UserError(f"{path}: no such data file")
+    out = Path(cfg.out)
+    t_start = time.time()
+
+    # 1. data
+    data_dir = out / "data"
+    files = Stage("data", data_dir, fingerprint(cfg.data, cfg.eval_data, corpus.__name__), cfg.force).run(
+        lambda: {k: str(v) for k, v in corpus.write_default_data(data_dir).items()})
+    train_data = Path(cfg.data or files["task_train"])
+    eval_data = Path(cfg.eval_data or files["task_heldout"])
+    heldout = corpus.read_examples(eval_data)[: cfg.n_eval]
+    if not heldout:
+        raise UserError(f"{eval_data}: no held-out examples to score")
+
+    # 2. base model, plan
+    base = resolve_model(cfg.model, progress=cfg.progress)
+    _print_plan(base, cfg)
+
+    # 3. fine-tune
+    train_dir = out / "train"
+    train_inputs = fingerprint(base, train_data, cfg.method, cfg.train_epochs)
+    train_result = Stage("train", train_dir, train_inputs, cfg.force).run(
+        lambda: _train(base, train_data, train_dir, cfg, heldout))
+
+    # 4. quantize + evaluate each format
+    results: dict[str, FormatResult] = {}
+    src_size = sum(f.stat().st_size for f in train_dir.glob("*.safetensors")) / 2**20
+    results[SOURCE] = FormatResult(SOURCE, str(train_dir), round(src_size, 2))
+    for fmt in cfg.formats:
+        qdir = out / "quant" / fmt
+        row = Stage(f"quantize {fmt}", qdir, fingerprint(train_inputs, fmt), cfg.force).run(
+            lambda fmt=fmt, qdir=qdir: _convert_and_eval(train_dir, fmt, qdir, cfg))
+        results[fmt] = FormatResult(fmt, str(qdir), row["size_mib"], row.get("ppl_quantized"),
+                                    row.get("ppl_delta"), row.get("top1_agreement"))
+        results[SOURCE].ppl = row.get("ppl_source")
+
+    # 5. serve each and score the task through the HTTP API
+    for name, res in results.items():
+        stage = Stage(f"serve+score {name}", out / "serve" / name,
+                      fingerprint(train_inputs, name, [e.prompt for e in heldout], cfg.max_tokens), cfg.force)
+        scored = stage.run(lambda res=res: _serve_and_score(Path(res.path), heldout, cfg))
+        res.task_accuracy, res.tokens_per_s = scored["accuracy"], scored["tokens_per_s"]
+
+    summary = {
+        "base_model": str(base), "base_task_accuracy": train_result["base_accuracy"],
+        "finetuned_task_accuracy_transformers": train_result["finetuned_accuracy"],
+        "train_seconds": train_result["seconds"], "n_eval": len(heldout),
+        "formats": [asdict(r) for r in results.values()], "seconds": round(time.time() - t_start, 1),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print_summary(summary)
+    if cfg.serve:
+        _serve_forever(Path(results[cfg.serve_format].path), cfg)
+    return summary
+
+
+def _print_plan(base: Path, cfg: PipelineConfig) -> None:
+    from training.plan import plan, print_report
+
+    try:
+        print_report(plan(model=str(base), seq_len=256, micro_batch=32, method=cfg.method))
+    except UserError as e:
+        say(f"[plan] {e}")
+
+
+def _train(base: Path, data: Path, out: Path, cfg: PipelineConfig, heldout) -> dict:
+    from quantserve.modeling import load_model, load_tokenizer, task_accuracy
+    from training.config import TrainConfig
+    from training.train import train
+
+    tok = load_tokenizer(base)
+    base_acc = task_accuracy(load_model(base), tok, heldout)
+    say(f"[train] base model held-out exact match: {base_acc:.1%}")
+    extra = {"epochs": cfg.train_epochs} if cfg.train_epochs else {}
+    t0 = time.time()
+    train(TrainConfig(data=data, out=out, model=str(base), method=cfg.method,
+                      merge=cfg.method != "full", gpu_profile=cfg.gpu_profile, progress=cfg.progress,
+                      resume=not cfg.force, **extra))
+    seconds = round(time.time() - t0, 1)
+    tuned = task_accuracy(load_model(out), load_tokenizer(out), heldout)
+    say(f"[train] fine-tuned held-out exact match: {tuned:.1%} (was {base_acc:.1%})")
+    return {"base_accuracy": base_acc, "finetuned_accuracy": tuned, "seconds": seconds}
+
+
+def _convert_and_eval(src: Path, fmt: str, out: Path, cfg: PipelineConfig) -> dict:
+    from quant.convert import convert
+    from quant.evaluate import evaluate
+
+    convert(src, fmt, out, force=True, progress=cfg.progress)
+    return evaluate(src, out)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`quantserve serve` in a child process, stopped (SIGINT, then SIGKILL) on exit."""
+
+    def __init__(self, model: Path, port: int, log: Path, gpu_profile: str | None, host: str = "127.0.0.1",
+                 extra: list[str] | None = None):
+        self.url = f"http://{host}:{port}"
+        cmd = [sys.executable, "-m", "quantserve", "serve", str(model), "--host", host, "--port", str(port),
+               "--log-level", "warning", *(extra or [])]
+        if gpu_profile:
+            cmd += ["--gpu-profile", gpu_profile]
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self.log = log
+        self._log_file = log.open("w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        import httpx
+
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                tail = self.log.read_text().strip().splitlines()[-1:] or ["(no output)"]
+                raise UserError(f"server exited early: {tail[0]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise UserError(f"server not ready after {timeout:.0f} s (log: {self.log})")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(2)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log_file.close()
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _serve_and_score(model: Path, heldout, cfg: PipelineConfig) -> dict:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai import OpenAI
+
+    port = free_port(cfg.host)
+    with ServerProcess(model, port, Path(cfg.out) / "serve" / f"{model.name}.log", cfg.gpu_profile) as server:
+        server.wait_ready()
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
+        name = client.models.list().data[0].id
+
+        def ask(prompt: str):
+            r = client.chat.completions.create(model=name, messages=[{"role": "user", "content": prompt}],
+                                               temperature=0, max_tokens=cfg.max_tokens)
+            return r.choices[0].message.content or "", r.usage.completion_tokens
+
+        t0 = time.time()
+        with ThreadPoolExecutor(cfg.concurrency) as pool:
+            answers = list(pool.map(ask, [e.prompt for e in heldout]))
+        wall = time.time() - t0
+    from quantserve.corpus import exact_match
+
+    accuracy = exact_match([a for a, _ in answers], [e.answer for e in heldout])
+    tokens = sum(n for _, n in answers)
+    say(f"  {model.name}: task accuracy {accuracy:.1%} over HTTP, {tokens / wall:.1f} tokens/s "
+        f"at concurrency {cfg.concurrency}")
+    return {"accuracy": accuracy, "tokens_per_s": round(tokens / wall, 1), "tokens": tokens,
+            "seconds": round(wall, 2), "samples": [[e.prompt, a] for e, (a, _) in zip(heldout[:5], answers)]}
+
+
+def print_summary(summary: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def fmt(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    table = Table(title=f"pipeline summary (task: held-out exact match over HTTP, n={summary['n_eval']}; "
+                        f"base model {summary['base_task_accuracy']:.0%})")
+    for col in ("format", "size MiB", "perplexity", "Δ ppl", "top-1 agree", "task acc", "tokens/s"):
+        table.add_column(col, justify="left" if col == "format" else "right")
+    for r in summary["formats"]:
+        table.add_row(r["format"], fmt(r["size_mib"], ".2f"), fmt(r["ppl"], ".4f"), fmt(r["ppl_delta"], "+.4f"),
+                      fmt(r["top1_agreement"], ".1%"), fmt(r["task_accuracy"], ".1%"), fmt(r["tokens_per_s"], ".1f"))
+    Console().print(table)
+
+
+def _serve_forever(model: Path, cfg: PipelineConfig) -> None:
+    """The last stage of `make run`: serve the chosen format until Ctrl-C."""
+    url = f"http://{cfg.host}:{cfg.port}/v1"
+    say(f"\nserving {model} at {url}  (Ctrl-C stops)\n")
+    say(f"  curl {url}/chat/completions -H 'Content-Type: application/json' \\\n"
+        f"    -d '{{\"model\": \"{model.name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Reverse: [a,b,c,d]\"}}]}}'\n")
+    say("  python -c \"from openai import OpenAI; c = OpenAI(base_url='" + url + "', api_key='none'); "
+        f"print(c.chat.completions.create(model='{model.name}', messages=[{{'role': 'user', "
+        "'content': 'Reverse: [a,b,c,d]'}]).choices[0].message.content)\"\n")
+    cmd = [sys.executable, "-m", "quantserve", "serve", str(model), "--host", cfg.host, "--port", str(cfg.port)]
+    if cfg.gpu_profile:
+        cmd += ["--gpu-profile", cfg.gpu_profile]
+    try:
+        proc = subprocess.run(cmd)
+    except KeyboardInterrupt:
+        say("stopped")
+        return
+    if proc.returncode not in (0, 130, -2):
+        raise UserError(f"server exited with status {proc.returncode}")
+

@@ -1,0 +1,72 @@
+"""The whole pipeline end to end on the default model (smaller settings), and its failure modes."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+FORMATS = "bnb-int8,gguf-q8_0,gguf-q4_k_m"
+
+
+def pipeline(out, *args, timeout=1500):
+    return subprocess.run([sys.executable, "-m", "quantserve", "pipeline", "--out", str(out), "--no-serve",
+                           "--n-eval", "40", *args], capture_output=True, text=True, cwd=REPO, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, default_model):
+    out = tmp_path_factory.mktemp("pipeline")
+    proc = pipeline(out, "--formats", FORMATS)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_summary_facts(run_dir):
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rows = {r["format"]: r for r in summary["formats"]}
+    assert list(rows) == ["source", *FORMATS.split(",")]
+    assert summary["base_task_accuracy"] <= 0.1  # the task was held out of pretraining
+    assert summary["finetuned_task_accuracy_transformers"] >= 0.9
+    for fmt in ("source", "bnb-int8", "gguf-q8_0"):  # the 8-bit formats keep the skill over HTTP
+        assert rows[fmt]["task_accuracy"] >= 0.9, rows[fmt]
+    assert rows["gguf-q4_k_m"]["task_accuracy"] is not None  # reported, whatever it is
+    for fmt in FORMATS.split(","):
+        r = rows[fmt]
+        assert r["size_mib"] < rows["source"]["size_mib"]
+        assert r["ppl"] is not None and r["top1_agreement"] is not None and r["tokens_per_s"] > 0
+    assert abs(rows["gguf-q8_0"]["ppl_delta"]) < abs(rows["gguf-q4_k_m"]["ppl_delta"]) + 1e-3
+    assert rows["gguf-q8_0"]["top1_agreement"] >= 0.97
+
+
+@pytest.mark.slow
+def test_rerun_reuses_every_stage(run_dir):
+    proc = pipeline(run_dir, "--formats", FORMATS, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "running" not in proc.stdout, proc.stdout
+    assert proc.stdout.count("up to date") >= 2 + 2 * len(FORMATS.split(","))
+
+
+@pytest.mark.slow
+def test_bad_data_stops_at_train_and_keeps_earlier_stages(run_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+                   "{not json\n")
+    out = tmp_path / "run"
+    proc = pipeline(out, "--data", str(bad), "--formats", "gguf-q8_0", timeout=600)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: pipeline stopped at stage 'train'") and "line 2" in last, last
+    assert "Traceback" not in proc.stderr
+    assert (out / "data" / "stage.json").is_file()  # the finished stage stays reusable
+
+
+def test_bad_arguments_are_refused_before_any_work(tmp_path):
+    proc = pipeline(tmp_path / "x", "--formats", "gguf-q3_xs")
+    assert proc.returncode == 1 and "unknown format" in proc.stderr
+    proc = pipeline(tmp_path / "x", "--data", str(tmp_path / "missing.jsonl"))
+    assert proc.returncode == 1 and "no such data file" in proc.stderr
+    assert not (tmp_path / "x").exists()
