@@ -319,9 +319,13 @@ def main() -> None:
         args.zero_seq_len, args.qlora_contexts = 128, [64, 128]
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+    import torch
+
     from quantserve.capabilities import detect
 
     caps = detect("native")
+    if caps.device == "cpu":
+        torch.set_num_threads(1)  # OpenMP spin-waiting on shared cores costs far more than it gives
     if caps.device == "cpu" and not args.quick:
         sys.exit("error: the full benchmark needs a CUDA GPU; use --quick on a CPU")
     print(f"device {caps.gpu_name or 'CPU'}, torch {caps.torch_version}, Liger "

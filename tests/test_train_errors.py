@@ -87,9 +87,10 @@ def test_seq_len_over_model_limit(good, tmp_path, default_model):
     (dict(dtype="fp16"), "fp16 training needs a CUDA GPU"),
     (dict(attn="flash2"), "--attn flash2 cannot run here"),
     (dict(method="dora"), "--method must be one of"),
+    (dict(plan="auto"), "this run has no GPU"),
 ])
 def test_impossible_setups(good, tmp_path, default_model, kw, needle):
-    if kw.get("dtype") == "fp16" or kw.get("attn") == "flash2":
+    if kw.get("dtype") == "fp16" or kw.get("attn") == "flash2" or kw.get("plan"):
         from quantserve.capabilities import detect
 
         if detect().device != "cpu":
