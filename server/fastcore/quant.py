@@ -23,11 +23,20 @@ import torch.nn.functional as F
 from torch import nn
 
 
+# Rows quantized at a time: an fp32 copy of a whole 8B-model lm_head is 2 GiB, which does not fit
+# next to the model under a 15 GiB (T4) budget.
+ROW_CHUNK = 2048
+
+
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] float -> (int8 [N, K], scales [N]) with symmetric per-row absmax scaling."""
-    wf = w.float()
-    scales = wf.abs().amax(dim=1).clamp(min=1e-8) / 127.0
-    q = torch.round(wf / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    scales = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+    for i in range(0, w.shape[0], ROW_CHUNK):
+        wf = w[i : i + ROW_CHUNK].float()
+        s = wf.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+        q[i : i + ROW_CHUNK] = torch.round(wf / s[:, None]).clamp(-127, 127).to(torch.int8)
+        scales[i : i + ROW_CHUNK] = s
     return q, scales
 
 
@@ -36,12 +45,16 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
 
     Dequantization is (q - 8) * scale + zero, the convention of torch's tinygemm kernel."""
     N, K = w.shape
-    wg = w.float().reshape(N, K // group_size, group_size)
-    lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
-    scales = (hi - lo).clamp(min=1e-6) / 15
-    zeros = lo + scales * 8
-    q = torch.round((wg - lo[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
-    return q.reshape(N, K), scales, zeros
+    q = torch.empty((N, K), dtype=torch.uint8, device=w.device)
+    scales = torch.empty((N, K // group_size), dtype=torch.float32, device=w.device)
+    zeros = torch.empty_like(scales)
+    for i in range(0, N, ROW_CHUNK):
+        wg = w[i : i + ROW_CHUNK].float().reshape(-1, K // group_size, group_size)
+        lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
+        s = (hi - lo).clamp(min=1e-6) / 15
+        scales[i : i + ROW_CHUNK], zeros[i : i + ROW_CHUNK] = s, lo + s * 8
+        q[i : i + ROW_CHUNK] = torch.round((wg - lo[..., None]) / s[..., None]).clamp(0, 15).to(torch.uint8).reshape(-1, K)
+    return q, scales, zeros
 
 
 class Int8Linear(nn.Module):
