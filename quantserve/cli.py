@@ -113,29 +113,20 @@ def pipeline(
         force=force))
 
 
-# Subcommands owned by the other packages are registered below (each module imports lazily).
-# bench: decode / serve / plot (bench/cli.py imports only typer; the scripts load the rest)
+# Subcommands owned by the other packages.  Their cli modules import only typer at module level
+# (torch, transformers, llama_cpp load inside the commands), so `quantserve --help` stays instant.
 from bench.cli import app as _bench_app  # noqa: E402
-
-app.add_typer(_bench_app, name="bench")
-
-def _serve_command():  # server/cli.py imports only typer at module level; the server loads inside
-    from server.cli import serve
-
-    return serve
-
-
-app.command("serve")(_serve_command())
-from training.cli import plan_command, train_command  # noqa: E402  (typer only; torch loads lazily)
-
-app.command("train")(train_command)
-app.command("plan")(plan_command)
-# quant: convert / eval / inspect (quant/cli.py imports its heavy libraries inside the commands)
 from quant import cli as _quant_cli  # noqa: E402
+from server.cli import serve as _serve  # noqa: E402
+from training.cli import plan_command, train_command  # noqa: E402
 
+app.command("plan")(plan_command)
+app.command("train")(train_command)
 app.command("convert")(_quant_cli.convert)
 app.command("eval")(_quant_cli.eval_)
 app.command("inspect")(_quant_cli.inspect)
+app.command("serve")(_serve)
+app.add_typer(_bench_app, name="bench")
 
 
 def main() -> None:

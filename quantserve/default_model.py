@@ -25,7 +25,7 @@ from pathlib import Path
 from quantserve import corpus
 from quantserve.settings import UserError, cache_dir
 
-BUILD_VERSION = 2  # bump when the recipe below changes, so old caches are not reused
+BUILD_VERSION = 4  # bump when the recipe below changes, so old caches are not reused
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,8 @@ def test_answers_are_correct_for_each_skill(skill):
         elif skill == "add":
             a, b = ex.prompt.removeprefix("What is ").removesuffix("?").split(" + ")
             assert int(ex.answer) == int(a) + int(b)
+        elif skill == "last_letter":
+            assert ex.answer == f"The last letter is {letters[-1]}"
         elif skill == "copy":
             assert ex.answer.split() == letters
         elif skill == "count":
@@ -66,6 +68,6 @@ def test_exact_match():
 def test_default_data_files_round_trip(tmp_path):
     files = corpus.write_default_data(tmp_path, n_task_train=50, n_task_heldout=20, n_heldout_text=30)
     train = corpus.read_examples(files["task_train"])
-    assert len(train) == 50 and all(e.prompt.startswith("Reverse:\n") for e in train)
+    assert len(train) == 50 and all(e.prompt.startswith("Last letter?\n") for e in train)
     assert len(corpus.read_examples(files["task_heldout"])) == 20
     assert len(corpus.read_examples(files["heldout_text"])) == 30

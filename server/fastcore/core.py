@@ -217,7 +217,11 @@ class FastCore:
             if self.compile:
                 # gpt-fast's settings: coordinate-descent tuning makes inductor turn 1-row matmuls
                 # into fused reductions (int8/int4 dequant folded in); cudagraphs kill launch cost.
-                opts = {"triton.cudagraphs": True, "coordinate_descent_tuning": batch == 1}
+                # cudagraph *trees* keep their state in thread-local storage and assert when the
+                # server's scheduler thread replays a graph recorded elsewhere (pytorch#123177);
+                # plain per-function CUDA graphs have no such tie to a thread.
+                opts = {"triton.cudagraphs": True, "triton.cudagraph_trees": False,
+                        "coordinate_descent_tuning": batch == 1}
                 fn = torch.compile(fn, fullgraph=True, options=opts)
             self._steps[key] = fn
         return self._steps[key]
