@@ -38,12 +38,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 install: $(VENV)/.installed
 
+# The whole pipeline on the embedded default model; it ends by serving on 127.0.0.1:8000 until
+# Ctrl-C.  PIPELINE_ARGS passes options through (e.g. PIPELINE_ARGS=--no-serve).
+PIPELINE_ARGS ?=
 run: install
-	@start=$$(date +%s); \
-	$(VENV)/bin/quantserve default-model && \
-	$(VENV)/bin/quantserve generate "Sort: d a c b" && \
-	$(VENV)/bin/quantserve generate "What is 12 + 30?" && \
-	echo "run took $$(( $$(date +%s) - start )) s"
+	$(VENV)/bin/quantserve pipeline --out runs/default $(PIPELINE_ARGS)
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)

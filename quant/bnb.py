@@ -77,5 +77,5 @@ def load_bnb(folder: Path):
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     model = AutoModelForCausalLM.from_pretrained(str(folder), device_map=_device())
     model.eval()
-    torch.set_grad_enabled(False)
+    model.requires_grad_(False)  # inference only; never touch the global grad mode
     return model

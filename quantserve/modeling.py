@@ -37,7 +37,7 @@ def load_model(path: Path, dtype: str = "float32", device: str = "cpu", attentio
     except (OSError, ValueError, KeyError) as e:
         raise UserError(f"{path}: cannot load checkpoint: {str(e).splitlines()[0]}") from e
     model.to(device).eval()
-    torch.set_grad_enabled(False)
+    model.requires_grad_(False)  # inference only; never touch the global grad mode
     return model
 
 
