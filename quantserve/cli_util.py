@@ -9,10 +9,14 @@ from __future__ import annotations
 import os
 import sys
 
-import click
 import typer
 
 from quantserve.settings import UserError
+
+try:  # typer >= 0.29 carries its own copy of click, and raises that copy's exceptions
+    from typer._click import exceptions as click_exceptions
+except ImportError:  # older typer: plain click
+    from click import exceptions as click_exceptions
 
 
 def new_app(help: str) -> typer.Typer:
@@ -29,19 +33,19 @@ def run(app: typer.Typer, prog: str) -> None:
     """Entry point wrapper: usage errors exit 2, user errors 1, interrupts 130."""
     try:
         app(prog_name=prog, standalone_mode=False)
-    except click.exceptions.NoArgsIsHelpError as e:
+    except click_exceptions.NoArgsIsHelpError as e:
         # typer/click already printed the help text; nothing was asked for
         raise SystemExit(0) from e
-    except click.UsageError as e:
+    except click_exceptions.UsageError as e:
         where = f" (see '{prog} {e.ctx.command_path.split(' ', 1)[1]} --help')" if e.ctx and " " in e.ctx.command_path else f" (see '{prog} --help')"
         fail(f"{e.format_message()}{where}", 2)
-    except click.exceptions.Abort:
+    except click_exceptions.Abort:
         fail("aborted", 130)
     except KeyboardInterrupt:
         fail("interrupted", 130)
-    except click.exceptions.Exit as e:
+    except click_exceptions.Exit as e:
         raise SystemExit(e.exit_code) from None
-    except click.ClickException as e:
+    except click_exceptions.ClickException as e:
         fail(e.format_message(), e.exit_code or 1)
     except UserError as e:
         fail(str(e), 1)

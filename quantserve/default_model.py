@@ -132,6 +132,7 @@ def _build_into(out: Path, cfg: DefaultModelConfig, progress: bool) -> None:
     losses: list[float] = []
     bar = _progress(cfg.steps, progress)
     model.train()
+    torch.set_grad_enabled(True)  # whatever a caller (an evaluation, a benchmark) left switched off
     for step in range(cfg.steps):
         batch = data[torch.randint(0, n_blocks, (cfg.batch_size,), generator=gen)]
         loss = model(input_ids=batch, labels=batch).loss

@@ -102,7 +102,7 @@ def load_hf(path: Path, gpu_profile: str | None, context: int | None, max_batch:
     if not quant:
         model.to(caps.device)
     model.eval()
-    torch.set_grad_enabled(False)
+    model.requires_grad_(False)  # decoding runs under inference_mode; the global grad mode is left alone
     tokenizer = HFTokenizer(load_tokenizer(path))
     trained = getattr(model.config, "max_position_embeddings", None) or 2048
     if context and context > trained:

@@ -83,7 +83,7 @@ def test_prefill_logits_match_hf(hf, prompts):
         assert torch.allclose(core.prefill(0, p), ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("quant, max_rel_err, min_agree", [("int8", 0.03, 0.95), ("int4", 0.4, 0.8)])
+@pytest.mark.parametrize("quant, max_rel_err, min_agree", [("int8", 0.05, 0.95), ("int4", 0.4, 0.8)])
 def test_quantized_logits_close_to_fp32(hf, prompts, quant, max_rel_err, min_agree):
     """Weight-only int8 (per-channel) and int4 (group 128) against fp32, teacher-forced on the
     fp32 greedy path.  Measured on the default model: int8 max rel. error 1.1 %, greedy agreement

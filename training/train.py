@@ -86,6 +86,7 @@ def set_threads(cfg: TrainConfig, caps, world_size: int) -> None:
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    torch.set_grad_enabled(True)  # an evaluation earlier in the same process may have left it off
         return
     if caps.device != "cpu" or os.environ.get("OMP_NUM_THREADS"):
         return
