@@ -38,8 +38,9 @@ def test_summary_facts(run_dir):
         r = rows[fmt]
         assert r["size_mib"] < rows["source"]["size_mib"]
         assert r["ppl"] is not None and r["top1_agreement"] is not None and r["tokens_per_s"] > 0
-    assert abs(rows["gguf-q8_0"]["ppl_delta"]) < abs(rows["gguf-q4_k_m"]["ppl_delta"]) + 1e-3
-    assert rows["gguf-q8_0"]["top1_agreement"] >= 0.97
+    # perplexity barely separates formats on a 3.5 M-parameter model; agreement does
+    assert rows["gguf-q8_0"]["top1_agreement"] >= rows["gguf-q4_k_m"]["top1_agreement"]
+    assert rows["gguf-q8_0"]["top1_agreement"] >= 0.97 and rows["bnb-int8"]["top1_agreement"] >= 0.97
 
 
 @pytest.mark.slow
