@@ -86,7 +86,6 @@ def set_threads(cfg: TrainConfig, caps, world_size: int) -> None:
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    torch.set_grad_enabled(True)  # an evaluation earlier in the same process may have left it off
         return
     if caps.device != "cpu" or os.environ.get("OMP_NUM_THREADS"):
         return
@@ -148,6 +147,9 @@ def train(cfg: TrainConfig) -> Path:
     """Fine-tune `cfg.model` on `cfg.data`; return `cfg.out`, a loadable Hugging Face checkpoint."""
     cfg.validate()
     t_start = time.time()
+    import torch
+
+    torch.set_grad_enabled(True)  # an evaluation earlier in the same process may have left it off
     if cfg.zero is not None:
         distributed.single_process_env()
     ws, rank, _ = distributed.world()
