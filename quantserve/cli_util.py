@@ -39,11 +39,11 @@ def run(app: typer.Typer, prog: str) -> None:
     except click_exceptions.UsageError as e:
         where = f" (see '{prog} {e.ctx.command_path.split(' ', 1)[1]} --help')" if e.ctx and " " in e.ctx.command_path else f" (see '{prog} --help')"
         fail(f"{e.format_message()}{where}", 2)
-    except click_exceptions.Abort:
+    except typer.Abort:
         fail("aborted", 130)
     except KeyboardInterrupt:
         fail("interrupted", 130)
-    except click_exceptions.Exit as e:
+    except typer.Exit as e:
         raise SystemExit(e.exit_code) from None
     except click_exceptions.ClickException as e:
         fail(e.format_message(), e.exit_code or 1)
