@@ -126,7 +126,7 @@ def bench_generate(cfg, device, dtype, batch: int, prompt_len: int, new_tokens: 
     return {"step_ms": step * 1e3, "tok_s": batch / step, "weight_bytes": wbytes}
 
 
-def bench_core(cfg, device, caps, quant: str, int4_kernel: str, batches: list[int], prompt_len: int,
+def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], prompt_len: int,
                new_tokens: int, compile: bool) -> list[dict]:
     """FastCore decode at each batch size: prefill `prompt_len` tokens per slot, then time
     `new_tokens` steps feeding the argmax back on the device (no host sync inside the loop)."""
@@ -137,14 +137,14 @@ def bench_core(cfg, device, caps, quant: str, int4_kernel: str, batches: list[in
     t0 = time.perf_counter()
     max_seq = -(-(prompt_len + new_tokens + 8) // 256) * 256
     core = FastCore(None, random_config=cfg, max_slots=max(batches), max_seq=max_seq, device=device,
-                    weight_quant=quant, int4_kernel=int4_kernel, compile=compile, profile=caps.profile)
+                    weight_quant=quant, quant_kernel=kernel, compile=compile, profile=caps.profile)
     build_s = time.perf_counter() - t0
     wbytes = core.weight_bytes_per_token()
     kv_tok = core.args.kv_bytes_per_token(torch.finfo(core.dtype).bits // 8)
     prompt = torch.randint(0, cfg.vocab_size, (prompt_len,))
     rows = []
     for b in batches:
-        row = {"batch": b, "weight_bytes": wbytes, "build_s": round(build_s, 1), "kernel": core.int4_kernel if quant == "int4" else None}
+        row = {"batch": b, "weight_bytes": wbytes, "build_s": round(build_s, 1), "kernel": core.quant_kernel if quant != "none" else None}
         try:
             first = [int(core.prefill(s, prompt).argmax()) for s in range(b)]
             tok = torch.tensor(first, device=device)
@@ -181,14 +181,14 @@ def bench_core(cfg, device, caps, quant: str, int4_kernel: str, batches: list[in
     return rows
 
 
-def fit_check(cfg, device, caps, quant: str, int4_kernel: str, slots: int = 8, seq: int = 2048) -> dict:
+def fit_check(cfg, device, caps, quant: str, kernel: str, slots: int = 8, seq: int = 2048) -> dict:
     """Under the cap: weights + a KV cache of `slots` x `seq`, every slot filled to ~seq, one step."""
     import torch
 
     from server.fastcore import FastCore
 
     core = FastCore(None, random_config=cfg, max_slots=slots, max_seq=seq, device=device,
-                    weight_quant=quant, int4_kernel=int4_kernel, compile=False, profile=caps.profile)
+                    weight_quant=quant, quant_kernel=kernel, compile=False, profile=caps.profile)
     fill = seq - 16
     for s in range(slots):
         core.prefill(s, torch.randint(0, cfg.vocab_size, (fill,)))
@@ -205,8 +205,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="1b,8b", help="comma list of 1b, 8b, tiny")
     ap.add_argument("--quants", default="none,int8,int4", help="comma list of none, int8, int4")
-    ap.add_argument("--int4-kernels", default="auto",
-                    help="comma list of auto, dequant, tinygemm (tinygemm: sm_80+, not under t4)")
+    ap.add_argument("--kernels", default="auto",
+                    help="int8/int4 kernels, comma list of auto, triton, torch, tinygemm (int4; sm_80+, not under t4)")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -261,11 +261,11 @@ def main(argv=None) -> int:
             free(device)
             add(row)
         for quant in args.quants.split(","):
-            kernels = args.int4_kernels.split(",") if quant == "int4" else ["-"]
+            kernels = [k for k in args.kernels.split(",") if quant == "int4" or k != "tinygemm"] if quant != "none" else ["-"]
             for kernel in kernels:
                 capped = quant != "none" or fp16_fits
                 engine = "fastcore-" + {"none": "fp16" if dtype == torch.float16 else "fp32"}.get(quant, quant)
-                if quant == "int4" and kernel != "auto":
+                if quant != "none" and kernel != "auto":
                     engine += f"-{kernel}"
                 try:
                     cap.set(capped)

@@ -119,10 +119,31 @@ def hf_step_fn(model, params, batch, seq, vocab, device, amp: bool):
 
 
 def sdpa_t4():
-    """The T4's SDPA kernels only (no flash / cuDNN), as the T4 profile enforces."""
+    """The T4's SDPA kernels only (no flash / cuDNN), as the T4 profile enforces; and, as the
+    profile does, transformers told to expand grouped K/V heads so those kernels accept them."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from quantserve.capabilities import expand_gqa_for_sdpa
+
+    expand_gqa_for_sdpa()
     return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def gqa_probe(device: str) -> str:
+    """Does the memory-efficient SDPA kernel accept `enable_gqa` (8 K/V heads for 32 query heads)?"""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if device != "cuda":
+        return "not checked (CPU)"
+    q = torch.randn(1, 32, 128, 64, device="cuda", dtype=torch.float16)
+    kv = torch.randn(1, 8, 128, 64, device="cuda", dtype=torch.float16)
+    try:
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+            torch.nn.functional.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
+        return "accepted"
+    except RuntimeError as e:
+        return "refused: " + str(e).splitlines()[0][:120]
 
 
 def row_hf(args, caps, name: str, ckpt: bool, liger: bool) -> Result:
@@ -150,6 +171,8 @@ def row_hf(args, caps, name: str, ckpt: bool, liger: bool) -> Result:
         res.step_s = timed_steps(step, args.steps, args.warmup, dev)
     res.tokens_per_s = args.batch * args.seq_len / res.step_s
     res.peak_gib = peak_gib(dev)
+    if dev == "cuda":  # between steps: weights + Adam state (gradients were set to None)
+        res.extra["resident_gib"] = torch.cuda.memory_allocated() / 2**30
     s = Shape.from_config(LlamaConfig(**{**shape, "num_hidden_layers": args.layers or shape["num_hidden_layers"]}))
     res.plan_gib = setup_row(s, "full", None, "none", ckpt, liger, args.batch * args.seq_len, args.seq_len, 1,
                              dtype_bytes=2 if amp else 4).peak / 2**30
@@ -332,6 +355,8 @@ def main() -> None:
           f"{'on' if caps.liger else 'off (' + ('not installed' if not caps.packages.get('liger_kernel') else 'no GPU/Triton') + ')'}",
           file=sys.stderr)
     results: list[Result] = []
+    probe = gqa_probe(caps.device)
+    print(f"memory-efficient SDPA with enable_gqa: {probe}", file=sys.stderr)
     if "hf" not in args.skip:
         for name, ckpt, liger in (("1B plain HF", False, False), ("1B + checkpointing", True, False),
                                   ("1B + Liger", False, True), ("1B + Liger + checkpointing", True, True)):
@@ -360,6 +385,7 @@ def main() -> None:
     q = [r for r in results if "QLoRA" in r.row]
     if q:
         summary["qlora_longest_fitting_context"] = q[-1].extra.get("longest_fitting_context")
+    summary["efficient_sdpa_enable_gqa"] = probe
     print("\nsummary: " + json.dumps(summary))
     args.json.write_text(json.dumps({"device": caps.as_dict(), "args": {k: str(v) for k, v in vars(args).items()},
                                      "rows": [{**r.__dict__, "plan_error": r.plan_error} for r in results],

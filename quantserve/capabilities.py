@@ -106,17 +106,35 @@ def _triton_runs() -> bool:
 
 
 def apply_profile(caps: Capabilities) -> None:
-    """Enforce the T4 profile on a bigger GPU: memory cap and T4 attention kernels."""
-    if caps.profile != "t4" or caps.device != "cuda":
+    """Enforce the T4 profile on a bigger GPU (memory cap, T4 attention kernels), and on any GPU
+    without the flash SDPA kernel keep grouped-query attention off the math kernel."""
+    if caps.device != "cuda":
         return
     import torch
 
-    fraction = min(1.0, T4_MEMORY_GIB / caps.gpu_memory_gib)
-    torch.cuda.set_per_process_memory_fraction(fraction, 0)
-    torch.backends.cuda.enable_flash_sdp(False)
-    torch.backends.cuda.enable_cudnn_sdp(False)
-    torch.backends.cuda.enable_mem_efficient_sdp(True)
-    torch.backends.cuda.enable_math_sdp(True)
+    if caps.profile == "t4":
+        fraction = min(1.0, T4_MEMORY_GIB / caps.gpu_memory_gib)
+        torch.cuda.set_per_process_memory_fraction(fraction, 0)
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(True)
+        torch.backends.cuda.enable_math_sdp(True)
+    if "flash" not in caps.sdpa_kernels:
+        expand_gqa_for_sdpa()
+
+
+def expand_gqa_for_sdpa() -> None:
+    """Make transformers repeat K/V heads itself instead of passing `enable_gqa=True` to SDPA.
+
+    Only the flash kernel accepts `enable_gqa` with fewer K/V heads than query heads; PyTorch's
+    memory-efficient kernel refuses it, so without flash (a T4, or the T4 profile) every GQA model
+    (Llama 3, Qwen, Mistral) silently falls back to the math kernel, which materializes the
+    seq x seq score matrix: 2 GiB per layer at 2 x 4096 tokens, saved for backward.  Expanding K/V
+    costs (heads / kv_heads) x the K/V bytes and keeps the O(seq) kernel.
+    """
+    from transformers.integrations import sdpa_attention
+
+    sdpa_attention.use_gqa_in_sdpa = lambda *args, **kwargs: False
 
 
 def check_dtype(caps: Capabilities, dtype: str) -> None:

@@ -114,10 +114,10 @@ def test_int4_layout_is_the_one_torch_int4_kernels_expect():
     sz = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
     y_torch = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 64, sz)
-    y_ours = Int4Linear(w, None, torch.float32, 64, "dequant")(x)
+    y_ours = Int4Linear(w, None, torch.float32, 64, "torch")(x)
     assert torch.allclose(y_torch, y_ours, atol=1e-4)
     # and the quantization itself is within half a step of the weights
-    deq = Int4Linear(w, None, torch.float32, 64, "dequant").dequantize(torch.float32)
+    deq = Int4Linear(w, None, torch.float32, 64, "torch").dequantize(torch.float32)
     step = scales.repeat_interleave(64, dim=1)
     assert ((deq - w).abs() <= step / 2 + 1e-5).all()
 
@@ -166,6 +166,42 @@ def test_compiled_cuda_decode_matches_eager(hf, prompts):
         a = eager.decode([0, 1, 2], [5, 6, 7], pos)
         b = fast.decode([0, 1, 2], [5, 6, 7], pos)
         assert torch.allclose(a, b, atol=1e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton int8/int4 kernels run on a CUDA GPU only")
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_triton_weight_kernels_match_torch_ops(mode):
+    from server.fastcore.quant import make_linear
+
+    torch.manual_seed(0)
+    for N, K in ((3072, 2048), (2048, 8192), (1000, 256)):
+        w = torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02
+        ref = make_linear(w, None, mode, torch.float16, "torch")
+        tri = make_linear(w, None, mode, torch.float16, "triton")
+        assert tri.kernel == "triton"
+        for M in (1, 8, 33, 64):
+            x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+            torch.testing.assert_close(tri(x), ref(x), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.compile + CUDA graph decode needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_compiled_triton_decode_matches_eager_torch_ops(hf, prompts, mode):
+    """The Triton kernels inside the compiled, CUDA-graphed step give the eager torch path's logits."""
+    model, _ = hf
+    eager = FastCore(model, max_slots=4, max_seq=256, device="cuda", weight_quant=mode, quant_kernel="torch",
+                     compile=False)
+    fast = FastCore(model, max_slots=4, max_seq=256, device="cuda", weight_quant=mode, quant_kernel="triton",
+                    compile=True)
+    fast.warm_up()
+    for core in (eager, fast):
+        for s, p in enumerate(prompts[:3]):
+            core.prefill(s, p)
+    for i in range(4):
+        pos = [len(p) + i for p in prompts[:3]]
+        a = eager.decode([0, 1, 2], [5, 6, 7], pos)
+        b = fast.decode([0, 1, 2], [5, 6, 7], pos)
+        assert torch.allclose(a, b, atol=5e-2), (a - b).abs().max()
 
 
 def test_adapter_matches_server_hf_backend(hf, default_model, prompts):

@@ -18,6 +18,9 @@ Per GPU, in bytes, for Ψ parameters, T = micro-batch x seq-len tokens and L lay
 - logits: ~12·V bytes per token at the loss (16-bit logits, their fp32 copy, log-softmax and its
   gradient); Liger's fused linear cross-entropy never builds them (~8h per token + lm_head grad).
 
+- autocast over fp32 weights also holds a 16-bit copy of each matmul weight for the step (2 bytes
+  per linear parameter, lm_head included).
+
 Peak = weights + optimizer + max(activations + logits + buffers, grads): the forward/backward
 peak comes with the activations, the optimizer-step peak with all gradients (fused AdamW).
 DeepSpeed's own estimators (`estimate_zero2/3_model_states_mem_needs`) are shown next to ours.
@@ -183,6 +186,10 @@ def setup_row(s: Shape, method: str, zero: int | None, offload: str, ckpt: bool,
     act = activation_bytes(s, tokens, seq_len, amp, ckpt, liger)
     logit = logits_bytes(s, tokens, liger, weight_bytes)
     buffers = BUCKETS if zero is not None and zero >= 1 else 0.0
+    if amp:
+        # autocast caches a 16-bit copy of every weight a matmul uses (the blocks' linears and
+        # lm_head) until the forward ends, and the backward keeps them as saved tensors
+        buffers += 2 * (s.layer_linear + s.vocab * s.hidden)
     peak = w + o + max(act + logit + buffers, g)
     parts = [method]
     if zero is not None:

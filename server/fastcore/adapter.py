@@ -19,6 +19,10 @@ class FastCoreBackend:
                              "and weight_quant='int8' or 'int4'")
         self.core = FastCore(model, max_slots=max_batch, max_seq=context_length, weight_quant=weight_quant,
                              profile=profile, compile=compile, prefill_chunk=prefill_chunk)
+        if self.core.compile:
+            # every decode shape compiled and recorded before /health says ready: lazily, the first
+            # request to reach a new batch size waited seconds (and stalled everyone else)
+            self.warm_up_s = self.core.warm_up()
         self.vocab_size = self.core.args.vocab_size
         self.kv_capacity_tokens = max_batch * context_length
         self._slot: dict[int, int] = {}  # scheduler slot -> FastCore slot

@@ -8,8 +8,8 @@
 
 `decode` runs any subset of slots at their own positions.  It pads the batch to the next size in
 BATCH_BUCKETS covering slots 0..max(slot) (slots are handed out lowest-first, so the active set
-stays compact) and the attended cache prefix to the next multiple of KV_BUCKET, so on a GPU each
-(batch, kv-length) pair replays one CUDA graph.  Padding rows write into the cache's trash row.
+stays compact) and the attended cache prefix to the next multiple of `kv_bucket`, so on a GPU each
+(batch, kv-length) pair replays one CUDA graph; `warm_up()` records them all at start-up.  Padding rows write into the cache's trash row.
 
 `prefill(slot, ids, start)` appends `ids` at position `start`; a scheduler that wants running
 decodes not to stall calls it with chunks (`prefill_chunk` tokens) between decode steps.
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from server.fastcore.model import ModelArgs, Transformer
-from server.fastcore.quant import int4_tinygemm_supported, linear_weight_bytes, make_linear
+from server.fastcore.quant import default_kernel, int4_tinygemm_supported, linear_weight_bytes, make_linear
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 KV_BUCKET = 256
@@ -75,7 +75,7 @@ def _rope_theta(cfg) -> float:
 class FastCore:
     def __init__(self, model, max_slots: int | None = 8, max_seq: int = 2048, dtype: str | torch.dtype | None = None,
                  device: str | torch.device | None = None, weight_quant: str = "none",
-                 compile: bool | None = None, int4_kernel: str = "auto", group_size: int = 128,
+                 compile: bool | None = None, quant_kernel: str = "auto", group_size: int = 128,
                  prefill_chunk: int = 512, profile: str = "native", kv_budget_gib: float | None = None,
                  random_config=None, seed: int = 0):
         """model: a checkpoint folder, a loaded HF LlamaForCausalLM, or None with `random_config`
@@ -85,9 +85,12 @@ class FastCore:
         if dtype is None:
             dtype = torch.float16 if device.type == "cuda" else torch.float32
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        if int4_kernel == "auto":
-            int4_kernel = "tinygemm" if int4_tinygemm_supported(device, profile) else "dequant"
-        self.device, self.dtype, self.weight_quant, self.int4_kernel = device, dtype, weight_quant, int4_kernel
+        if quant_kernel == "auto":
+            quant_kernel = default_kernel(device)
+        if quant_kernel == "tinygemm" and not int4_tinygemm_supported(device, profile):
+            raise ValueError("the tinygemm int4 kernel needs a CUDA GPU with compute capability >= 8.0 "
+                             "(not a T4, not the T4 profile)")
+        self.device, self.dtype, self.weight_quant, self.quant_kernel = device, dtype, weight_quant, quant_kernel
         self.prefill_chunk, self.max_seq = prefill_chunk, max_seq
         t0 = time.perf_counter()
         if random_config is not None:
@@ -97,13 +100,15 @@ class FastCore:
             get, has, cfg, inv_freq, rope_scale = _hf_tensors(hf)
         self.config = cfg
         self.args = a = ModelArgs.from_hf(cfg)
-        self.model = self._build(get, has, a, weight_quant, int4_kernel, group_size)
+        self.model = self._build(get, has, a, weight_quant, quant_kernel, group_size)
         self.load_seconds = time.perf_counter() - t0
         if max_slots is None:
             max_slots = self.slots_for_budget(kv_budget_gib)
         self.max_slots = max_slots
         self.model.setup_caches(max_slots, max_seq, inv_freq, rope_scale, dtype, device)
         self.buckets = tuple(b for b in BATCH_BUCKETS if b < max_slots) + (max_slots,)
+        # at most 8 attended lengths: each (batch, length) pair is one CUDA graph to record
+        self.kv_bucket = max(KV_BUCKET, -(-max_seq // (8 * KV_BUCKET)) * KV_BUCKET)
         self.lengths = [0] * max_slots
         self.in_use = [False] * max_slots
         self.compile = device.type == "cuda" if compile is None else compile
@@ -115,7 +120,7 @@ class FastCore:
                 torch._dynamo.mark_static_address(t)
 
     # ---- building ------------------------------------------------------------------------------
-    def _build(self, get, has, a: ModelArgs, mode: str, int4_kernel: str, group_size: int) -> Transformer:
+    def _build(self, get, has, a: ModelArgs, mode: str, kernel: str, group_size: int) -> Transformer:
         dev, dt = self.device, self.dtype
 
         def w(name):
@@ -125,7 +130,7 @@ class FastCore:
             m = Transformer(a)
         m.tok_embeddings.weight = torch.nn.Parameter(w("model.embed_tokens.weight").to(dt), requires_grad=False)
         m.norm.weight = torch.nn.Parameter(w("model.norm.weight").to(dt), requires_grad=False)
-        lin = lambda wt, b: make_linear(wt, b, mode, dt, int4_kernel, group_size)  # noqa: E731
+        lin = lambda wt, b: make_linear(wt, b, mode, dt, kernel, group_size)  # noqa: E731
         for i, layer in enumerate(m.layers):
             p = f"model.layers.{i}."
             qkv = torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
@@ -189,7 +194,24 @@ class FastCore:
 
     # ---- running -------------------------------------------------------------------------------
     def _kv_len(self, n: int) -> int:
-        return min(self.max_seq, -(-n // KV_BUCKET) * KV_BUCKET)
+        return min(self.max_seq, -(-n // self.kv_bucket) * self.kv_bucket)
+
+    @torch.inference_mode()
+    def warm_up(self) -> float:
+        """Compile and record every decode shape a server can hit (each batch bucket x each attended
+        length) now, so that no request waits on torch.compile, Triton autotuning or a CUDA-graph
+        recording later.  Returns the seconds it took."""
+        t0 = time.perf_counter()
+        lengths = sorted({self._kv_len(n) for n in range(1, self.max_seq + 1, self.kv_bucket)} | {self.max_seq})
+        for batch in self.buckets:
+            tok = torch.zeros(batch, dtype=torch.long, device=self.device)
+            pos = torch.full((batch,), self.max_seq, dtype=torch.long, device=self.device)  # the trash row
+            for length in lengths:
+                for _ in range(2):  # the first call compiles / warms, the second records the graph
+                    self.decode_padded(tok, pos, self._kv_idx[:length])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
 
     @torch.inference_mode()
     def prefill(self, slot: int, ids, start: int = 0) -> torch.Tensor:

@@ -1,22 +1,25 @@
 """Weight-only int8 and int4 linear layers, quantized at load from the fp16 weights.
 
-Why these kernels (decode at small batch reads every weight once per step, so bytes are time):
-- int8, per-output-channel symmetric scales.  On CUDA the forward is gpt-fast's
-  `linear(x, w.to(x.dtype)) * scale`: under torch.compile with coordinate-descent tuning, inductor
-  rewrites a 1-row matmul as a reduction and fuses the int8 -> fp16 conversion into it, so the
-  weight is read as 1 byte/param.  (torch's CUDA `_weight_int8pack_mm` is a naive one-thread-per-
-  output fp32 kernel, and bitsandbytes LLM.int8 decomposes outliers at run time: both slow.)
-  On the CPU `_weight_int8pack_mm` is a real kernel and is used.
-- int4, asymmetric per group of `group_size` input columns (gpt-fast / torchao layout: q in 0..15,
-  w = (q - 8) * scale + zero).  Two kernels:
-  * "tinygemm": `torch._weight_int4pack_mm`, tensor-core int4; CUDA only, needs sm_80+ and bf16
-    activations (checked in torch's int4mm.cu), so it never runs on a real T4;
-  * "dequant": nibbles packed two per byte, unpacked and scaled in torch ops; under torch.compile
-    at batch 1 inductor fuses it into the matmul reduction (0.5 byte/param read) on any GPU Triton
-    runs on, in fp16.  This is the T4 path, and the CPU path.
+Decode at small batch reads every weight once per step, so bytes are time.  Kernels, by name:
+- "triton" (CUDA, the default there): `triton_mm.py`'s kernels read the int8 / packed int4 weights
+  once and dequantize in registers, for any batch up to 64, on any GPU Triton runs on (a T4 too).
+- "torch": plain torch ops.  int8 is gpt-fast's `linear(x, w.to(x.dtype)) * scale`, which only
+  reads 1 byte/param if inductor turns the matmul into a fused reduction (batch 1 under
+  coordinate-descent tuning; measured 0.86x fp16 on an H200, so it did not); int4 unpacks the
+  nibbles and scales them (the same fusion hope).  On the CPU int8 uses torch's
+  `_weight_int8pack_mm`, a real kernel there.
+- "tinygemm" (int4 only): `torch._weight_int4pack_mm`, tensor-core int4; CUDA sm_80+ with bf16
+  activations only, so never on a T4 or under the T4 profile.
+(torch's CUDA `_weight_int8pack_mm` is a naive one-thread-per-output kernel, and bitsandbytes
+LLM.int8 decomposes outliers at run time: both slow at decode.)
+
+Formats: int8 per-output-channel symmetric scales; int4 asymmetric per group of `group_size` input
+columns (gpt-fast / torchao layout: q in 0..15, w = (q - 8) * scale + zero).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -57,16 +60,42 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     return q, scales, zeros
 
 
+@functools.cache
+def triton_ops():
+    """The Triton kernels module, or None where it cannot run (no CUDA GPU or no Triton)."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from server.fastcore import triton_mm
+    except ImportError:
+        return None
+    return triton_mm
+
+
+def default_kernel(device: torch.device) -> str:
+    """triton on a GPU where it runs, else plain torch ops."""
+    if device.type == "cuda" and triton_ops() is not None:
+        return "triton"
+    return "torch"
+
+
 class Int8Linear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, kernel: str = "torch"):
         super().__init__()
+        if kernel not in ("triton", "torch"):
+            raise ValueError(f"unknown int8 kernel {kernel!r} (triton or torch)")
+        # the Triton kernel walks K in whole blocks of 64
+        self.kernel = kernel if weight.shape[1] % 64 == 0 else "torch"
         q, scales = quantize_int8(weight)
         self.register_buffer("weight", q)
         self.register_buffer("scales", scales.to(dtype))
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
 
     def forward(self, x):
-        if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        if self.kernel == "triton" and x.is_cuda:
+            y = triton_ops().int8_weight_mm(x.reshape(-1, x.shape[-1]), self.weight,
+                                            self.scales).view(*x.shape[:-1], -1)
+        elif x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
             y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.weight,
                                           self.scales.to(x.dtype)).view(*x.shape[:-1], -1)
         else:
@@ -86,11 +115,13 @@ def int4_tinygemm_supported(device: torch.device, profile: str = "native") -> bo
 
 class Int4Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                 group_size: int = 128, kernel: str = "dequant"):
+                 group_size: int = 128, kernel: str = "torch"):
         super().__init__()
         N, K = weight.shape
         if K % group_size:
             raise ValueError(f"int4 needs in_features ({K}) divisible by group_size ({group_size})")
+        if kernel == "triton" and (K % 64 or group_size < 64):
+            kernel = "torch"  # the Triton kernel walks K in blocks of >= 64 inside one group
         self.kernel, self.group_size, self.out_features = kernel, group_size, N
         q, scales, zeros = quantize_int4(weight, group_size)
         if kernel == "tinygemm":
@@ -101,13 +132,13 @@ class Int4Linear(nn.Module):
             self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack(packed, 8))
             sz = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
             self.register_buffer("scales_and_zeros", sz.to(torch.bfloat16))
-        elif kernel == "dequant":
+        elif kernel in ("triton", "torch"):
             self.register_buffer("weight", (q[:, ::2] << 4 | q[:, 1::2]).contiguous())  # [N, K/2]
             self.register_buffer("scales", scales.to(dtype))
             # store (zero - 8*scale) = the group minimum, so dequant is one multiply-add
             self.register_buffer("mins", (zeros - 8 * scales).to(dtype))
         else:
-            raise ValueError(f"unknown int4 kernel {kernel!r} (tinygemm or dequant)")
+            raise ValueError(f"unknown int4 kernel {kernel!r} (triton, tinygemm or torch)")
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
 
     def dequantize(self, dtype) -> torch.Tensor:
@@ -120,6 +151,9 @@ class Int4Linear(nn.Module):
             x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
             y = torch.ops.aten._weight_int4pack_mm(x2, self.weight, self.group_size, self.scales_and_zeros)
             y = y.to(x.dtype).view(*x.shape[:-1], -1)
+        elif self.kernel == "triton" and x.is_cuda:
+            y = triton_ops().int4_weight_mm(x.reshape(-1, x.shape[-1]), self.weight, self.scales, self.mins,
+                                            self.group_size).view(*x.shape[:-1], -1)
         else:
             y = F.linear(x, self.dequantize(x.dtype))
         return y if self.bias is None else y + self.bias
@@ -129,12 +163,12 @@ class Int4Linear(nn.Module):
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, mode: str, dtype: torch.dtype,
-                int4_kernel: str = "dequant", group_size: int = 128) -> nn.Module:
+                kernel: str = "torch", group_size: int = 128) -> nn.Module:
     """An nn.Module computing x @ weight.T (+ bias) with weights stored as `mode`."""
     if mode == "int8":
-        return Int8Linear(weight, bias, dtype)
+        return Int8Linear(weight, bias, dtype, "torch" if kernel == "tinygemm" else kernel)
     if mode == "int4":
-        return Int4Linear(weight, bias, dtype, group_size, int4_kernel)
+        return Int4Linear(weight, bias, dtype, group_size, kernel)
     if mode != "none":
         raise ValueError(f"unknown weight_quant {mode!r} (none, int8, int4)")
     lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")

@@ -1,0 +1,160 @@
+"""Weight-only int8 / int4 matmuls for decode, as Triton kernels: y[M, N] = x[M, K] @ dequant(W)[N, K].T
+
+Decode reads every weight once per step, so a weight-only kernel is fast exactly when it streams
+the packed weights at memory bandwidth and never writes a dequantized copy.  These kernels load
+an int8 (or packed int4) tile, convert it in registers and feed `tl.dot` (tensor cores, fp32
+accumulation); the per-channel (int8) or per-group (int4) scales are applied to the tile's partial
+sums.  One kernel serves every decode batch (M = 1..64): rows past M are masked, and at these
+sizes the work is bandwidth-bound anyway.
+
+Skinny layers (the 8B model's down projection: N = 4096 outputs, K = 14336) give too few output
+tiles to keep every multiprocessor busy, so K is split over SPLIT_K programs that add their
+partial results atomically into an fp32 buffer.
+
+Import this module only where Triton and a CUDA GPU exist (quant.py checks first).
+Each op is a `torch.library.custom_op`: torch.compile treats it as one opaque call, and the CUDA
+graph around the decode step captures its launch.  Block sizes come from `triton.autotune`, keyed
+on the shape, so the first call for each (M bucket, N, K) tunes once; `FastCore.warm_up` makes
+those first calls before any request arrives.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+import triton
+import triton.language as tl
+
+
+def _configs():
+    out = []
+    for bn, bk, warps, stages in ((64, 128, 4, 4), (128, 128, 4, 3), (64, 256, 4, 3), (32, 256, 4, 4),
+                                  (128, 64, 4, 4), (64, 64, 2, 5)):
+        for split in (1, 2, 4, 8):
+            out.append(triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split},
+                                     num_warps=warps, num_stages=stages))
+    return out
+
+
+def _prune(configs, named_args, **kwargs):
+    """Keep configs whose K split is whole blocks (and inside one int4 group), and split K only
+    when the output tiles are too few to fill the GPU."""
+    N, K = named_args["N"], named_args["K"]
+    group = named_args.get("GROUP") or kwargs.get("GROUP") or 1 << 30
+    keep = []
+    for c in configs:
+        bn, bk, split = c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.kwargs["SPLIT_K"]
+        if K % (bk * split) or bk > group:
+            continue
+        if split > 1 and N // bn >= 264:  # already 2 tiles per multiprocessor on a 132-SM GPU
+            continue
+        keep.append(c)
+    return keep
+
+
+@triton.jit
+def _store(out_ptr, acc, rm, rn, M, N, stride_om, SPLIT_K: tl.constexpr):
+    ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT_K == 1:
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+
+
+@triton.jit
+def _int8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, stride_om,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_len = K // SPLIT_K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(pid_k * k_len, (pid_k + 1) * k_len, BLOCK_K):
+        rk = k + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=rm[:, None] < M, other=0.0)
+        w = tl.load(w_ptr + rn[None, :] * K + rk[:, None], mask=rn[None, :] < N, other=0)  # [BK, BN]
+        acc += tl.dot(x, w.to(x.dtype))
+    scale = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+    _store(out_ptr, acc * scale[None, :], rm, rn, M, N, stride_om, SPLIT_K)
+
+
+@triton.jit
+def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, stride_om,
+                 GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SPLIT_K: tl.constexpr):
+    # w_ptr: uint8 [N, K/2], column 2j in the high nibble, 2j+1 in the low one.
+    # A K tile lies inside one quantization group (BLOCK_K <= GROUP, both powers of two), so
+    # x . (q * s + z) = s * (x . q) + z * sum(x), with one scale and one offset per column.
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    HALF: tl.constexpr = BLOCK_K // 2
+    k_len = K // SPLIT_K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(pid_k * k_len, (pid_k + 1) * k_len, BLOCK_K):
+        rj = k // 2 + tl.arange(0, HALF)  # packed byte index
+        xm = rm[:, None] < M
+        x_hi = tl.load(x_ptr + rm[:, None] * stride_xm + 2 * rj[None, :], mask=xm, other=0.0)
+        x_lo = tl.load(x_ptr + rm[:, None] * stride_xm + 2 * rj[None, :] + 1, mask=xm, other=0.0)
+        packed = tl.load(w_ptr + rn[None, :] * (K // 2) + rj[:, None], mask=rn[None, :] < N, other=0)
+        q_hi = (packed >> 4).to(x_hi.dtype)
+        q_lo = (packed & 0xF).to(x_hi.dtype)
+        part = tl.dot(x_hi, q_hi) + tl.dot(x_lo, q_lo)
+        xsum = tl.sum(x_hi.to(tl.float32), axis=1) + tl.sum(x_lo.to(tl.float32), axis=1)
+        g = k // GROUP
+        s = tl.load(s_ptr + rn * (K // GROUP) + g, mask=rn < N, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + rn * (K // GROUP) + g, mask=rn < N, other=0.0).to(tl.float32)
+        acc += part * s[None, :] + xsum[:, None] * z[None, :]
+    _store(out_ptr, acc, rm, rn, M, N, stride_om, SPLIT_K)
+
+
+def _tuned(kernel):
+    return triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K"],
+                           prune_configs_by={"early_config_prune": _prune}, reset_to_zero=["out_ptr"])(kernel)
+
+
+int8_kernel, int4_kernel = _tuned(_int8_kernel), _tuned(_int4_kernel)
+
+
+def _block_m(M: int) -> int:
+    return 16 if M <= 16 else (32 if M <= 32 else 64)
+
+
+def _launch(kernel, M: int, N: int, x: torch.Tensor, args: tuple, **extra) -> torch.Tensor:
+    # Split-K adds partial sums atomically, so it needs a zeroed fp32 buffer; the autotuner picks
+    # split per shape, so always allocate that way and cast (a small [M, N] copy) at the end.
+    out = torch.zeros((M, N), device=x.device, dtype=torch.float32)
+    bm = _block_m(M)
+
+    def grid(meta):
+        return (-(-N // meta["BLOCK_N"]), meta["SPLIT_K"], -(-M // bm))
+    kernel[grid](*args, out, M, N, x.shape[1], bm, x.stride(0), out.stride(0), BLOCK_M=bm, **extra)
+    return out.to(x.dtype)
+
+
+@torch.library.custom_op("quantserve::int8_weight_mm", mutates_args=())
+def int8_weight_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] fp16, weight int8 [N, K], scales [N] -> [M, N] in x's dtype."""
+    x = x.contiguous()
+    return _launch(int8_kernel, x.shape[0], weight.shape[0], x, (x, weight, scales))
+
+
+@int8_weight_mm.register_fake
+def _(x, weight, scales):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.library.custom_op("quantserve::int4_weight_mm", mutates_args=())
+def int4_weight_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                   group_size: int) -> torch.Tensor:
+    """x [M, K] fp16, packed uint8 [N, K/2], scales/mins [N, K/group] -> [M, N] in x's dtype.
+    Dequantization: w = q * scale + min, q in 0..15."""
+    x = x.contiguous()
+    return _launch(int4_kernel, x.shape[0], packed.shape[0], x, (x, packed, scales, mins), GROUP=group_size)
+
+
+@int4_weight_mm.register_fake
+def _(x, packed, scales, mins, group_size):
+    return x.new_empty((x.shape[0], packed.shape[0]))
