@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from server import serving_chat, serving_completions
 from server.errors import APIError, error_response, from_api_error
 from server.metrics import Metrics
-from server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from server.middleware import APIKeyMiddleware, BodyLimitMiddleware, JSONBodyMiddleware
 from server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
                              ModelList, TokenizeRequest)
 from server.serving import ServerState, check_model
@@ -60,8 +60,28 @@ class SSEResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
+# pydantic names the union member in an error's location ("stop.str", "prompt.list[int].0"); the
+# client knows its field by the plain path
+_UNION_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
+
+
+def _param_of(loc) -> str | None:
+    parts = [str(x) for x in loc if x != "body" and not (isinstance(x, str) and ("[" in x or x in _UNION_TAGS))]
+    return ".".join(parts) or None
+
+
+def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """(message, param) for the most specific problem: the deepest location, which for a union
+    is the member the client was aiming at rather than 'Input should be a valid string'."""
+    first = max(errors, key=lambda e: len(e.get("loc", ())), default={})
+    param = _param_of(first.get("loc", ()))
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")  # pydantic's, for our checks
+    return f"Invalid request: {param + ': ' if param else ''}{msg}", param
+
+
 def create_app(engine, model_name: str, api_key: str | None = None, max_body_bytes: int = 4 << 20,
-               max_logprobs: int = 20, shutdown_grace_s: float = 10.0, on_load_error=None) -> FastAPI:
+               max_logprobs: int = 20, shutdown_grace_s: float = 10.0, on_load_error=None,
+               cors_origins: list[str] | None = None) -> FastAPI:
     state = ServerState(engine=engine, model_name=model_name, metrics=Metrics(engine), max_logprobs=max_logprobs)
     load_error: list[str] = []
 
@@ -97,15 +117,20 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_body_byt
         errors = e.errors()
         first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
-            return error_response(400, f"Request body is not valid JSON: {first.get('msg', '')}",
-                                  code="invalid_json")
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
-        return error_response(400, f"Invalid request: {param or 'body'}: {first.get('msg', 'invalid value')}",
-                              param=param, code="invalid_value")
+            why = (first.get("ctx") or {}).get("error") or first.get("msg", "")
+            where = [x for x in first.get("loc", ()) if isinstance(x, int)]
+            return error_response(400, f"Request body is not valid JSON: {why}"
+                                  + (f" (at character {where[0]})" if where else ""), code="invalid_json")
+        message, param = _validation_message(errors)
+        return error_response(400, message, param=param, code="invalid_value")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
+        if e.status_code == 400 and isinstance(e.__cause__, (ValueError, RecursionError)):
+            # FastAPI's "error parsing the body": bytes that are not UTF-8, JSON nested so deep that
+            # the parser gives up, a number of more than 4300 digits; the client's doing, all of them
+            why = str(e.__cause__).splitlines()[0][:200] if str(e.__cause__) else type(e.__cause__).__name__
+            return error_response(400, f"Request body is not valid JSON: {why}", code="invalid_json")
         message = f"Not found: {request.url.path}" if e.status_code == 404 else str(e.detail)
         return error_response(e.status_code, message, headers=getattr(e, "headers", None))
 
@@ -189,7 +214,16 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_body_byt
             raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
         return {"prompt": engine.tokenizer.decode(body.tokens)}
 
+    # the last added runs first: CORS (answers preflights, which carry no key), key, size, type
+    app.add_middleware(JSONBodyMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)  # added last = runs first
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if cors_origins:
+        # off unless configured: browsers then refuse cross-origin reads, and JSONBodyMiddleware
+        # makes every cross-origin POST need a preflight that fails
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], allow_credentials=False, max_age=600)
     return app

@@ -1,4 +1,4 @@
-"""ASGI middleware: request body size limit and the optional Bearer API key.
+"""ASGI middleware: request body size limit, JSON-only request bodies and the optional Bearer API key.
 
 Pure ASGI (not Starlette's BaseHTTPMiddleware) so streaming responses and client-disconnect
 detection pass through untouched.
@@ -59,6 +59,30 @@ class BodyLimitMiddleware:
             return await receive()  # afterwards: the real channel, so disconnects are seen
 
         return await self.app(scope, replay, send)
+
+
+class JSONBodyMiddleware:
+    """POST bodies must say `Content-Type: application/json` (or `*/*+json`); others get 415.
+
+    FastAPI would parse a text/plain or untyped body as JSON anyway.  Refusing them closes a
+    cross-site hole: a web page can make a browser send a text/plain (or untyped) POST to a server on
+    localhost without a CORS preflight, so without this check any site a user visits could run
+    generations on an unauthenticated local server.  A JSON content type forces the preflight,
+    which only origins allowed with `--cors-origin` pass.
+    """
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        value = dict(scope.get("headers") or []).get(b"content-type", b"")
+        media = value.split(b";", 1)[0].strip().lower()
+        if media != b"application/json" and not (media.startswith(b"application/") and media.endswith(b"+json")):
+            return await _send_error(send, 415, "Request bodies must be JSON: send 'Content-Type: application/json'.",
+                                     "unsupported_media_type")
+        return await self.app(scope, receive, send)
 
 
 class APIKeyMiddleware:

@@ -6,10 +6,73 @@ Requests accept the OpenAI fields plus the usual open-server extras (`top_k`,
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Stop sequences: OpenAI allows 4, vLLM has no limit.  Each one is re-checked against the held-back
+# tail of the text at every token, so their number and length bound per-token work; 64 of up to
+# 256 characters is far beyond any real use (stop words, role markers) and keeps that work small.
+MAX_STOPS = 64
+MAX_STOP_CHARS = 256
+# Token ids sent by clients: the exact vocabulary check happens once the model is known; this bound
+# only keeps absurd integers (JSON has no limit) away from the tokenizer, which takes 32-bit ids.
+MAX_TOKEN_ID = 2**31 - 1
+# The seed feeds torch.Generator.manual_seed (64-bit); choice i uses seed + i.  vLLM's range.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate_at(data) -> str | None:
+    """Where a string (or key) of the body holds a lone UTF-16 surrogate, else None.
+
+    JSON may escape one (\\ud800) and Python's parser lets it through, but it is not a character:
+    tokenizers refuse it and a reply quoting it cannot be encoded as UTF-8.  Walked with a stack,
+    not recursion: a body nested as deep as the JSON parser allows must not overflow Python's stack.
+    Locations are (parent, key) links, spelled out only for the one reported.
+    """
+    def spell(node) -> str:
+        keys = []
+        while node is not None:
+            node, key = node
+            keys.append(str(key))
+        return ".".join(reversed(keys)) or "body"
+
+    stack = [(None, data)]
+    while stack:
+        node, value = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return spell(node)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                if isinstance(k, str) and _SURROGATE.search(k):
+                    return f"a key in {spell(node)}"
+                stack.append(((node, k), v))
+        elif isinstance(value, list):
+            stack.extend(((node, i), v) for i, v in enumerate(value))
+    return None
+
+
+class _Request(BaseModel):
+    """Base of every request body: refuses text that is not valid Unicode, wherever it is."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        where = _lone_surrogate_at(data)
+        if where:
+            raise ValueError(f"{where[:80]}: text must be valid Unicode (found a lone surrogate escape \\ud800-\\udfff)")
+        return data
+
+
+def _check_token_ids(ids: list[int]) -> None:
+    if any(not 0 <= t <= MAX_TOKEN_ID for t in ids):
+        raise ValueError(f"token ids must be integers in [0, {MAX_TOKEN_ID}]")
 
 
 class ErrorInfo(BaseModel):
@@ -27,15 +90,17 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _SamplingFields(_Request):
+    # Python's JSON parser accepts NaN and Infinity (not JSON); every float here refuses them, so a
+    # NaN never reaches the sampler (a comparison with NaN is always false and slips past ge/le).
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     max_tokens: Optional[int] = Field(None, ge=1)
     n: int = Field(1, ge=1, le=16)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: Optional[Union[str, list[str]]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -46,6 +111,16 @@ class _SamplingFields(BaseModel):
     top_k: int = Field(0, ge=-1)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     ignore_eos: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_limits(cls, stop):
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences are allowed (got {len(stops)})")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop sequence may be at most {MAX_STOP_CHARS} characters long")
+        return stop
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -58,6 +133,18 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     logprobs: Optional[int] = Field(None, ge=0)
     suffix: Optional[str] = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_ids(cls, prompt):
+        if isinstance(prompt, list):
+            for item in prompt:
+                if isinstance(item, int):
+                    _check_token_ids(prompt)
+                    break
+                if isinstance(item, list):
+                    _check_token_ids(item)
+        return prompt
 
 
 class TextContentPart(BaseModel):
@@ -87,16 +174,22 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Request):
     model: str
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Request):
     model: str
     tokens: list[int]
+
+    @field_validator("tokens")
+    @classmethod
+    def _token_ids(cls, tokens):
+        _check_token_ids(tokens)
+        return tokens
 
 
 # ---- responses ------------------------------------------------------------------------------

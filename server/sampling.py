@@ -11,6 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Temperatures below this sample like greedy decoding (vLLM's _SAMPLING_EPS): dividing logits by a
+# tiny temperature overflows to infinity, and softmax over infinities is NaN.
+GREEDY_BELOW = 1e-5
+
 
 @dataclass
 class SamplingParams:
@@ -28,7 +32,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalised(self) -> bool:
@@ -68,8 +72,7 @@ class SequenceSampler:
                 scores = scores.masked_fill(scores < kth, float("-inf"))
             if p.top_p < 1.0:
                 scores = _top_p_filter(scores, p.top_p)
-            probs = torch.softmax(scores, dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=self.generator))
+            token = _draw(scores, self.generator)
         self._record(token)
         if p.logprobs is None:
             return token, None, None
@@ -81,6 +84,8 @@ class SequenceSampler:
         return token, float(logprobs[token]), top
 
     def _penalise(self, scores):
+        import torch
+
         p = self.params
         scores = scores.clone()
         if self.seen is not None:
@@ -91,7 +96,8 @@ class SequenceSampler:
             # OpenAI style: over generated tokens only
             scores -= p.frequency_penalty * self.output_counts
             scores -= p.presence_penalty * (self.output_counts > 0).float()
-        return scores
+        # a tiny repetition penalty divides by ~0: keep overflowed scores finite (and ordered)
+        return torch.nan_to_num(scores, nan=float("-inf"))
 
     def _record(self, token: int) -> None:
         if self.output_counts is not None and token < self.output_counts.numel():
@@ -100,12 +106,31 @@ class SequenceSampler:
             self.seen[token] = True
 
 
+def _draw(scores, generator) -> int:
+    """One token from softmax(scores); never fails on overflowed scores.
+
+    Penalties and temperature can push scores to +-inf (or NaN for inf - inf); softmax then gives
+    NaN and `multinomial` raises.  +inf becomes the largest float (those tokens share the mass),
+    NaN and -inf get no mass; when nothing is left, the best score wins.
+    """
+    import torch
+
+    if not bool(torch.isfinite(scores).all()):
+        scores = torch.nan_to_num(scores, nan=float("-inf"), posinf=torch.finfo(scores.dtype).max)
+        if bool(torch.isneginf(scores).all()):
+            return int(torch.argmax(scores))
+    probs = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
 def _top_p_filter(scores, top_p: float):
     import torch
 
     sorted_scores, order = torch.sort(scores, descending=True)
     cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
     # drop a token when the tokens before it already reach top_p; the first token always stays
+    # (set explicitly: a top_p that rounds to 0 in float32 would otherwise drop it too)
     drop_sorted = (cumulative - torch.softmax(sorted_scores, dim=-1)) >= top_p
+    drop_sorted[0] = False
     drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
     return scores.masked_fill(drop, float("-inf"))
