@@ -94,11 +94,14 @@ def hash_folder(folder: Path) -> dict[str, str]:
 
 
 def weight_files(folder: Path) -> list[Path]:
+    """The safetensors weights; pickle-only checkpoints are refused (unpickling runs code)."""
+    from quantserve.modeling import pickle_weights
+
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        if any(folder.glob("*.bin")):
-            raise UserError(f"{folder}: only safetensors checkpoints are converted (found *.bin; "
-                            "re-save with save_pretrained(safe_serialization=True))")
+        if pickle_weights(folder):
+            raise UserError(f"{folder}: only safetensors checkpoints are converted (found pickle weights; "
+                            "if you trust the source, re-save with save_pretrained(safe_serialization=True))")
         raise UserError(f"{folder}: no *.safetensors weight files")
     return files
 
@@ -149,7 +152,9 @@ def _merge_adapter(adapter: Path, out: Path) -> Checkpoint:
 
     from quantserve.modeling import load_tokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(base.path), dtype=torch.float32)
+    # the base was checked to hold safetensors; use_safetensors=True keeps transformers from ever
+    # falling back to a pickle next to them
+    model = AutoModelForCausalLM.from_pretrained(str(base.path), dtype=torch.float32, use_safetensors=True)
     try:
         model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
     except (ValueError, KeyError, RuntimeError) as e:

@@ -6,9 +6,62 @@ checked against its greedy output.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from quantserve.settings import UserError, require_checkpoint
+
+# Weight files that are Python pickles: unpickling runs code chosen by whoever wrote the file, so a
+# downloaded checkpoint in this form is refused unless the user says it is trusted.
+PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+# pickles a training run leaves next to safetensors weights; never loaded by anything here
+_NOT_WEIGHTS = {"training_args.bin", "optimizer.pt", "scheduler.pt", "rng_state.pth"}
+
+
+def pickle_weights(folder: Path) -> list[Path]:
+    """Pickle weight files in a checkpoint folder (training-state pickles left out)."""
+    found = {f for pattern in PICKLE_WEIGHTS for f in Path(folder).glob(pattern)}
+    return sorted(f for f in found if f.is_file() and f.name not in _NOT_WEIGHTS)
+
+
+def require_safetensors(folder: Path, trust_pickle: bool = False, flag: str | None = None) -> None:
+    """Refuse a checkpoint whose weights are only pickles (one clear line), unless trusted.
+
+    `flag` names the command's option that trusts them, where it has one.
+    """
+    folder = Path(folder)
+    if any(folder.glob("*.safetensors")) or trust_pickle:
+        return
+    pickles = pickle_weights(folder)
+    if pickles:
+        names = ", ".join(p.name for p in pickles[:3]) + (" ..." if len(pickles) > 3 else "")
+        remedy = (f"pass {flag} if you trust its source" if flag else
+                  "if you trust its source, re-save it with save_pretrained(safe_serialization=True)")
+        raise UserError(f"{folder}: weights are pickle files ({names}), which can run code when loaded; "
+                        f"only safetensors are loaded: {remedy}")
+    raise UserError(f"{folder}: no *.safetensors weight files")
+
+
+def safetensors_copy(folder: Path, out: Path) -> Path:
+    """Rewrite a trusted pickle checkpoint as safetensors in `out` (config and tokenizer copied).
+
+    Every loader downstream then stays safetensors-only; the pickle is read once, here, by
+    transformers (torch.load with weights_only=True).
+    """
+    from transformers import AutoModelForCausalLM
+
+    folder, out = Path(folder), Path(out)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype="auto", use_safetensors=False)
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"{folder}: cannot load the pickle checkpoint: {str(e).splitlines()[0]}") from e
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    weights = set(pickle_weights(folder)) | set(folder.glob("*.bin.index.json"))
+    for f in folder.iterdir():
+        if f.is_file() and f not in weights and not (out / f.name).exists():
+            shutil.copy2(f, out / f.name)  # tokenizer, chat template, ...
+    return out
 
 
 def load_tokenizer(path: Path):
@@ -20,19 +73,20 @@ def load_tokenizer(path: Path):
     return tok
 
 
-def load_model(path: Path, dtype: str = "float32", device: str = "cpu", attention: str = "sdpa"):
-    """Load a causal LM checkpoint folder (safetensors only) and put it in eval mode."""
-    import torch
+def load_model(path: Path, dtype: str = "float32", device: str = "cpu", attention: str = "sdpa",
+               trust_pickle: bool = False):
+    """Load a causal LM checkpoint folder (safetensors only, unless `trust_pickle`) in eval mode."""
     from transformers import AutoModelForCausalLM
 
     from quantserve.capabilities import torch_dtype
 
     path = require_checkpoint(Path(path))
-    if not any(path.glob("*.safetensors")):
-        raise UserError(f"{path}: only safetensors checkpoints are loaded (found no *.safetensors)")
+    require_safetensors(path, trust_pickle)
     try:
+        # use_safetensors=True: transformers never falls back to a pickle; None lets it when trusted
         model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=torch_dtype(dtype), attn_implementation=attention, use_safetensors=True
+            str(path), dtype=torch_dtype(dtype), attn_implementation=attention,
+            use_safetensors=None if trust_pickle else True,
         )
     except (OSError, ValueError, KeyError) as e:
         raise UserError(f"{path}: cannot load checkpoint: {str(e).splitlines()[0]}") from e

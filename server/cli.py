@@ -34,6 +34,20 @@ def _server_class():
     return Server
 
 
+class _NoQueryStrings(logging.Filter):
+    """Drop query strings from uvicorn's access log lines.
+
+    This API takes no query parameters, but some clients put a key there (`?api_key=...`); the
+    access log (on at --log-level debug) would then write it to disk.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) == 5 and isinstance(args[2], str) and "?" in args[2]:
+            record.args = (args[0], args[1], args[2].split("?", 1)[0] + "?[query removed]", args[3], args[4])
+        return True
+
+
 def serve(
     model: str = typer.Argument(..., help="A Hugging Face checkpoint folder (fp16/bf16/fp32 or a bitsandbytes "
                                 "int8/nf4 output), a .gguf file or a folder holding one; 'default' for the "
@@ -56,6 +70,13 @@ def serve(
     max_body_bytes: int = typer.Option(4 << 20, min=1024, help="Largest request body accepted (413 above)."),
     shutdown_grace: float = typer.Option(10.0, min=0, help="Seconds in-flight requests get to finish on shutdown."),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
+    cors_origin: Optional[list[str]] = typer.Option(
+        None, "--cors-origin", show_default=False,
+        help="Let web pages from this origin (e.g. https://app.example.com) call the API; repeatable. "
+             "Off by default: browsers then refuse cross-origin calls."),
+    trust_pickle: bool = typer.Option(
+        False, "--trust-pickle", help="Serve a checkpoint whose weights are only pickle files "
+        "(pytorch_model.bin, *.pt, *.pth, *.ckpt). Unpickling runs code from the file: only for sources you trust."),
 ) -> None:
     """Serve a model with an OpenAI-compatible API (completions, chat, models, health, metrics)."""
     import uvicorn
@@ -65,6 +86,9 @@ def serve(
 
     _Server = _server_class()
 
+    # uvicorn's 'trace' level logs whole ASGI scopes, Authorization header (the API key) included
+    if log_level.lower() not in ("debug", "info", "warning", "error"):
+        raise UserError(f"unknown --log-level {log_level!r}: choose debug, info, warning or error")
     if model == "default":
         from quantserve.default_model import build_default_model
 
@@ -78,7 +102,7 @@ def serve(
     engine = ScheduledEngine(Path(model), EngineOptions(context=context, max_batch=max_batch,
                                                         max_queue=max_queue, gpu_profile=gpu_profile,
                                                         threads=threads, engine=engine,
-                                                        weight_quant=weight_quant))
+                                                        weight_quant=weight_quant, trust_pickle=trust_pickle))
     # a folder is known by its name, a file by its name without the extension
     given = Path(model).resolve()
     name = served_model_name or (given.stem if given.is_file() else given.name)
@@ -89,9 +113,10 @@ def serve(
         server.should_exit = True
 
     app = create_app(engine, name, api_key=api_key, max_body_bytes=max_body_bytes, max_logprobs=max_logprobs,
-                     shutdown_grace_s=shutdown_grace, on_load_error=on_load_error)
+                     shutdown_grace_s=shutdown_grace, on_load_error=on_load_error, cors_origins=cors_origin)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
                             timeout_graceful_shutdown=shutdown_grace, access_log=log_level == "debug")
+    logging.getLogger("uvicorn.access").addFilter(_NoQueryStrings())  # after Config set up uvicorn's logging
     server = _Server(config)
     print(f"serving {name!r} from {engine.path} ({engine.kind} engine) on http://{host}:{port}/v1", flush=True)
     server.run()

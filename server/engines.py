@@ -24,16 +24,22 @@ class EngineOptions:
     engine: str = "auto"  # auto (by the path), hf, fast (server/fastcore) or gguf
     weight_quant: str = "none"  # fast engine only: none, int8 or int4 weight-only
     threads: int | None = None  # CPU threads for the model; default: torch's own / half the cores for llama.cpp
+    trust_pickle: bool = False  # serve a checkpoint whose weights are only pickles (rewritten as safetensors)
 
 
-def resolve_model(path: Path) -> tuple[str, Path]:
+def resolve_model(path: Path, trust_pickle: bool = False) -> tuple[str, Path]:
     """('gguf' | 'hf', the file or folder to load), or a UserError saying what is wrong."""
+    from quantserve.modeling import PICKLE_WEIGHTS, require_safetensors
+
     path = Path(path)
     if not path.exists():
         raise UserError(f"{path}: no such file or folder")
     if path.is_file():
         if path.suffix == ".gguf":
             return "gguf", path
+        if any(path.match(pattern) for pattern in PICKLE_WEIGHTS):
+            raise UserError(f"{path}: a pickle weight file; serve a .gguf file or a Hugging Face checkpoint "
+                            "folder (safetensors; pickle weights only with --trust-pickle)")
         raise UserError(f"{path}: not a model (serve a .gguf file or a Hugging Face checkpoint folder)")
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1 and not (path / "config.json").is_file():
@@ -42,10 +48,7 @@ def resolve_model(path: Path) -> tuple[str, Path]:
         raise UserError(f"{path}: holds {len(ggufs)} .gguf files; name the one to serve")
     if not (path / "config.json").is_file():
         raise UserError(f"{path}: not a Hugging Face checkpoint (no config.json) and no .gguf file")
-    if not any(path.glob("*.safetensors")):
-        bins = [p.name for p in path.glob("*.bin")]
-        why = f"found only pickle files ({', '.join(bins)}), which are refused" if bins else "found no weights"
-        raise UserError(f"{path}: only safetensors checkpoints are served; {why}")
+    require_safetensors(path, trust_pickle, flag="--trust-pickle")
     return "hf", path
 
 
@@ -61,7 +64,7 @@ class ScheduledEngine:
     """An `Engine`: a backend loaded at start-up, driven by the shared scheduler thread."""
 
     def __init__(self, path: Path, options: EngineOptions):
-        self.kind, self.path = resolve_model(path)
+        self.kind, self.path = resolve_model(path, options.trust_pickle)
         self.options = options
         if options.engine not in ("auto", self.kind) and not (options.engine == "fast" and self.kind == "hf"):
             raise UserError(f"{path} is a {self.kind} model: --engine {options.engine} cannot serve it")
@@ -73,11 +76,26 @@ class ScheduledEngine:
         self.tokenizer = None
         self._scheduler = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._converted = None  # temporary safetensors copy of a trusted pickle checkpoint
+
+    def _safetensors_path(self) -> Path:
+        """The folder to load: itself, or (trusted pickle weights only) a safetensors copy of it,
+        so the engines' loaders stay safetensors-only."""
+        if self.kind == "gguf" or any(self.path.glob("*.safetensors")):
+            return self.path
+        import tempfile
+
+        from quantserve.modeling import safetensors_copy
+
+        self._converted = tempfile.TemporaryDirectory(prefix="quantserve-trusted-")
+        log.warning("%s: loading trusted pickle weights (--trust-pickle) via a safetensors copy", self.path)
+        return safetensors_copy(self.path, Path(self._converted.name) / self.path.name)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         from server.scheduler import Scheduler
 
         o = self.options
+        self.path = self._safetensors_path()
         if self.kind == "hf":
             from server.backend import HFBackend
             from server.hf_engine import load_hf
@@ -129,3 +147,5 @@ class ScheduledEngine:
     def shutdown(self, grace_s: float) -> None:
         if self._scheduler is not None:
             self._scheduler.shutdown(grace_s)
+        if self._converted is not None:
+            self._converted.cleanup()

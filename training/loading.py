@@ -43,7 +43,9 @@ def load_for_training(path: Path, cfg: TrainConfig, res: Resolved):
     from transformers import AutoModelForCausalLM
 
     from quantserve.capabilities import torch_dtype
+    from quantserve.modeling import require_safetensors
 
+    require_safetensors(Path(path))  # one clear line for a pickle-only checkpoint, not a traceback
     compute = torch_dtype(res.dtype)
     kwargs: dict = {"attn_implementation": res.attention}
     if cfg.method == "full":
