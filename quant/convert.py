@@ -62,18 +62,35 @@ def _disk_error(e: OSError, target: Path) -> UserError:
     return UserError(f"cannot write {target}: {why}; nothing was left behind")
 
 
-def _remove_stale_partials(out: Path) -> None:
-    """Delete `.OUT.partial-PID` folders of conversions that were killed (their PID is gone)."""
-    for leftover in out.parent.glob(f".{out.name}.partial-*"):
-        pid = leftover.name.rsplit("-", 1)[-1]
-        if not pid.isdigit() or int(pid) == os.getpid():
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # someone else's, and running
+    return True
+
+
+def recover_killed_runs(out: Path) -> None:
+    """Tidy up after conversions to `out` that were killed (their PID is gone).
+
+    Their `.OUT.partial-PID` folders are removed.  A `--force` run moves the previous output to
+    `.OUT.old-PID` and then renames the new one into place; killed between the two renames it
+    leaves no OUT at all, so that previous output, still whole, is put back.
+    """
+    for leftover in sorted(out.parent.glob(f".{out.name}.*-*")):
+        kind, _, pid = leftover.name[len(out.name) + 2:].rpartition("-")
+        if kind not in ("partial", "old") or not pid.isdigit() or _alive(int(pid)):
             continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+        if kind == "old" and not (out.exists() or out.is_symlink()):
+            leftover.rename(out)
+        elif leftover.is_dir() and not leftover.is_symlink():
             shutil.rmtree(leftover, ignore_errors=True)
-        except PermissionError:
-            pass  # alive, someone else's
+        else:
+            leftover.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -82,7 +99,6 @@ def staging(out: Path, force: bool):
     parent = out.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_partials(out)
         tmp = parent / f".{out.name}.partial-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
@@ -141,6 +157,11 @@ def convert(src: Path, fmt: str, out: Path, force: bool = False, progress: bool 
     t0 = time.time()
     fmt = check_format(fmt)
     src, out = Path(src), Path(out)
+    if out.parent.is_dir():
+        try:
+            recover_killed_runs(out)  # before the target check: it may put a previous output back
+        except OSError as e:
+            raise _disk_error(e, out) from e
     _check_target(src, out, force)
     with staging(out, force) as tmp:
         ckpt = open_checkpoint(src, merge_dir=tmp / ".merged-source")

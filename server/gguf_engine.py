@@ -139,6 +139,14 @@ def load_gguf(path: Path, context: int | None, max_batch: int, max_queue: int, t
     gpu = bool(llama_cpp.llama_supports_gpu_offload())
     model_params = llama_cpp.llama_model_default_params()
     model_params.n_gpu_layers = -1 if gpu else 0
+    # Read the file into memory instead of mmap-ing it: llama.cpp computes straight from a mapping,
+    # so a .gguf overwritten in place under a running server changes its weights, and a truncated
+    # one kills it with SIGBUS.  (Deleting or renaming over the file is safe either way.)  Newer
+    # bindings spell it load_mode (what their own `Llama(use_mmap=False)` sets), older ones use_mmap.
+    if "load_mode" in dict(model_params._fields_):
+        model_params.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
+    else:
+        model_params.use_mmap = False
     try:
         model = _internals.LlamaModel(path_model=str(path), params=model_params, verbose=False)
     except ValueError as e:

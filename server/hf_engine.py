@@ -83,7 +83,10 @@ def load_hf(path: Path, gpu_profile: str | None, context: int | None, max_batch:
     if not any(path.glob("*.safetensors")):
         raise UserError(f"{path}: only safetensors checkpoints are served (pickle *.bin files are refused)")
     quant = quantization_of(path)
-    kwargs = dict(dtype=torch_dtype(caps.dtype), use_safetensors=True)
+    # Read the weights into memory rather than mapping the file: a mapped checkpoint that is later
+    # overwritten in place (`cp new.safetensors ...`) silently changes the served weights, and one
+    # that is truncated kills the server with SIGBUS at the next forward pass.
+    kwargs = dict(dtype=torch_dtype(caps.dtype), use_safetensors=True, disable_mmap=True)
     if quant:  # bitsandbytes models are placed by device_map; `.to()` is refused for them
         kwargs["device_map"] = {"": caps.device}
     model, attention = None, None

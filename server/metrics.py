@@ -3,11 +3,18 @@
 Gauges that describe the engine right now (running, waiting, KV-cache use) are read from
 `engine.stats()` at scrape time; counters and histograms are fed by the serving layer.  Each server
 has its own registry, so two servers in one process (tests) never share numbers.
+
+Request accounting, per API request (not per choice): every generation request that passed
+validation counts once in `request_received_total` and, when it is over, once in
+`request_outcome_total{outcome}` (success, error, disconnected, rejected), so once the server is idle
+received == the sum of the outcomes.  `request_completion_tokens_total{outcome}` sums the
+`usage.completion_tokens` those requests had; for "success" it is what the clients were told.
+The process collector adds `process_resident_memory_bytes` and friends (Linux).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -37,12 +44,23 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine))
         r = self.registry
+        ProcessCollector(registry=r)
         self.prompt_tokens = Counter("quantserve:prompt_tokens", "Prompt tokens processed.", registry=r)
         self.generation_tokens = Counter("quantserve:generation_tokens", "Tokens generated.", registry=r)
         self.requests = Counter("quantserve:request_success", "Finished requests by finish reason.",
                                 ["finished_reason"], registry=r)
         self.rejected = Counter("quantserve:request_rejected", "Requests refused by status code.",
                                 ["status"], registry=r)
+        self.received = Counter("quantserve:request_received", "Generation requests that passed validation.",
+                                registry=r)
+        self.outcomes = Counter("quantserve:request_outcome", "Generation requests by how they ended: "
+                                "success, error, disconnected (client gone first) or rejected (429/503).",
+                                ["outcome"], registry=r)
+        self.outcome_tokens = Counter("quantserve:request_completion_tokens", "usage.completion_tokens of "
+                                      "ended generation requests, by outcome.", ["outcome"], registry=r)
+        for outcome in ("success", "error", "disconnected", "rejected"):  # exported as 0 from the start
+            self.outcomes.labels(outcome)
+            self.outcome_tokens.labels(outcome)
         self.ttft = Histogram("quantserve:time_to_first_token_seconds", "Time to first token.",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("quantserve:time_per_output_token_seconds",
@@ -59,6 +77,10 @@ class Metrics:
             self.ttft.observe(ttft_s)
             if tokens > 1:
                 self.tpot.observe((latency_s - ttft_s) / (tokens - 1))
+
+    def record_outcome(self, outcome: str, completion_tokens: int) -> None:
+        self.outcomes.labels(outcome).inc()
+        self.outcome_tokens.labels(outcome).inc(completion_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

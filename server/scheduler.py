@@ -7,17 +7,23 @@ sequences leave the batch before the next step, so a request arriving mid-batch 
 most one step plus its own prefill, not after the batch ends.
 
 The scheduler is the same for every engine; only the `DecodeBackend` differs.
+
+Failures end only the requests they touch, with an `EngineError` the API turns into an error reply:
+a failed prefill or sampling step fails that request; a failed decode step fails the batch, except
+when memory ran out: then the sequence holding the most KV cache is failed (503 out_of_memory) and
+the step is retried without it, so one oversized request does not take the others down with it.
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import time
 from dataclasses import dataclass
 
 from server.backend import DecodeBackend
-from server.engine import (EngineClosedError, EngineRequest, EngineStats, QueueFullError,
+from server.engine import (EngineClosedError, EngineError, EngineRequest, EngineStats, QueueFullError,
                            TokenEvent, TokenStream, TopLogprob)
 from server.sampling import SequenceSampler
 
@@ -32,9 +38,35 @@ class _Running:
     submitted_at: float
 
 
+FAULT_ENV = "QUANTSERVE_FAULT_DECODE_STEPS"
+
+
+class _FaultyDecode:
+    """Fault injection for the reliability tests: with QUANTSERVE_FAULT_DECODE_STEPS="3,9" the 3rd
+    and 9th decode steps (counted from 1, failed ones included) raise RuntimeError.
+
+    Running out of memory is tested for real (a server under an address-space limit); nothing
+    else makes a decode step fail on demand, yet the reply path of every other failure (a 500, or
+    an error event in a stream) must be proved too.  Unset, the backend is used as it is."""
+
+    def __init__(self, backend, steps: str):
+        self._backend, self._fail_at, self._step = backend, {int(x) for x in steps.split(",") if x.strip()}, 0
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+    def decode(self, slots, tokens):
+        self._step += 1
+        if self._step in self._fail_at:
+            raise RuntimeError(f"injected fault: decode step {self._step} failed")
+        return self._backend.decode(slots, tokens)
+
+
 class Scheduler:
     def __init__(self, backend: DecodeBackend, eos_token_ids: set[int], max_batch: int, max_queue: int,
                  log=None):
+        if os.environ.get(FAULT_ENV):
+            backend = _FaultyDecode(backend, os.environ[FAULT_ENV])
         self.backend = backend
         self.eos_token_ids = set(eos_token_ids)
         self.max_batch = max_batch
@@ -93,9 +125,10 @@ class Scheduler:
                     return
             except Exception as e:  # a bug here must fail the requests, not hang them forever
                 self._log(f"scheduler error: {type(e).__name__}: {e}")
+                error = EngineError.from_exception(e)
                 with self._cond:
                     for seq in list(self._running.values()):
-                        self._finish(seq, TokenEvent(None, finish_reason="error", error=f"{type(e).__name__}: {e}"))
+                        self._fail(seq, error)
 
     def _iteration(self) -> bool:
         """One round: cancellations, admissions, one decode step.  True when shut down."""
@@ -147,6 +180,13 @@ class Scheduler:
         event.elapsed_s = time.perf_counter() - seq.submitted_at
         seq.stream.push(event)
 
+    def _fail(self, seq: _Running, error: EngineError) -> None:
+        self._finish(seq, TokenEvent(None, finish_reason="error", error=error))
+
+    @staticmethod
+    def _kv_tokens(seq: _Running) -> int:
+        return len(seq.stream.request.prompt_ids) + seq.generated
+
     def _prefill(self, stream: TokenStream, submitted_at: float, slot: int) -> None:
         req = stream.request
         seq = _Running(stream, slot, SequenceSampler(req.params, req.prompt_ids, self.backend.vocab_size),
@@ -155,20 +195,32 @@ class Scheduler:
         try:
             logits = self.backend.prefill(slot, req.prompt_ids)
         except Exception as e:  # a failed prompt must not take the server down
-            self._log(f"prefill failed: {type(e).__name__}: {e}")
-            self._finish(seq, TokenEvent(None, finish_reason="error", error=f"{type(e).__name__}: {e}"))
+            self._log(f"prefill of request {req.request_id} ({len(req.prompt_ids)} tokens) failed: "
+                      f"{type(e).__name__}: {e}")
+            self._fail(seq, EngineError.from_exception(e))
             return
         self._emit(seq, logits)
 
     def _decode_step(self) -> None:
         batch = list(self._running.values())
-        try:
-            logits = self.backend.decode([s.slot for s in batch], [s.last_token for s in batch])
-        except Exception as e:
-            self._log(f"decode step failed: {type(e).__name__}: {e}")
-            for seq in batch:
-                self._finish(seq, TokenEvent(None, finish_reason="error", error=f"{type(e).__name__}: {e}"))
-            return
+        while True:
+            try:
+                logits = self.backend.decode([s.slot for s in batch], [s.last_token for s in batch])
+                break
+            except Exception as e:
+                self._log(f"decode step of {len(batch)} sequences failed: {type(e).__name__}: {e}")
+                error = EngineError.from_exception(e)
+            # (outside the except clause: the traceback, which holds the failed step's tensors, is gone)
+            if error.code != "out_of_memory" or len(batch) == 1:
+                for seq in batch:
+                    self._fail(seq, error)
+                return
+            # the step's memory grows with the longest cache: shed that sequence, retry the others
+            victim = max(batch, key=self._kv_tokens)
+            self._log(f"shedding request {victim.stream.request.request_id} ({self._kv_tokens(victim)} "
+                      "tokens in KV cache) to free memory")
+            batch.remove(victim)
+            self._fail(victim, error)
         for row, seq in enumerate(batch):
             self._emit(seq, logits[row])
 
@@ -177,7 +229,7 @@ class Scheduler:
             self._sample_and_send(seq, logits)
         except Exception as e:  # e.g. sampling from non-finite logits: only this request fails
             self._log(f"sampling failed: {type(e).__name__}: {e}")
-            self._finish(seq, TokenEvent(None, finish_reason="error", error=f"{type(e).__name__}: {e}"))
+            self._fail(seq, EngineError.from_exception(e))
 
     def _sample_and_send(self, seq: _Running, logits) -> None:
         """Sample one token for `seq`, send it, and retire the sequence if it is done."""

@@ -8,14 +8,15 @@ and `serving_chat.py`.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from server.engine import EngineClosedError, EngineRequest, QueueFullError, TokenStream
-from server.errors import APIError
+from server.engine import EngineClosedError, EngineError, EngineRequest, QueueFullError, TokenStream
+from server.errors import APIError, error_body
 from server.metrics import Metrics
 from server.protocol import _SamplingFields
 from server.sampling import SamplingParams
@@ -40,11 +41,31 @@ class Job:
     streams: list[TokenStream]
     choices: list[ChoiceText]
     prompt_tokens: int
+    metrics: Metrics | None = None
     started: float = field(default_factory=time.perf_counter)
+    outcome: str | None = None  # set once by settle()
 
-    def cancel(self) -> None:
+    def settle(self, outcome: str) -> None:
+        """Count how the request ended (success, error, disconnected); only the first call counts."""
+        if self.outcome is None:
+            self.outcome = outcome
+            if self.metrics is not None:
+                self.metrics.record_outcome(outcome, self.completion_tokens)
+
+    def cancel_streams(self) -> None:
         for s in self.streams:
             s.cancel()
+
+    def cancel(self) -> None:
+        """The response is over (the route's close callback): a request not settled by then was
+        abandoned by its client.  Unfinished streams are cancelled, which frees their KV memory."""
+        self.settle("disconnected")
+        self.cancel_streams()
+
+    @property
+    def first_error(self):
+        """The EngineError of the first failed choice, or None."""
+        return next((c.error for c in self.choices if c.finish_reason == "error"), None)
 
     @property
     def completion_tokens(self) -> int:
@@ -100,22 +121,23 @@ def start_job(state: ServerState, req: _SamplingFields, prompts: list[list[int]]
             planned.append((prompt, sampling_params(state, req, len(prompt), max_tokens, logprobs, param,
                                                     len(planned))))
     streams, choices = [], []
+    state.metrics.received.inc()
     try:
         for prompt, params in planned:
             streams.append(engine.submit(EngineRequest(prompt, params)))
             choices.append(ChoiceText(engine.tokenizer, prompt, req.stop_list(), logprobs is not None))
-    except QueueFullError as e:
+    except (QueueFullError, EngineClosedError) as e:
         for s in streams:
             s.cancel()
+        state.metrics.record_outcome("rejected", 0)
+        if isinstance(e, EngineClosedError):
+            state.metrics.rejected.labels("503").inc()
+            raise APIError(503, str(e), code="shutting_down") from e
         state.metrics.rejected.labels("429").inc()
         raise APIError(429, f"Server busy: {e}. Retry later.", code="queue_full",
                        headers={"Retry-After": str(state.retry_after_s)}) from e
-    except EngineClosedError as e:
-        for s in streams:
-            s.cancel()
-        raise APIError(503, str(e), code="shutting_down") from e
     state.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
-    return Job(streams, choices, prompt_tokens=sum(len(p) for p in prompts))
+    return Job(streams, choices, prompt_tokens=sum(len(p) for p in prompts), metrics=state.metrics)
 
 
 async def run_job(state: ServerState, job: Job) -> AsyncIterator[tuple[int, Delta]]:
@@ -132,7 +154,7 @@ async def run_job(state: ServerState, job: Job) -> AsyncIterator[tuple[int, Delt
         except Exception as e:  # never leave the request hanging: end the choice with an error
             log.exception("choice %d failed", i)
             choice = job.choices[i]
-            choice.finish_reason, choice.error = "error", f"{type(e).__name__}: {e}"
+            choice.finish_reason, choice.error = "error", EngineError.from_exception(e)
             job.streams[i].cancel()
             await queue.put((i, Delta("", [], "error")))
         await queue.put((i, None))
@@ -162,22 +184,53 @@ async def run_job(state: ServerState, job: Job) -> AsyncIterator[tuple[int, Delt
                 continue
             yield i, delta
     finally:
-        job.cancel()
+        job.cancel_streams()
         for t in tasks:
             t.cancel()
 
 
 async def collect(state: ServerState, job: Job) -> None:
-    """Run a job to the end (non-streaming); each ChoiceText then holds its full text."""
-    async for _ in run_job(state, job):
-        pass
+    """Run a job to the end (non-streaming); each ChoiceText then holds its full text.  The first
+    failed choice ends the job at once (the others are cancelled): the reply is an error anyway."""
+    async for _, delta in run_job(state, job):
+        if delta.finish_reason == "error":
+            break
     raise_if_failed(job)
 
 
+def api_error_of(error) -> APIError:
+    """The error reply for a failed choice: 503 out_of_memory, 500 engine_error."""
+    status, code = getattr(error, "status", 500), getattr(error, "code", "engine_error")
+    return APIError(status, f"generation failed: {error}", code=code)
+
+
 def raise_if_failed(job: Job) -> None:
-    for c in job.choices:
-        if c.finish_reason == "error":
-            raise APIError(500, f"generation failed: {c.error}", code="engine_error")
+    if job.first_error is not None:
+        raise api_error_of(job.first_error)
+
+
+def sse_error(error) -> str:
+    """The streaming form of a failed choice: an OpenAI error object as one SSE event (vLLM's way)."""
+    e = api_error_of(error)
+    return f"data: {json.dumps(error_body(e.status, e.message, code=e.code))}\n\n"
+
+
+async def run_to_reply(job: Job, request, coro):
+    """Await a non-streaming job's `coro` (which ends with `raise_if_failed`) and settle the job:
+    success, error, or disconnected when the client left before the reply."""
+    try:
+        result = await until_disconnected(request, coro)
+    except APIError as e:
+        job.settle("disconnected" if e.status == 499 else "error")
+        raise
+    except asyncio.CancelledError:  # the connection was torn down under us
+        job.settle("disconnected")
+        raise
+    except BaseException:
+        job.settle("error")
+        raise
+    job.settle("success")
+    return result
 
 
 async def until_disconnected(request, coro, poll_s: float = 0.25):

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
 from typing import AsyncIterator
 
-from server.errors import APIError, error_body
+from server.errors import APIError
 from server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                              ChatCompletionChunk, ChatCompletionRequest, ChoiceLogprobs, DeltaMessage,
                              TokenLogprobOut, TopLogprobOut, Usage)
-from server.serving import (Job, ServerState, check_model, collect, new_id, run_job, start_job,
-                            until_disconnected)
+from server.serving import (Job, ServerState, check_model, collect, new_id, run_job, run_to_reply,
+                            sse_error, start_job)
 from server.textstream import LogprobEntry
 from quantserve.settings import UserError
 
@@ -46,7 +45,7 @@ def prepare(state: ServerState, req: ChatCompletionRequest) -> Job:
 
 async def complete(state: ServerState, req: ChatCompletionRequest, request) -> ChatCompletion:
     job = prepare(state, req)
-    await until_disconnected(request, collect(state, job))
+    await run_to_reply(job, request, collect(state, job))
     choices = [ChatChoice(index=i, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
                           logprobs=_logprobs_out(c.all_logprobs) if req.logprobs else None)
                for i, c in enumerate(job.choices)]
@@ -68,8 +67,8 @@ async def stream(state: ServerState, req: ChatCompletionRequest, job: Job) -> As
         for i in range(len(job.choices)):
             yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
         async for i, delta in run_job(state, job):
-            if delta.finish_reason == "error":
-                yield f"data: {json.dumps(error_body(500, 'generation failed: ' + str(job.choices[i].error)))}\n\n"
+            if delta.finish_reason == "error":  # an error event instead of a finish_reason
+                yield sse_error(job.choices[i].error)
                 continue
             lp = _logprobs_out(delta.logprobs) if req.logprobs and delta.logprobs else None
             content = delta.text if delta.text else None
@@ -79,6 +78,10 @@ async def stream(state: ServerState, req: ChatCompletionRequest, job: Job) -> As
             usage = Usage(prompt_tokens=job.prompt_tokens, completion_tokens=job.completion_tokens,
                           total_tokens=job.prompt_tokens + job.completion_tokens)
             yield chunk([], usage)
+        job.settle("error" if job.first_error else "success")
         yield "data: [DONE]\n\n"
+    except Exception:
+        job.settle("error")
+        raise
     finally:
-        job.cancel()
+        job.cancel()  # settles "disconnected" when the client left before the end

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from typing import AsyncIterator
 
-from server.errors import APIError, error_body
+from server.errors import APIError
 from server.protocol import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, Usage
-from server.serving import (Job, ServerState, check_model, collect, new_id, run_job, start_job,
-                            until_disconnected)
+from server.serving import (Job, ServerState, check_model, collect, new_id, run_job, run_to_reply,
+                            sse_error, start_job)
 from server.textstream import LogprobEntry
 
 DEFAULT_MAX_TOKENS = 16  # the OpenAI completions default
@@ -56,7 +55,7 @@ def prepare(state: ServerState, req: CompletionRequest) -> tuple[Job, list[str]]
 
 async def complete(state: ServerState, req: CompletionRequest, request) -> Completion:
     job, texts = prepare(state, req)
-    await until_disconnected(request, collect(state, job))
+    await run_to_reply(job, request, collect(state, job))
     choices = []
     for i, c in enumerate(job.choices):
         prefix = texts[i // req.n] if req.echo else ""
@@ -80,8 +79,8 @@ async def stream(state: ServerState, req: CompletionRequest, job: Job, texts: li
         async for i, delta in run_job(state, job):
             lp = _legacy_logprobs(delta.logprobs, offsets[i]) if req.logprobs is not None else None
             offsets[i] += len(delta.text)
-            if delta.finish_reason == "error":
-                yield f"data: {json.dumps(error_body(500, 'generation failed: ' + str(job.choices[i].error)))}\n\n"
+            if delta.finish_reason == "error":  # an error event instead of a finish_reason
+                yield sse_error(job.choices[i].error)
                 continue
             chunk = Completion(id=cid, model=state.model_name, choices=[
                 CompletionChoice(index=i, text=delta.text, logprobs=lp, finish_reason=delta.finish_reason)])
@@ -90,9 +89,13 @@ async def stream(state: ServerState, req: CompletionRequest, job: Job, texts: li
             usage = Usage(prompt_tokens=job.prompt_tokens, completion_tokens=job.completion_tokens,
                           total_tokens=job.prompt_tokens + job.completion_tokens)
             yield _sse(Completion(id=cid, model=state.model_name, choices=[], usage=usage))
+        job.settle("error" if job.first_error else "success")
         yield "data: [DONE]\n\n"
+    except Exception:
+        job.settle("error")
+        raise
     finally:
-        job.cancel()
+        job.cancel()  # settles "disconnected" when the client left before the end
 
 
 def _sse(model) -> str:

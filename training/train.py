@@ -155,7 +155,6 @@ def train(cfg: TrainConfig) -> Path:
     ws, rank, _ = distributed.world()
     import torch
     from transformers import AutoConfig, PrinterCallback, Trainer, set_seed
-    from transformers.trainer_utils import get_last_checkpoint
 
     from quantserve.capabilities import apply_profile, detect
     from quantserve.default_model import resolve_model
@@ -203,7 +202,7 @@ def train(cfg: TrainConfig) -> Path:
     trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
                       processing_class=tok, callbacks=[StepLogCallback(), ProgressCallback(cfg.progress)])
     trainer.remove_callback(PrinterCallback)  # our ProgressCallback replaces its dict printing
-    last = get_last_checkpoint(str(cfg.out)) if cfg.resume and cfg.out.is_dir() else None
+    last = last_complete_checkpoint(cfg.out) if cfg.resume and cfg.out.is_dir() else None
     if last:
         log(f"resuming from {last}")
     result = trainer.train(resume_from_checkpoint=last)
@@ -229,6 +228,27 @@ def train(cfg: TrainConfig) -> Path:
                 f"{summary['seconds']} s; checkpoint in {cfg.out}, curve in {cfg.out / 'loss.png'}")
     distributed.barrier()
     return cfg.out
+
+
+def last_complete_checkpoint(out: Path) -> str | None:
+    """The newest `checkpoint-N` in `out` that the Trainer finished writing, or None.
+
+    The Trainer writes trainer_state.json last, so a run killed while saving leaves a newer folder
+    without it; transformers' `get_last_checkpoint` would pick that one and the resume would fail.
+    Such folders are skipped (every rank) and removed (rank 0), so the run resumes from the one before.
+    """
+    from transformers.trainer import TRAINER_STATE_NAME
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    steps = {int(p.name.rsplit("-", 1)[1]): p for p in out.glob(f"{PREFIX_CHECKPOINT_DIR}-*")
+             if p.is_dir() and p.name.rsplit("-", 1)[1].isdigit()}
+    for step in sorted(steps, reverse=True):
+        if (steps[step] / TRAINER_STATE_NAME).is_file():
+            return str(steps[step])
+        log(f"{steps[step]} is incomplete (the run was stopped while saving it): removing it")
+        if distributed.world()[1] == 0:
+            shutil.rmtree(steps[step], ignore_errors=True)
+    return None
 
 
 def probe_logits(model, tok, res: Resolved) -> dict:

@@ -1,0 +1,507 @@
+"""Soak test for the OpenAI-compatible server: many clients for a long time, and nothing lost.
+
+    python -m bench.soak --url http://127.0.0.1:8000 --clients 64 --duration 120 [--out soak.json]
+
+Each client loops over random requests: /v1/completions or /v1/chat/completions, streaming or
+not, and one of three fates:
+
+- complete: read the whole reply and check it (the `openai` package's own response types, every
+  choice finished with "stop" or "length", usage adding up);
+- abort mid-stream: close the connection after a few events;
+- abort early: close a stream right after its headers, or give up on a non-streaming reply after
+  a short random wait.
+
+A 429 (queue full) with Retry-After is an accepted answer: it is counted and the client waits as
+told.  Anything else (another status, an error event, a malformed body, a timeout) is an
+unexpected error.
+
+Aborted requests ask for exactly ABORT_TOKENS tokens with `ignore_eos`, so when the server
+finished one before it noticed the client had gone, its token count is still known; that keeps
+the token accounting exact.  After a warm-up phase of the same load the tool records a baseline,
+runs the measured phase, waits for the server to go idle and checks its /metrics:
+
+- running = waiting = KV-cache tokens = 0 (no leaked slot or cache);
+- request_received == success + error + disconnected + rejected, and error == 0;
+- the outcome counts agree with what the clients saw (within what their aborts leave open);
+- success completion tokens == the tokens the clients were told + ABORT_TOKENS per aborted
+  request the server finished anyway;
+- resident memory (the server's `process_resident_memory_bytes`) back within a tolerance of the
+  post-warm-up baseline.
+
+Exit status 1 when any check fails.  `run_soak()` is the same as a function (tests use it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+ABORT_TOKENS = 48  # long enough that an aborted stream is still running when the client leaves
+PROMPTS = ["What is 12 + 30?", "Repeat: k q m", "Sort: d a c b", "What comes after g?",
+           "How many letters in: a b c d e", "What is the capital of Keltria?",
+           "Count from 1 to 9.", "Reverse: q w e r t y"]
+MiB = 1 << 20
+
+
+@dataclass
+class SoakConfig:
+    url: str  # server root, e.g. http://127.0.0.1:8000
+    clients: int = 16
+    duration_s: float = 15.0
+    warmup_s: float = 4.0
+    abort_fraction: float = 0.25  # of requests the client walks away from
+    seed: int = 0
+    api_key: str | None = None
+    model: str | None = None  # default: the first id of /v1/models
+    request_timeout_s: float = 120.0
+    idle_timeout_s: float = 30.0
+    # Resident memory may end this much above the post-warm-up baseline (see rss_tolerance()).
+    rss_tolerance_mib: float | None = None
+
+
+@dataclass
+class ClientCounts:
+    """What the clients saw during the measured phase."""
+
+    sent: int = 0
+    completed: int = 0
+    completion_tokens: int = 0  # usage.completion_tokens of completed requests
+    rejected_429: int = 0
+    aborted_mid_stream: int = 0
+    aborted_after_headers: int = 0
+    aborted_no_reply: int = 0  # non-streaming: gave up before any reply
+    by_kind: dict = field(default_factory=dict)  # "chat/stream" -> completed count
+    unexpected: int = 0
+    unexpected_samples: list = field(default_factory=list)  # the first few, for the report
+
+    @property
+    def aborted(self) -> int:
+        return self.aborted_mid_stream + self.aborted_after_headers + self.aborted_no_reply
+
+    def error(self, what: str) -> None:
+        self.unexpected += 1
+        if len(self.unexpected_samples) < 10:
+            self.unexpected_samples.append(what[:300])
+
+
+@dataclass
+class SoakReport:
+    config: dict
+    clients: ClientCounts
+    server: dict  # deltas of the server's counters over the measured phase, and its gauges after
+    rss_baseline_mib: float | None
+    rss_after_mib: float | None
+    rss_peak_mib: float | None
+    rss_tolerance_mib: float | None
+    idle_after_s: float | None  # how long after the load the server reported itself idle
+    elapsed_s: float
+    problems: list[str]
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["clients"]["aborted"] = self.clients.aborted
+        return d
+
+
+# ---- metrics --------------------------------------------------------------------------------------
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {"name" or "name{label=value}": value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+OUTCOMES = ("success", "error", "disconnected", "rejected")
+_COUNTERS = {"received": "quantserve:request_received_total",
+             **{o: f"quantserve:request_outcome_total{{outcome={o}}}" for o in OUTCOMES},
+             "success_tokens": "quantserve:request_completion_tokens_total{outcome=success}",
+             "engine_generated_tokens": "quantserve:engine_generated_tokens_total",
+             "engine_cancelled": "quantserve:engine_cancelled_requests_total",
+             "rejected_429": "quantserve:request_rejected_total{status=429}"}
+_GAUGES = {"running": "quantserve:num_requests_running", "waiting": "quantserve:num_requests_waiting",
+           "kv_used_tokens": "quantserve:kv_cache_used_tokens"}
+RSS = "process_resident_memory_bytes"
+
+
+async def scrape(client, url: str) -> dict[str, float]:
+    r = await client.get(url + "/metrics", timeout=30)
+    r.raise_for_status()
+    return parse_metrics(r.text)
+
+
+def _settled(m: dict[str, float]) -> bool:
+    """Idle: nothing running, waiting or cached, and every received request has an outcome."""
+    idle = all(m.get(name, 0) == 0 for name in _GAUGES.values())
+    return idle and m.get(_COUNTERS["received"], 0) == sum(m.get(_COUNTERS[o], 0) for o in OUTCOMES)
+
+
+async def wait_settled(client, url: str, timeout: float) -> tuple[dict[str, float], float | None]:
+    t0 = time.perf_counter()
+    while True:
+        m = await scrape(client, url)
+        if _settled(m):
+            return m, time.perf_counter() - t0
+        if time.perf_counter() - t0 > timeout:
+            return m, None
+        await asyncio.sleep(0.1)
+
+
+# ---- one request ----------------------------------------------------------------------------------
+
+def _plan(rng: random.Random, model: str, abort_fraction: float) -> dict:
+    """A random request: endpoint, streaming, fate and body."""
+    chat, stream = rng.random() < 0.5, rng.random() < 0.5
+    fate = "complete"
+    if rng.random() < abort_fraction:
+        fate = rng.choice(["mid_stream", "after_headers"]) if stream else "no_reply"
+    prompt = rng.choice(PROMPTS)
+    body = {"model": model, "temperature": rng.choice([0.0, 0.7, 1.0]), "seed": rng.randrange(1 << 30)}
+    if fate == "complete":
+        body["max_tokens"] = rng.randint(1, 32)
+        body["n"] = 2 if rng.random() < 0.1 else 1
+        if rng.random() < 0.3:  # run to max_tokens: longer sequences, fuller batches
+            body["ignore_eos"] = True
+    else:
+        body.update(max_tokens=ABORT_TOKENS, ignore_eos=True, n=1)
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    return {"path": "/v1/chat/completions" if chat else "/v1/completions", "chat": chat, "stream": stream,
+            "fate": fate, "body": body, "kind": f"{'chat' if chat else 'completions'}/"
+            f"{'stream' if stream else 'plain'}"}
+
+
+def _check_usage(usage, n: int, max_tokens: int, finishes: list, ignore_eos: bool) -> str | None:
+    if usage is None:
+        return "no usage"
+    if usage.total_tokens != usage.prompt_tokens + usage.completion_tokens:
+        return f"usage does not add up: {usage}"
+    if not n <= usage.completion_tokens <= n * max_tokens:
+        return f"{usage.completion_tokens} completion tokens for n={n}, max_tokens={max_tokens}"
+    if n == 1 and finishes[0] == "length" and usage.completion_tokens != max_tokens:
+        return f"finish_reason length after {usage.completion_tokens} of {max_tokens} tokens"
+    if ignore_eos and (set(finishes) != {"length"} or usage.completion_tokens != n * max_tokens):
+        return f"ignore_eos, yet {finishes} after {usage.completion_tokens} of {n} x {max_tokens} tokens"
+    return None
+
+
+def _check_reply(plan: dict, data: dict) -> tuple[str | None, int]:
+    """(problem or None, completion tokens) for a non-streaming 200 body."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+
+    body = plan["body"]
+    reply = (ChatCompletion if plan["chat"] else Completion).model_validate(data)
+    texts = [c.message.content if plan["chat"] else c.text for c in reply.choices]
+    finishes = [c.finish_reason for c in reply.choices]
+    if sorted(c.index for c in reply.choices) != list(range(body["n"])):
+        return f"choice indices {[c.index for c in reply.choices]} for n={body['n']}", 0
+    if any(f not in ("stop", "length") for f in finishes) or any(not isinstance(t, str) for t in texts):
+        return f"bad choices: {finishes} {texts}", 0
+    problem = _check_usage(reply.usage, body["n"], body["max_tokens"], finishes,
+                           body.get("ignore_eos", False))
+    return problem, reply.usage.completion_tokens if reply.usage else 0
+
+
+class _StreamCheck:
+    """Accumulates a stream's events; `result()` says whether it was a complete, valid reply."""
+
+    def __init__(self, plan: dict):
+        self.plan, self.events, self.done = plan, 0, False
+        self.finishes: dict[int, str] = {}
+        self.usage = None
+        self.problem: str | None = None
+
+    def feed(self, line: str) -> None:
+        from openai.types import Completion
+        from openai.types.chat import ChatCompletionChunk
+
+        if not line.startswith("data: ") or self.problem:
+            return
+        payload = line[6:]
+        if payload == "[DONE]":
+            self.done = True
+            return
+        self.events += 1
+        data = json.loads(payload)
+        if "error" in data:
+            self.problem = f"error event: {data['error']}"
+            return
+        if self.plan["chat"]:
+            chunk = ChatCompletionChunk.model_validate(data)
+        else:  # the SDK has no completions chunk type: its Completion wants a finish_reason, which a
+            # streamed chunk (OpenAI's own too) leaves null until the choice ends
+            chunk = Completion.model_validate({**data, "choices": [
+                {**c, "finish_reason": c.get("finish_reason") or "length"} for c in data.get("choices", [])]})
+            for c in data.get("choices", []):
+                if c.get("finish_reason"):
+                    self.finishes[c["index"]] = c["finish_reason"]
+            self.usage = chunk.usage or self.usage
+            return
+        self.usage = chunk.usage or self.usage
+        for c in chunk.choices:
+            if c.finish_reason:
+                self.finishes[c.index] = c.finish_reason
+
+    def result(self) -> tuple[str | None, int]:
+        body = self.plan["body"]
+        if self.problem:
+            return self.problem, 0
+        if not self.done:
+            return "stream ended without [DONE]", 0
+        finishes = [self.finishes.get(i) for i in range(body["n"])]
+        if any(f not in ("stop", "length") for f in finishes):
+            return f"stream finish reasons {finishes}", 0
+        problem = _check_usage(self.usage, body["n"], body["max_tokens"], finishes,
+                               body.get("ignore_eos", False))
+        return problem, self.usage.completion_tokens if self.usage else 0
+
+
+async def _rejected(resp, counts: ClientCounts) -> float | None:
+    """Seconds to wait for a well-formed 429; None (and an unexpected error) for anything else."""
+    data = json.loads(await resp.aread())
+    retry = resp.headers.get("retry-after")
+    if data.get("error", {}).get("code") != "queue_full" or not (retry or "").isdigit():
+        counts.error(f"malformed 429: {data} retry-after={retry}")
+        return None
+    counts.rejected_429 += 1
+    return float(retry)
+
+
+async def one_request(client, url: str, plan: dict, counts: ClientCounts, rng: random.Random) -> float:
+    """Send one planned request, update `counts`; returns seconds to back off (after a 429)."""
+    counts.sent += 1
+    headers = {"Accept": "text/event-stream"} if plan["stream"] else {}
+    if plan["stream"]:
+        async with client.stream("POST", url + plan["path"], json=plan["body"], headers=headers) as resp:
+            if resp.status_code == 429:
+                return await _rejected(resp, counts) or 0.0
+            if resp.status_code != 200:
+                counts.error(f"{plan['kind']}: HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
+                return 0.0
+            if plan["fate"] == "after_headers":
+                counts.aborted_after_headers += 1
+                return 0.0  # leaving the block closes the connection
+            check, stop_after = _StreamCheck(plan), rng.randint(1, 4)
+            async for line in resp.aiter_lines():
+                check.feed(line)
+                if plan["fate"] == "mid_stream" and check.events >= stop_after and not check.done:
+                    counts.aborted_mid_stream += 1
+                    return 0.0
+        problem, tokens = check.result()
+    else:
+        post = client.post(url + plan["path"], json=plan["body"])
+        if plan["fate"] == "no_reply":
+            try:
+                resp = await asyncio.wait_for(post, timeout=rng.uniform(0.02, 0.5))
+            except asyncio.TimeoutError:  # cancelling the request closes its connection
+                counts.aborted_no_reply += 1
+                return 0.0
+        else:
+            resp = await post
+        if resp.status_code == 429:
+            return await _rejected(resp, counts) or 0.0
+        if resp.status_code != 200:
+            counts.error(f"{plan['kind']}: HTTP {resp.status_code}: {resp.text[:200]}")
+            return 0.0
+        problem, tokens = _check_reply(plan, resp.json())
+    if problem:
+        counts.error(f"{plan['kind']}: {problem}")
+        return 0.0
+    counts.completed += 1
+    counts.completion_tokens += tokens
+    counts.by_kind[plan["kind"]] = counts.by_kind.get(plan["kind"], 0) + 1
+    return 0.0
+
+
+async def client_loop(client, url: str, model: str, cfg: SoakConfig, until: float, seed: int,
+                      counts: ClientCounts) -> None:
+    rng = random.Random(seed)
+    while time.perf_counter() < until:
+        plan = _plan(rng, model, cfg.abort_fraction)
+        try:
+            backoff = await one_request(client, url, plan, counts, rng)
+        except Exception as e:  # a timeout, a reset connection, a body that is not JSON ...
+            counts.error(f"{plan['kind']}: {type(e).__name__}: {e}")
+            backoff = 0.0
+        if backoff:
+            await asyncio.sleep(min(backoff, max(0.0, until - time.perf_counter())))
+
+
+async def run_load(client, cfg: SoakConfig, model: str, seconds: float, seed: int) -> ClientCounts:
+    counts = ClientCounts()
+    until = time.perf_counter() + seconds
+    await asyncio.gather(*(client_loop(client, cfg.url, model, cfg, until, seed * 1000 + i, counts)
+                           for i in range(cfg.clients)))
+    return counts
+
+
+# ---- the soak -------------------------------------------------------------------------------------
+
+def rss_tolerance(baseline_mib: float) -> float:
+    """How far resident memory may end above the post-warm-up baseline: 10 % of it, at least 32 MiB.
+
+    After warm-up the allocator pools (glibc arenas, torch's CPU caching of freed blocks, Python's
+    object arenas) have grown to this load's working set; what remains is fragmentation noise of a
+    few MiB.  A real leak is far larger: a slot never freed keeps its KV cache (the default model:
+    4 KiB per token, ~40-80 tokens a request) and a leaked request keeps its streams and buffers,
+    so leaking even a tenth of the thousands of requests a soak sends exceeds this bound.
+    """
+    return max(32.0, 0.10 * baseline_mib)
+
+
+def check(cfg: SoakConfig, c: ClientCounts, s: dict, rss: tuple, idle_s: float | None) -> list[str]:
+    """Every problem found, in words; [] when the soak passed."""
+    problems = []
+    if c.unexpected:
+        problems.append(f"{c.unexpected} unexpected errors, e.g. {c.unexpected_samples[:3]}")
+    if idle_s is None:
+        problems.append(f"server not idle {cfg.idle_timeout_s} s after the load: "
+                        f"{ {k: s[k] for k in _GAUGES} }, received {s['received']} vs outcomes "
+                        f"{ {o: s[o] for o in OUTCOMES} }")
+    if s["error"]:
+        problems.append(f"the server counted {s['error']:.0f} failed requests")
+    if s["received"] != sum(s[o] for o in OUTCOMES):
+        problems.append(f"received {s['received']} != success + error + disconnected + rejected "
+                        f"({ {o: s[o] for o in OUTCOMES} })")
+    # Each aborted request ends as exactly one of: disconnected, finished anyway (success),
+    # refused unseen (rejected), or never read by the server at all.
+    finished_anyway = s["success"] - c.completed
+    unseen_429 = s["rejected"] - c.rejected_429
+    never_read = c.sent - s["received"]
+    for name, value in (("success - completed", finished_anyway), ("rejected - client 429s", unseen_429),
+                        ("sent - received", never_read)):
+        if not 0 <= value <= c.aborted:
+            problems.append(f"{name} = {value:.0f}, outside [0, {c.aborted} aborted]")
+    if s["disconnected"] + finished_anyway + unseen_429 + never_read != c.aborted:
+        problems.append(f"aborted {c.aborted} != disconnected {s['disconnected']:.0f} + finished anyway "
+                        f"{finished_anyway:.0f} + unseen 429s {unseen_429:.0f} + never read {never_read:.0f}")
+    expected_tokens = c.completion_tokens + finished_anyway * ABORT_TOKENS
+    if s["success_tokens"] != expected_tokens:
+        problems.append(f"server success tokens {s['success_tokens']:.0f} != clients' {c.completion_tokens} "
+                        f"+ {finished_anyway:.0f} x {ABORT_TOKENS} finished after an abort")
+    if s["engine_generated_tokens"] < s["success_tokens"]:
+        problems.append(f"the engine sampled {s['engine_generated_tokens']:.0f} tokens, fewer than the "
+                        f"{s['success_tokens']:.0f} it delivered")
+    base, after, tol = rss
+    if base is not None and after is not None and after - base > tol:
+        problems.append(f"resident memory {after:.1f} MiB after the load, baseline {base:.1f} MiB "
+                        f"(tolerance {tol:.1f} MiB)")
+    if c.completed == 0:
+        problems.append("no request completed")
+    return problems
+
+
+async def _peak_rss(client, url: str, stop: asyncio.Event, peak: list[float]) -> None:
+    while not stop.is_set():
+        try:
+            m = await scrape(client, url)
+            if RSS in m:
+                peak[0] = max(peak[0], m[RSS] / MiB)
+        except Exception:  # a scrape lost under load is no finding; the checks scrape again
+            pass
+        try:
+            await asyncio.wait_for(stop.wait(), 1.0)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def run_soak_async(cfg: SoakConfig) -> SoakReport:
+    import httpx
+
+    t0 = time.perf_counter()
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    limits = httpx.Limits(max_connections=cfg.clients + 8, max_keepalive_connections=cfg.clients + 8)
+    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=cfg.request_timeout_s) as client:
+        model = cfg.model or (await client.get(cfg.url + "/v1/models")).json()["data"][0]["id"]
+        # warm-up: the same load, so the allocator pools reach their working size before the baseline
+        if cfg.warmup_s > 0:
+            await run_load(client, cfg, model, cfg.warmup_s, seed=cfg.seed + 1)
+        before, idle = await wait_settled(client, cfg.url, cfg.idle_timeout_s)
+        problems = [] if idle is not None else ["server not idle after the warm-up"]
+        base = before[RSS] / MiB if RSS in before else None
+        stop, peak = asyncio.Event(), [base or 0.0]
+        watcher = asyncio.create_task(_peak_rss(client, cfg.url, stop, peak))
+        counts = await run_load(client, cfg, model, cfg.duration_s, seed=cfg.seed)
+        stop.set()
+        await watcher
+        after_m, idle_s = await wait_settled(client, cfg.url, cfg.idle_timeout_s)
+    server = {k: after_m.get(name, 0.0) - before.get(name, 0.0) for k, name in _COUNTERS.items()}
+    server.update({k: after_m.get(name, 0.0) for k, name in _GAUGES.items()})
+    after = after_m[RSS] / MiB if RSS in after_m else None
+    tol = cfg.rss_tolerance_mib if cfg.rss_tolerance_mib is not None else (rss_tolerance(base) if base else None)
+    problems += check(cfg, counts, server, (base, after, tol), idle_s)
+    return SoakReport(config=asdict(cfg) | {"api_key": None, "model": model}, clients=counts, server=server,
+                      rss_baseline_mib=base, rss_after_mib=after, rss_peak_mib=peak[0] if base else None,
+                      rss_tolerance_mib=tol, idle_after_s=idle_s, elapsed_s=time.perf_counter() - t0,
+                      problems=problems)
+
+
+def run_soak(cfg: SoakConfig) -> SoakReport:
+    return asyncio.run(run_soak_async(cfg))
+
+
+def summary(r: SoakReport) -> str:
+    c, s, cfg = r.clients, r.server, r.config
+    lines = [
+        f"soak: {cfg['clients']} clients x {cfg['duration_s']:.0f} s against {cfg['url']} ({cfg['model']})",
+        f"  clients: {c.sent} sent, {c.completed} completed ({c.completion_tokens} tokens), "
+        f"{c.rejected_429} x 429, {c.aborted} aborted ({c.aborted_mid_stream} mid-stream, "
+        f"{c.aborted_after_headers} after headers, {c.aborted_no_reply} before any reply), "
+        f"{c.unexpected} unexpected errors",
+        f"  server:  {s['received']:.0f} received = {s['success']:.0f} success + {s['error']:.0f} error + "
+        f"{s['disconnected']:.0f} disconnected + {s['rejected']:.0f} rejected; "
+        f"{s['success_tokens']:.0f} tokens delivered, {s['engine_generated_tokens']:.0f} sampled",
+        f"  after:   running {s['running']:.0f}, waiting {s['waiting']:.0f}, KV tokens {s['kv_used_tokens']:.0f}"
+        + (f" (idle {r.idle_after_s:.2f} s after the load)" if r.idle_after_s is not None else " (never idle)"),
+    ]
+    if r.rss_baseline_mib is not None:
+        lines.append(f"  memory:  RSS {r.rss_baseline_mib:.1f} MiB after warm-up, peak {r.rss_peak_mib:.1f}, "
+                     f"{r.rss_after_mib:.1f} after the load (tolerance +{r.rss_tolerance_mib:.1f} MiB)")
+    lines.append("  PASSED" if not r.problems else "  FAILED:\n" + "\n".join(f"    - {p}" for p in r.problems))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import os
+
+    p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server root (no /v1)")
+    p.add_argument("--clients", type=int, default=64)
+    p.add_argument("--duration", type=float, default=120.0, help="seconds of measured load")
+    p.add_argument("--warmup", type=float, default=None, help="seconds of warm-up load (default: a tenth "
+                   "of --duration, 3 to 15 s)")
+    p.add_argument("--abort-fraction", type=float, default=0.25)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None)
+    p.add_argument("--rss-tolerance-mib", type=float, default=None)
+    p.add_argument("--out", default=None, help="write the full report as JSON here")
+    a = p.parse_args(argv)
+    warmup = a.warmup if a.warmup is not None else min(15.0, max(3.0, a.duration / 10))
+    cfg = SoakConfig(url=a.url.rstrip("/"), clients=a.clients, duration_s=a.duration, warmup_s=warmup,
+                     abort_fraction=a.abort_fraction, seed=a.seed, model=a.model,
+                     api_key=os.environ.get("QUANTSERVE_API_KEY"), rss_tolerance_mib=a.rss_tolerance_mib)
+    report = run_soak(cfg)
+    print(summary(report))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(report.as_dict(), f, indent=1)
+    return 1 if report.problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
