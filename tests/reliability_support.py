@@ -1,23 +1,15 @@
-"""Helpers for the reliability suites (fuzz, hostile, security); no tests here.
+"""HTTP checks for the reliability suites (fuzz, hostile, security); no tests here.
 
-- `SIZE`: `$QUANTSERVE_RELIABILITY`, `quick` (the default, what `make test` runs) or `full`.
 - `assert_openai_error`: a 4xx/5xx answer is `{"error": {"message", "type", "param", "code"}}`.
-- `Figures`: the numbers a suite measured, written to `runs/reliability/<suite>.json` as
-  `{"suite", "size", "rows": [{"what", "figure"}]}` so a table can be built from all suites.
+- `raw_http`: bytes sent exactly as given, for what HTTP clients normalise or refuse to send.
+
+The suite size and the figures files come from `reliability.py`, shared with the soak and fault
+suites.
 """
 
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
-OUT = REPO / "runs" / "reliability"
-
-SIZE = os.environ.get("QUANTSERVE_RELIABILITY", "quick")
-if SIZE not in ("quick", "full"):
-    raise ValueError(f"QUANTSERVE_RELIABILITY={SIZE!r}: use quick or full")
 
 
 def assert_openai_error(response, status: int | None = None, code: str | None = None) -> dict:
@@ -36,21 +28,6 @@ def assert_openai_error(response, status: int | None = None, code: str | None = 
     if code is not None:
         assert error["code"] == code, error
     return error
-
-
-class Figures:
-    def __init__(self, suite: str):
-        self.suite = suite
-        self.rows: list[dict] = []
-
-    def add(self, what: str, figure) -> None:
-        self.rows.append({"what": what, "figure": str(figure)})
-
-    def write(self) -> Path:
-        OUT.mkdir(parents=True, exist_ok=True)
-        path = OUT / f"{self.suite}.json"
-        path.write_text(json.dumps({"suite": self.suite, "size": SIZE, "rows": self.rows}, indent=1) + "\n")
-        return path
 
 
 class RawResponse:

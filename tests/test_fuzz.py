@@ -20,7 +20,8 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
-from reliability_support import SIZE, Figures, assert_openai_error
+from reliability import SIZE, Figures
+from reliability_support import assert_openai_error
 from test_server_support import ServerProcess
 
 MODEL = "tiny"

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from reliability_support import Figures, assert_openai_error, raw_http
+from reliability import Figures
+from reliability_support import assert_openai_error, raw_http
 from test_server_support import ServerProcess
 
 MODEL = "tiny"

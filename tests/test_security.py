@@ -22,7 +22,8 @@ from urllib.parse import quote
 import httpx
 import pytest
 
-from reliability_support import Figures, assert_openai_error, raw_http
+from reliability import Figures
+from reliability_support import assert_openai_error, raw_http
 from test_cli import assert_one_line_error, cli
 from test_server_support import ServerProcess
 
