@@ -201,7 +201,9 @@ def test_compiled_triton_decode_matches_eager_torch_ops(hf, prompts, mode):
         pos = [len(p) + i for p in prompts[:3]]
         a = eager.decode([0, 1, 2], [5, 6, 7], pos)
         b = fast.decode([0, 1, 2], [5, 6, 7], pos)
-        assert torch.allclose(a, b, atol=5e-2), (a - b).abs().max()
+        # fp16 logits from two accumulation orders: compare against the logits' own scale
+        assert (a - b).abs().max() <= 0.02 * a.abs().max(), ((a - b).abs().max(), a.abs().max())
+        assert (a.argmax(-1) == b.argmax(-1)).all()
 
 
 def test_adapter_matches_server_hf_backend(hf, default_model, prompts):

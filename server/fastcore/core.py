@@ -242,8 +242,11 @@ class FastCore:
                 # cudagraph *trees* keep their state in thread-local storage and assert when the
                 # server's scheduler thread replays a graph recorded elsewhere (pytorch#123177);
                 # plain per-function CUDA graphs have no such tie to a thread.
+                # (with the Triton int8/int4 kernels no weight matmul is left for it to fuse, and the
+                # tuning costs minutes of compile on an 8B model)
+                fuse = batch == 1 and (self.weight_quant == "none" or self.quant_kernel != "triton")
                 opts = {"triton.cudagraphs": True, "triton.cudagraph_trees": False,
-                        "coordinate_descent_tuning": batch == 1}
+                        "coordinate_descent_tuning": fuse}
                 fn = torch.compile(fn, fullgraph=True, options=opts)
             self._steps[key] = fn
         return self._steps[key]
