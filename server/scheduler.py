@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 
 from server.backend import DecodeBackend
-from server.engine import (EngineClosedError, EngineError, EngineRequest, EngineStats, QueueFullError,
+from server.engine import (EngineClosedError, EngineError, EngineStats, QueueFullError,
                            TokenEvent, TokenStream, TopLogprob)
 from server.sampling import SequenceSampler
 
