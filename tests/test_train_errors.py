@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -135,3 +136,27 @@ def test_liger_on_cpu_falls_back_and_says_so(good, tmp_path):
         pytest.skip("checks the CPU fallback; on a GPU Liger may really be on")
     res = resolve(TrainConfig(data=good, out=tmp_path / "o", liger=True), caps, LlamaConfig())
     assert res.liger is False and res.notes and "training without it" in res.notes[0]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None,
+                    reason="liger-kernel (Triton) is not installed: CPU-only installs leave it out")
+def test_liger_module_patches_are_undone_after_training():
+    """Liger rebinds names in modeling_llama (and F.cross_entropy for its plain loss); after a
+    fine-tune those must be back, or a model loaded later on the CPU runs Triton kernels and fails."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama import modeling_llama
+
+    from training.loading import apply_liger, undo_liger_globals
+
+    names = ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")
+    before = [getattr(modeling_llama, n) for n in names] + [F.cross_entropy]
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128)
+    apply_liger(LlamaForCausalLM(cfg), zero=3)  # ZeRO-3: Liger's plain cross-entropy, patched into torch
+    assert [getattr(modeling_llama, n) for n in names] + [F.cross_entropy] != before
+    undo_liger_globals()
+    assert [getattr(modeling_llama, n) for n in names] + [F.cross_entropy] == before
+    ids = torch.randint(0, 128, (1, 8))
+    assert torch.isfinite(LlamaForCausalLM(cfg)(input_ids=ids, labels=ids).loss)  # plain torch, on the CPU

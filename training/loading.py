@@ -25,17 +25,38 @@ def enable_checkpointing(model) -> None:
     model.config.use_cache = False
 
 
+# Liger patches more than the instance: names in the model's modeling module (e.g.
+# modeling_llama.apply_rotary_pos_emb, LlamaRMSNorm) and, for its plain cross-entropy, torch's own
+# F.cross_entropy.  Every model built later in the process would then run Triton kernels, and one
+# on the CPU (the evaluation after a fine-tune) fails.  `undo_liger_globals` puts them back.
+_liger_saved: list[tuple[object, dict]] = []
+
+
 def apply_liger(model, zero: int | None) -> None:
     """Patch RMSNorm/RoPE/SwiGLU with Liger's Triton kernels and fuse lm_head + cross-entropy.
 
     Under ZeRO-3 the lm_head weight is a partitioned placeholder outside its module's forward,
     so the fused linear cross-entropy (which reads it directly) is left off there.
     """
+    import sys
+
+    import torch.nn.functional as F
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
+    _liger_saved.append((sys.modules[type(model).__module__], dict(vars(sys.modules[type(model).__module__]))))
+    _liger_saved.append((F, {"cross_entropy": F.cross_entropy}))
     fused = zero != 3
     _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True,
                                     cross_entropy=not fused, fused_linear_cross_entropy=fused)
+
+
+def undo_liger_globals() -> None:
+    """Restore what `apply_liger` changed outside the model instances (which keep their kernels)."""
+    while _liger_saved:
+        owner, saved = _liger_saved.pop()
+        for name, value in saved.items():
+            if getattr(owner, name, None) is not value:
+                setattr(owner, name, value)
 
 
 def load_for_training(path: Path, cfg: TrainConfig, res: Resolved):

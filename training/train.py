@@ -161,7 +161,7 @@ def train(cfg: TrainConfig) -> Path:
     from quantserve.modeling import load_tokenizer
     from training import data as data_mod
     from training.callbacks import ProgressCallback, StepLogCallback, write_log
-    from training.loading import load_for_training, trainable_summary
+    from training.loading import load_for_training, trainable_summary, undo_liger_globals
 
     caps = detect(cfg.gpu_profile)
     set_threads(cfg, caps, ws)
@@ -205,9 +205,12 @@ def train(cfg: TrainConfig) -> Path:
     last = last_complete_checkpoint(cfg.out) if cfg.resume and cfg.out.is_dir() else None
     if last:
         log(f"resuming from {last}")
-    result = trainer.train(resume_from_checkpoint=last)
-    probe = probe_logits(trainer.model, tok, res)
-    save(trainer, tok, cfg, res, model_path)
+    try:
+        result = trainer.train(resume_from_checkpoint=last)
+        probe = probe_logits(trainer.model, tok, res)
+        save(trainer, tok, cfg, res, model_path)
+    finally:
+        undo_liger_globals()  # models loaded later in this process must not inherit Liger's kernels
 
     if collator.seen is not None:
         (cfg.out / "data_audit").mkdir(exist_ok=True)
