@@ -21,7 +21,9 @@ Per GPU, in bytes, for Ψ parameters, T = micro-batch x seq-len tokens and L lay
 - autocast over fp32 weights also holds a 16-bit copy of each matmul weight for the step (2 bytes
   per linear parameter, lm_head included).
 
-Peak = weights + optimizer + max(activations + logits + buffers, grads): the forward/backward
+Peak = weights + optimizer + max(activations + logits + buffers, grads) without DeepSpeed and for
+ZeRO-3; ZeRO-1/2 allocate their gradient partition up front, so there it adds instead of max.
+Checked against the GPU (bench/RESULTS.md): every row of the training benchmark within ±11 %.: the forward/backward
 peak comes with the activations, the optimizer-step peak with all gradients (fused AdamW).
 DeepSpeed's own estimators (`estimate_zero2/3_model_states_mem_needs`) are shown next to ours.
 """
@@ -168,7 +170,11 @@ def setup_row(s: Shape, method: str, zero: int | None, offload: str, ckpt: bool,
                 g = 0.0  # reduced straight into the fp32 partition (only buckets stay in 16 bit)
             if offload in ("optimizer", "all"):
                 cpu += 12 * P / n + 4 * P / n
-                o, g = 0.0, 0.0
+                o = 0.0
+                if zero == 3:
+                    g = 0.0
+                # ZeRO-1/2 still reduce each rank's 16-bit gradient partition on the GPU before
+                # copying it to the CPU (measured: 2 bytes/param more than the states alone)
             if offload == "all":
                 cpu += 2 * P / n
                 w = 4 * s.largest_layer
@@ -190,7 +196,12 @@ def setup_row(s: Shape, method: str, zero: int | None, offload: str, ckpt: bool,
         # autocast caches a 16-bit copy of every weight a matmul uses (the blocks' linears and
         # lm_head) until the forward ends, and the backward keeps them as saved tensors
         buffers += 2 * (s.layer_linear + s.vocab * s.hidden)
-    peak = w + o + max(act + logit + buffers, g)
+    if zero in (1, 2):
+        # DeepSpeed allocates the gradient partition up front and it lives through the backward,
+        # next to the activations (the Trainer without DeepSpeed grows .grad as activations free)
+        peak = w + o + g + act + logit + buffers
+    else:
+        peak = w + o + max(act + logit + buffers, g)
     parts = [method]
     if zero is not None:
         parts.append(f"zero{zero}" + (f"+offload-{offload}" if offload != "none" else ""))
