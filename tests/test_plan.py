@@ -45,11 +45,13 @@ def test_model_states_follow_the_zero_paper(n):
 
 @pytest.mark.parametrize("n", [1, 4])
 def test_cross_check_with_deepspeed_estimators(n):
-    """Ours and DeepSpeed's estimators agree (they differ by the gathered-layer working set)."""
+    """Ours and DeepSpeed's estimators agree, but for the gathered-layer working set and, with ZeRO-2
+    optimizer offload, the 16-bit gradient partition still reduced on the GPU (DeepSpeed's estimator
+    leaves it out; the H200 measurement in bench/RESULTS.md shows it: 5.38 GiB measured, 5.59 ours)."""
     s = shape("llama-3.2-1b")
     for zero, off in ((2, "none"), (2, "optimizer"), (3, "none"), (3, "optimizer"), (3, "all")):
         r = setup_row(s, "full", zero, off, True, False, 1024, 1024, n)
-        ours = r.weights + r.grads + r.optimizer
+        ours = r.weights + r.grads + r.optimizer - (2 * s.params / n if (zero, off) == (2, "optimizer") else 0)
         assert r.ds_estimate is not None
         assert abs(ours - r.ds_estimate) <= 0.02 * r.ds_estimate + 4 * s.largest_layer, (zero, off, ours, r.ds_estimate)
 
