@@ -23,10 +23,11 @@ LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
 endif
 PYTEST_ARGS ?=
 
-.PHONY: run test install clean help
+.PHONY: run test reliability install clean help
 help:
 	@echo "make run   - install and run the whole pipeline on the embedded default model"
 	@echo "make test  - install and run the test suite"
+	@echo "make reliability - fuzzing, hostile input, security, soak and faults at full size (~15 min)"
 
 $(VENV)/.installed: pyproject.toml Makefile
 	@start=$$(date +%s); \
@@ -46,6 +47,14 @@ run: install
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The reliability and security suites at full size (`make test` runs them at the quick size):
+# schemathesis fuzzing, hostile requests, security checks, a 64-client x 2-minute soak per engine,
+# fault injection; then the figures as one table.
+RELIABILITY_TESTS := tests/test_fuzz.py tests/test_hostile.py tests/test_security.py tests/test_soak.py tests/test_faults.py
+reliability: install
+	QUANTSERVE_RELIABILITY=full $(PY) -m pytest -q $(RELIABILITY_TESTS)
+	$(PY) -m bench.reliability_table
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -324,6 +324,32 @@ def print_table(results: list[Result], base: Result | None) -> None:
               f"{f(r.peak_gib, '.2f'):>9} {f(mem, '.0f'):>8} {f(r.plan_gib, '.2f'):>9} {err:>9}  {r.note}")
 
 
+def plot(results: list[dict], out: Path) -> Path:
+    """Two panels per row: tokens/s, and measured peak memory with plan's prediction as a tick."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results if r.get("status") == "ok"]
+    names = [r["row"] for r in rows][::-1]
+    rows = rows[::-1]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 0.45 * len(rows) + 1.5), sharey=True)
+    ax1.barh(names, [r["tokens_per_s"] for r in rows], color="tab:blue")
+    ax1.set_xlabel("tokens/s")
+    nan = float("nan")  # no peak on a CPU (--quick)
+    ax2.barh(names, [r["peak_gib"] or nan for r in rows], color="tab:orange", label="measured peak")
+    ax2.scatter([r["plan_gib"] or nan for r in rows], names, marker="|", s=300, color="black", label="plan")
+    ax2.set_xlabel("GiB")
+    ax2.legend(loc="lower right")
+    for ax in (ax1, ax2):
+        ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny shape on the CPU: a smoke test")
@@ -390,7 +416,7 @@ def main() -> None:
     args.json.write_text(json.dumps({"device": caps.as_dict(), "args": {k: str(v) for k, v in vars(args).items()},
                                      "rows": [{**r.__dict__, "plan_error": r.plan_error} for r in results],
                                      "summary": summary}, indent=1))
-    print(f"wrote {args.json}", file=sys.stderr)
+    print(f"wrote {args.json} and {plot([r.__dict__ for r in results], args.json.with_suffix('.png'))}", file=sys.stderr)
 
 
 if __name__ == "__main__":

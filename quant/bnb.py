@@ -53,7 +53,7 @@ def write_bnb(ckpt: Checkpoint, out_dir: Path, fmt: str, progress: bool = False)
         hf_logging.disable_progress_bar()
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            str(ckpt.path), quantization_config=quantization_config(fmt), device_map=_device(),
+            str(ckpt.path), quantization_config=quantization_config(fmt), device_map=_device(), use_safetensors=True,
             dtype=torch.float16 if torch.cuda.is_available() else torch.float32)
         model.save_pretrained(out_dir, safe_serialization=True)
     finally:
@@ -75,7 +75,7 @@ def load_bnb(folder: Path):
 
     # LLM.int8 on the CPU logs "inputs will be cast ... to float16" on every matmul call.
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-    model = AutoModelForCausalLM.from_pretrained(str(folder), device_map=_device())
+    model = AutoModelForCausalLM.from_pretrained(str(folder), device_map=_device(), use_safetensors=True)
     model.eval()
     model.requires_grad_(False)  # inference only; never touch the global grad mode
     return model

@@ -87,6 +87,7 @@ def load_model(path: Path, dtype: str = "float32", device: str = "cpu", attentio
         model = AutoModelForCausalLM.from_pretrained(
             str(path), dtype=torch_dtype(dtype), attn_implementation=attention,
             use_safetensors=None if trust_pickle else True,
+            disable_mmap=True,  # weights read into memory: a file overwritten later cannot change them
         )
     except (OSError, ValueError, KeyError) as e:
         raise UserError(f"{path}: cannot load checkpoint: {str(e).splitlines()[0]}") from e

@@ -24,9 +24,19 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return ErrorResponse(error=info).model_dump()
 
 
+class _ASCIIJSONResponse(JSONResponse):
+    """Error bodies escape non-ASCII: they may quote what a client sent, lone surrogates included,
+    which UTF-8 cannot encode (Starlette's JSONResponse would fail while reporting the error)."""
+
+    def render(self, content) -> bytes:
+        import json
+
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+    return _ASCIIJSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
 def from_api_error(e: APIError) -> JSONResponse:

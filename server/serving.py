@@ -120,6 +120,11 @@ def start_job(state: ServerState, req: _SamplingFields, prompts: list[list[int]]
         for j in range(req.n):
             planned.append((prompt, sampling_params(state, req, len(prompt), max_tokens, logprobs, param,
                                                     len(planned))))
+    capacity = engine.info.max_batch + engine.info.max_queue
+    if len(planned) > capacity:
+        # never fits, however idle the server: a 429 "retry later" would have the client retry forever
+        raise APIError(400, f"{len(planned)} choices (prompts x n) exceed what this server holds at once "
+                       f"({engine.info.max_batch} running + {engine.info.max_queue} queued)", param="n")
     streams, choices = [], []
     state.metrics.received.inc()
     try:

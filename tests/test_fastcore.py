@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.fastcore import FastCore, SamplingParams, sample
+from server.fastcore import FastCore
 from server.fastcore.quant import Int4Linear, quantize_int4
 
 
@@ -122,50 +122,24 @@ def test_int4_layout_is_the_one_torch_int4_kernels_expect():
     assert ((deq - w).abs() <= step / 2 + 1e-5).all()
 
 
-def test_sampler_seeded_and_batch_independent():
-    torch.manual_seed(0)
-    logits = torch.randn(3, 50)
-    p = lambda: SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=7)  # noqa: E731
-    alone = [sample(logits[1:2], [p()])[0] for _ in range(3)]
-    g = p()
-    batched = [sample(logits, [SamplingParams(), g, SamplingParams(temperature=1.0, seed=1)])[1] for _ in range(3)]
-    g2 = p()
-    assert batched == [sample(logits[1:2], [g2])[0] for _ in range(3)]
-    assert alone[0] == batched[0]
-    assert sample(logits, [SamplingParams()] * 3) == logits.argmax(-1).tolist()
-    assert sample(logits, [SamplingParams(temperature=1.5, top_k=1, seed=s) for s in range(3)]) == logits.argmax(-1).tolist()
-    # top_p: only tokens inside the nucleus are ever drawn
-    probs = torch.softmax(logits[0] / 1.0, -1)
-    sp, order = probs.sort(descending=True)
-    nucleus = set(order[: int(((sp.cumsum(0) - sp) < 0.5).sum())].tolist())
-    draws = {sample(logits[:1], [SamplingParams(temperature=1.0, top_p=0.5, seed=s)])[0] for s in range(40)}
-    assert draws <= nucleus and len(draws) > 1
-
-
-def test_sampler_penalties():
-    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
-    out = sample(logits, [SamplingParams(repetition_penalty=2.0)], prompts=[[3]], outputs=[[1]])
-    # token 3 (3.0 -> 1.5) and token 1 (-1.0 -> -2.0) are penalised: token 0 wins
-    assert out == [0]
-    out = sample(logits, [SamplingParams(frequency_penalty=1.0)], prompts=[[]], outputs=[[3, 3]])
-    assert out == [0]  # 3.0 - 2 * 1.0 = 1.0 < 2.0
-    out = sample(logits, [SamplingParams(presence_penalty=0.5)], prompts=[[]], outputs=[[3, 3]])
-    assert out == [3]  # 3.0 - 0.5 = 2.5 > 2.0
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.compile + CUDA graph decode needs a CUDA GPU")
 def test_compiled_cuda_decode_matches_eager(hf, prompts):
     model, _ = hf
     eager = FastCore(model, max_slots=4, max_seq=256, device="cuda", dtype="float32", compile=False)
     fast = FastCore(model, max_slots=4, max_seq=256, device="cuda", dtype="float32", compile=True)
-    for core in (eager, fast):
-        for s, p in enumerate(prompts[:3]):
-            core.prefill(s, p)
-    for i in range(4):
-        pos = [len(p) + i for p in prompts[:3]]
-        a = eager.decode([0, 1, 2], [5, 6, 7], pos)
-        b = fast.decode([0, 1, 2], [5, 6, 7], pos)
+    for a, b in _decode_side_by_side(eager, fast, prompts[:3]):
         assert torch.allclose(a, b, atol=1e-3)
+
+
+def _decode_side_by_side(core_a, core_b, prompts, steps: int = 4):
+    """Prefill the same prompts into both cores, then yield their logits for `steps` batched steps."""
+    for core in (core_a, core_b):
+        for s, p in enumerate(prompts):
+            core.prefill(s, p)
+    slots, tokens = list(range(len(prompts))), [5 + s for s in range(len(prompts))]
+    for i in range(steps):
+        pos = [len(p) + i for p in prompts]
+        yield core_a.decode(slots, tokens, pos), core_b.decode(slots, tokens, pos)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton int8/int4 kernels run on a CUDA GPU only")
@@ -194,13 +168,7 @@ def test_compiled_triton_decode_matches_eager_torch_ops(hf, prompts, mode):
     fast = FastCore(model, max_slots=4, max_seq=256, device="cuda", weight_quant=mode, quant_kernel="triton",
                     compile=True)
     fast.warm_up()
-    for core in (eager, fast):
-        for s, p in enumerate(prompts[:3]):
-            core.prefill(s, p)
-    for i in range(4):
-        pos = [len(p) + i for p in prompts[:3]]
-        a = eager.decode([0, 1, 2], [5, 6, 7], pos)
-        b = fast.decode([0, 1, 2], [5, 6, 7], pos)
+    for a, b in _decode_side_by_side(eager, fast, prompts[:3]):
         # fp16 logits from two accumulation orders: compare against the logits' own scale
         assert (a - b).abs().max() <= 0.02 * a.abs().max(), ((a - b).abs().max(), a.abs().max())
         assert (a.argmax(-1) == b.argmax(-1)).all()

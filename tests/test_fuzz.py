@@ -232,13 +232,7 @@ def test_the_server_is_healthy_afterwards(server):
     assert sum(sum(c.values()) for c in SENT.values()) > 0, "nothing was fuzzed"
     assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
     assert _greedy(server) == server.baseline  # same answer as before the fuzzing: no state leaked
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        m = server.metrics()
-        if m["quantserve:num_requests_running"] == 0 and m["quantserve:num_requests_waiting"] == 0 \
-                and m["quantserve:kv_cache_used_tokens"] == 0:
-            break
-        time.sleep(0.1)
+    m = server.wait_idle(10)
     assert m["quantserve:num_requests_running"] == 0 and m["quantserve:kv_cache_used_tokens"] == 0, m
     log = server.log_path.read_text()  # all of it (log() keeps only the tail)
     assert "Traceback" not in log and "ERROR" not in log, log[-4000:]

@@ -139,13 +139,7 @@ def test_disconnect_cancels_generation_and_frees_the_kv_cache(server):
         assert next(lines).startswith("data: ")
     response.close()
     client.close()
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        m = server.metrics()
-        if m["quantserve:num_requests_running"] == 0 and m["quantserve:kv_cache_used_tokens"] == 0:
-            break
-        time.sleep(0.05)
-    m = server.metrics()
+    m = server.wait_idle(5)
     assert m["quantserve:num_requests_running"] == 0 and m["quantserve:kv_cache_used_tokens"] == 0
     assert m["quantserve:engine_cancelled_requests_total"] >= before["quantserve:engine_cancelled_requests_total"] + 1
     generated = m["quantserve:engine_generated_tokens_total"] - before["quantserve:engine_generated_tokens_total"]

@@ -99,6 +99,17 @@ class ServerProcess:
         return AsyncOpenAI(base_url=self.base_url + "/v1", api_key=self.api_key or "unused", max_retries=0,
                            timeout=kw.pop("timeout", 120), **kw)
 
+    def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
+        """/metrics once nothing runs, waits or holds KV cache (or the last reading at the timeout)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            idle = all(m.get(f"quantserve:{k}", 0) == 0
+                       for k in ("num_requests_running", "num_requests_waiting", "kv_cache_used_tokens"))
+            if idle or time.monotonic() > deadline:
+                return m
+            time.sleep(0.05)
+
     def metrics(self) -> dict[str, float]:
         """The unlabelled samples of /metrics, name -> value."""
         out = {}
