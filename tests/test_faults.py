@@ -43,18 +43,6 @@ def figures():
     f.write()
 
 
-def wait_idle(srv: ServerProcess, timeout: float = 10.0) -> dict[str, float]:
-    """The server's metrics once nothing runs, waits or sits in the KV cache (or at the timeout)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = srv.metrics()
-        busy = (m["quantserve:num_requests_running"], m["quantserve:num_requests_waiting"],
-                m["quantserve:kv_cache_used_tokens"])
-        if busy == (0, 0, 0) or time.monotonic() > deadline:
-            return m
-        time.sleep(0.05)
-
-
 def outcomes(srv: ServerProcess) -> dict[str, float]:
     text = httpx.get(srv.base_url + "/metrics").text
     return {o: float(line.rsplit(" ", 1)[1]) for o in ("success", "error", "disconnected", "rejected")
@@ -280,7 +268,7 @@ def test_out_of_memory_is_a_503_and_the_others_keep_going(default_model, figures
             # and new requests are served, under the same limit
             after = srv.client().completions.create(model="tiny", prompt="What is 1 + 1?", max_tokens=8)
             assert after.choices[0].finish_reason in ("stop", "length")
-            m = wait_idle(srv)
+            m = srv.wait_idle()
             log = srv.log_path.read_text()
         finally:
             resource.prlimit(srv.proc.pid, resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
@@ -325,7 +313,7 @@ def test_a_failing_decode_step_is_an_error_reply_not_a_short_completion(default_
         # steps 14 on: served as usual
         ok = client.completions.create(prompt="Repeat: a b c", **body)
         assert ok.choices[0].finish_reason == "length" and ok.usage.completion_tokens == 10
-        wait_idle(srv)
+        srv.wait_idle()
         counted = outcomes(srv)
         assert counted["error"] == 3 and counted["success"] == 1
     finally:
@@ -413,7 +401,7 @@ def test_clients_killed_mid_stream_leak_no_slot(default_model, figures):
             assert client.stdout.readline().strip() == "streaming"
             client.kill()
             client.wait()
-        m = wait_idle(srv)
+        m = srv.wait_idle()
         assert (m["quantserve:num_requests_running"], m["quantserve:kv_cache_used_tokens"]) == (0, 0)
         cancelled = (m["quantserve:engine_cancelled_requests_total"]
                      - before["quantserve:engine_cancelled_requests_total"])
