@@ -3,7 +3,8 @@
 The scheduler (`scheduler.py`) decides who runs and samples the tokens; a backend only turns
 tokens into next-token logits for sequences living in numbered slots (0 .. max_batch-1):
 
-    prefill(slot, prompt_ids) -> logits[vocab]      # fill the slot's KV cache with a prompt
+    prefill(slot, ids, start) -> logits[vocab]      # write ids at positions start.. of the slot's
+                                                    # cache (start 0: a new sequence); last logits
     decode(slots, tokens)     -> logits[len(slots), vocab]  # append one token to each slot
     free(slot)                                      # drop the slot's KV cache
 
@@ -23,8 +24,9 @@ class DecodeBackend(Protocol):
     vocab_size: int
     kv_capacity_tokens: int
 
-    def prefill(self, slot: int, prompt_ids: list[int]):
-        """Run the prompt into `slot`'s (empty) cache; return float32 CPU logits of its last position."""
+    def prefill(self, slot: int, prompt_ids: list[int], start: int = 0):
+        """Run prompt tokens into `slot`'s cache at positions start.. (start 0: the slot starts a new
+        sequence; start > 0: a later chunk of the same prompt); return float32 CPU logits of the last."""
 
     def decode(self, slots: list[int], tokens: list[int]):
         """Append one token per slot; return float32 CPU logits, one row per slot, in order."""
@@ -52,16 +54,21 @@ class HFBackend:
         self._lengths: dict[int, int] = {}
         self._torch = torch
 
-    def prefill(self, slot: int, prompt_ids: list[int]):
+    def prefill(self, slot: int, prompt_ids: list[int], start: int = 0):
         from transformers import DynamicCache
 
         torch = self._torch
         ids = torch.tensor([prompt_ids], device=self.device)
+        if start:  # a later chunk: continue the slot's cache (positions follow from its length)
+            if self._lengths.get(slot) != start:
+                raise RuntimeError(f"slot {slot} holds {self._lengths.get(slot)} tokens, not {start}")
+            cache = DynamicCache(ddp_cache_data=self._slots[slot])
+        else:
+            cache = DynamicCache(config=self.model.config)
         with torch.inference_mode():
-            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1,
-                             **{self._cache_kw: DynamicCache(config=self.model.config)})
+            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
         self._slots[slot] = [(layer.keys, layer.values) for layer in self._cache_of(out).layers]
-        self._lengths[slot] = len(prompt_ids)
+        self._lengths[slot] = start + len(prompt_ids)
         return out.logits[0, -1].float().cpu()
 
     def decode(self, slots: list[int], tokens: list[int]):

@@ -58,6 +58,8 @@ def serve(
                                           help="Require 'Authorization: Bearer KEY' (or set $QUANTSERVE_API_KEY)."),
     max_queue: int = typer.Option(64, min=0, help="Requests allowed to wait; more get 429 + Retry-After."),
     max_batch: int = typer.Option(32, min=1, max=512, help="Sequences decoded together (continuous batching)."),
+    prefill_chunk: int = typer.Option(512, min=16, help="Prompt tokens prefilled between two decode steps: "
+                                      "a long prompt is taken in chunks so running streams keep going."),
     context: Optional[int] = typer.Option(None, min=16, help="Context length; default: the model's own."),
     gpu_profile: Optional[str] = typer.Option(None, "--gpu-profile", help="'t4' makes a bigger GPU behave like a T4."),
     engine: str = typer.Option("auto", help="auto (by the path), hf (transformers), fast (static KV cache, "
@@ -102,7 +104,8 @@ def serve(
     engine = ScheduledEngine(Path(model), EngineOptions(context=context, max_batch=max_batch,
                                                         max_queue=max_queue, gpu_profile=gpu_profile,
                                                         threads=threads, engine=engine,
-                                                        weight_quant=weight_quant, trust_pickle=trust_pickle))
+                                                        weight_quant=weight_quant, trust_pickle=trust_pickle,
+                                                        prefill_chunk=prefill_chunk))
     # a folder is known by its name, a file by its name without the extension
     given = Path(model).resolve()
     name = served_model_name or (given.stem if given.is_file() else given.name)

@@ -25,6 +25,7 @@ class EngineOptions:
     weight_quant: str = "none"  # fast engine only: none, int8 or int4 weight-only
     threads: int | None = None  # CPU threads for the model; default: torch's own / half the cores for llama.cpp
     trust_pickle: bool = False  # serve a checkpoint whose weights are only pickles (rewritten as safetensors)
+    prefill_chunk: int = 512  # prompt tokens prefilled between two decode steps (chunked prefill)
 
 
 def resolve_model(path: Path, trust_pickle: bool = False) -> tuple[str, Path]:
@@ -122,7 +123,7 @@ class ScheduledEngine:
         _warm_up(backend)
         self._loop = loop
         self._scheduler = Scheduler(backend, self.tokenizer.eos_token_ids, o.max_batch, o.max_queue,
-                                    log=log.error)
+                                    log=log.error, prefill_chunk=o.prefill_chunk)
         self.info = info  # set last: is_ready() turns true only when everything is in place
         log.info("loaded %s engine: %s (%s, attention %s, context %d, batch %d)", info.engine,
                  info.model_path, info.dtype, info.attention, info.context_length, info.max_batch)

@@ -94,11 +94,12 @@ class LlamaCppBackend:
         ptr = self._llama_cpp.llama_get_logits_ith(self.ctx.ctx, index)
         return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(self.vocab_size,)).copy())
 
-    def prefill(self, slot: int, prompt_ids: list[int]):
-        self.ctx.kv_cache_seq_rm(slot, 0, -1)  # the slot's old sequence, if any, is gone
+    def prefill(self, slot: int, prompt_ids: list[int], start: int = 0):
+        if start == 0:
+            self.ctx.kv_cache_seq_rm(slot, 0, -1)  # the slot's old sequence, if any, is gone
         n = len(prompt_ids)
-        self._run([(t, i, slot, i == n - 1) for i, t in enumerate(prompt_ids)])
-        self._lengths[slot] = n
+        self._run([(t, start + i, slot, i == n - 1) for i, t in enumerate(prompt_ids)])
+        self._lengths[slot] = start + n
         return self._logits(n - 1)
 
     def decode(self, slots: list[int], tokens: list[int]):

@@ -1,10 +1,12 @@
 """Continuous batching: one thread owns the model and runs the batch one token at a time.
 
 Each iteration, at a token boundary: drop cancelled requests (their slot and KV memory are freed
-at once), admit waiting requests into free slots (prefill + their first token), then run one
-batched decode step for every running sequence, each sampled with its own parameters.  Finished
+at once), admit waiting requests into free slots, prefill up to `prefill_chunk` prompt tokens
+(oldest prompt first; a prompt that completes samples its first token), then run one batched
+decode step for every sequence past its prompt, each sampled with its own parameters.  Finished
 sequences leave the batch before the next step, so a request arriving mid-batch starts after at
-most one step plus its own prefill, not after the batch ends.
+most one step, and a long prompt is prefilled in chunks between decode steps instead of stalling
+the running sequences for its whole length (chunked prefill).
 
 The scheduler is the same for every engine; only the `DecodeBackend` differs.
 
@@ -36,6 +38,11 @@ class _Running:
     last_token: int
     generated: int
     submitted_at: float
+    prefilled: int = 0  # prompt tokens already in the KV cache
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == len(self.stream.request.prompt_ids)
 
 
 FAULT_ENV = "QUANTSERVE_FAULT_DECODE_STEPS"
@@ -64,13 +71,14 @@ class _FaultyDecode:
 
 class Scheduler:
     def __init__(self, backend: DecodeBackend, eos_token_ids: set[int], max_batch: int, max_queue: int,
-                 log=None):
+                 log=None, prefill_chunk: int = 512):
         if os.environ.get(FAULT_ENV):
             backend = _FaultyDecode(backend, os.environ[FAULT_ENV])
         self.backend = backend
         self.eos_token_ids = set(eos_token_ids)
         self.max_batch = max_batch
         self.max_queue = max_queue
+        self.prefill_chunk = prefill_chunk  # prompt tokens prefilled per iteration, over all prompts
         self._log = log or (lambda msg: None)
         self._cond = threading.Condition()
         self._waiting: collections.deque[tuple[TokenStream, float]] = collections.deque()
@@ -131,7 +139,7 @@ class Scheduler:
                         self._fail(seq, error)
 
     def _iteration(self) -> bool:
-        """One round: cancellations, admissions, one decode step.  True when shut down."""
+        """One round: cancellations, admissions, a prefill chunk, one decode step.  True when shut down."""
         with self._cond:
             while not (self._running or self._waiting or self._closing):
                 self._cond.wait()
@@ -144,8 +152,9 @@ class Scheduler:
             while self._waiting and self._free_slots:
                 admitted.append((*self._waiting.popleft(), self._free_slots.pop()))
         for stream, submitted_at, slot in admitted:
-            self._prefill(stream, submitted_at, slot)
-        if self._running:
+            self._admit(stream, submitted_at, slot)
+        self._prefill_chunk()
+        if any(seq.decoding for seq in self._running.values()):
             self._decode_step()
         return False
 
@@ -185,24 +194,36 @@ class Scheduler:
 
     @staticmethod
     def _kv_tokens(seq: _Running) -> int:
-        return len(seq.stream.request.prompt_ids) + seq.generated
+        return seq.prefilled + seq.generated
 
-    def _prefill(self, stream: TokenStream, submitted_at: float, slot: int) -> None:
+    def _admit(self, stream: TokenStream, submitted_at: float, slot: int) -> None:
         req = stream.request
-        seq = _Running(stream, slot, SequenceSampler(req.params, req.prompt_ids, self.backend.vocab_size),
-                       last_token=-1, generated=0, submitted_at=submitted_at)
-        self._running[req.request_id] = seq
-        try:
-            logits = self.backend.prefill(slot, req.prompt_ids)
-        except Exception as e:  # a failed prompt must not take the server down
-            self._log(f"prefill of request {req.request_id} ({len(req.prompt_ids)} tokens) failed: "
-                      f"{type(e).__name__}: {e}")
-            self._fail(seq, EngineError.from_exception(e))
-            return
-        self._emit(seq, logits)
+        self._running[req.request_id] = _Running(
+            stream, slot, SequenceSampler(req.params, req.prompt_ids, self.backend.vocab_size),
+            last_token=-1, generated=0, submitted_at=submitted_at)
+
+    def _prefill_chunk(self) -> None:
+        """Prefill up to `prefill_chunk` prompt tokens, oldest admitted prompt first."""
+        budget = self.prefill_chunk
+        for seq in [s for s in self._running.values() if not s.decoding]:  # dicts keep admission order
+            if budget <= 0:
+                return
+            prompt = seq.stream.request.prompt_ids
+            chunk = prompt[seq.prefilled:seq.prefilled + budget]
+            try:
+                logits = self.backend.prefill(seq.slot, chunk, seq.prefilled)
+            except Exception as e:  # a failed prompt must not take the server down
+                self._log(f"prefill of request {seq.stream.request.request_id} ({len(prompt)} tokens) failed: "
+                          f"{type(e).__name__}: {e}")
+                self._fail(seq, EngineError.from_exception(e))
+                continue
+            seq.prefilled += len(chunk)
+            budget -= len(chunk)
+            if seq.decoding:
+                self._emit(seq, logits)  # the prompt is in: its first token
 
     def _decode_step(self) -> None:
-        batch = list(self._running.values())
+        batch = [seq for seq in self._running.values() if seq.decoding]
         while True:
             try:
                 logits = self.backend.decode([s.slot for s in batch], [s.last_token for s in batch])

@@ -226,7 +226,9 @@ def _events(lines: list[str]) -> list[dict | str]:
 # few MiB; 32 choices of a 470-token prompt hold 32 x 470 x 4 KiB = 59 MiB of KV cache, and the
 # decode step that pads them into one batch as much again.  Measured: 32 to 64 MiB all behave the same.
 OOM_MARGIN_MIB = 48
-BIG = {"prompt": [[1] + [7] * 470] * 2, "n": 16, "max_tokens": 8}  # 2 prompts x n=16: 32 sequences
+# 2 prompts x n=16 = 32 sequences of 471 tokens.  Prompts enter about one per step (chunked prefill),
+# so each decodes 40 tokens (no early EOS) to overlap with the others and hit the limit together.
+BIG = {"prompt": [[1] + [7] * 470] * 2, "n": 16, "max_tokens": 40, "ignore_eos": True}
 
 
 def test_out_of_memory_is_a_503_and_the_others_keep_going(default_model, figures):

@@ -27,10 +27,11 @@ class FastCoreBackend:
         self.kv_capacity_tokens = max_batch * context_length
         self._slot: dict[int, int] = {}  # scheduler slot -> FastCore slot
 
-    def prefill(self, slot: int, prompt_ids: list[int]):
-        self.free(slot)
-        self._slot[slot] = s = self.core.acquire()
-        return self.core.prefill(s, prompt_ids).cpu()
+    def prefill(self, slot: int, prompt_ids: list[int], start: int = 0):
+        if start == 0:  # a new sequence
+            self.free(slot)
+            self._slot[slot] = self.core.acquire()
+        return self.core.prefill(self._slot[slot], prompt_ids, start).cpu()
 
     def decode(self, slots: list[int], tokens: list[int]):
         cs = [self._slot[s] for s in slots]
