@@ -27,7 +27,7 @@ PYTEST_ARGS ?=
 help:
 	@echo "make run   - install and run the whole pipeline on the embedded default model"
 	@echo "make test  - install and run the test suite"
-	@echo "make reliability - fuzzing, hostile input, security, soak and faults at full size (~15 min)"
+	@echo "make reliability - fuzzing, hostile input, security, soak and faults at full size (~13 min on 2 cores)"
 
 $(VENV)/.installed: pyproject.toml Makefile
 	@start=$$(date +%s); \
