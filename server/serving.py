@@ -18,7 +18,7 @@ from typing import AsyncIterator
 from server.engine import EngineClosedError, EngineError, EngineRequest, QueueFullError, TokenStream
 from server.errors import APIError, error_body
 from server.metrics import Metrics
-from server.protocol import _SamplingFields
+from server.protocol import Usage, _SamplingFields
 from server.sampling import SamplingParams
 from server.textstream import ChoiceText, Delta
 
@@ -61,6 +61,10 @@ class Job:
         abandoned by its client.  Unfinished streams are cancelled, which frees their KV memory."""
         self.settle("disconnected")
         self.cancel_streams()
+
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+                     total_tokens=self.prompt_tokens + self.completion_tokens)
 
     @property
     def first_error(self):

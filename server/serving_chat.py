@@ -7,7 +7,7 @@ from typing import AsyncIterator
 from server.errors import APIError
 from server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                              ChatCompletionChunk, ChatCompletionRequest, ChoiceLogprobs, DeltaMessage,
-                             TokenLogprobOut, TopLogprobOut, Usage)
+                             TokenLogprobOut, TopLogprobOut)
 from server.serving import (Job, ServerState, check_model, collect, new_id, run_job, run_to_reply,
                             sse_error, start_job)
 from server.textstream import LogprobEntry
@@ -49,9 +49,7 @@ async def complete(state: ServerState, req: ChatCompletionRequest, request) -> C
     choices = [ChatChoice(index=i, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
                           logprobs=_logprobs_out(c.all_logprobs) if req.logprobs else None)
                for i, c in enumerate(job.choices)]
-    usage = Usage(prompt_tokens=job.prompt_tokens, completion_tokens=job.completion_tokens,
-                  total_tokens=job.prompt_tokens + job.completion_tokens)
-    return ChatCompletion(id=new_id("chatcmpl"), model=state.model_name, choices=choices, usage=usage)
+    return ChatCompletion(id=new_id("chatcmpl"), model=state.model_name, choices=choices, usage=job.usage())
 
 
 async def stream(state: ServerState, req: ChatCompletionRequest, job: Job) -> AsyncIterator[str]:
@@ -75,9 +73,7 @@ async def stream(state: ServerState, req: ChatCompletionRequest, job: Job) -> As
             yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=content), logprobs=lp,
                                          finish_reason=delta.finish_reason)])
         if include_usage:
-            usage = Usage(prompt_tokens=job.prompt_tokens, completion_tokens=job.completion_tokens,
-                          total_tokens=job.prompt_tokens + job.completion_tokens)
-            yield chunk([], usage)
+            yield chunk([], job.usage())
         job.settle("error" if job.first_error else "success")
         yield "data: [DONE]\n\n"
     except Exception:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import AsyncIterator
 
 from server.errors import APIError
-from server.protocol import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, Usage
+from server.protocol import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
 from server.serving import (Job, ServerState, check_model, collect, new_id, run_job, run_to_reply,
                             sse_error, start_job)
 from server.textstream import LogprobEntry
@@ -62,9 +62,7 @@ async def complete(state: ServerState, req: CompletionRequest, request) -> Compl
         entries = c.all_logprobs
         choices.append(CompletionChoice(index=i, text=prefix + c.text, finish_reason=c.finish_reason,
                                         logprobs=_legacy_logprobs(entries, 0) if req.logprobs is not None else None))
-    usage = Usage(prompt_tokens=job.prompt_tokens, completion_tokens=job.completion_tokens,
-                  total_tokens=job.prompt_tokens + job.completion_tokens)
-    return Completion(id=new_id("cmpl"), model=state.model_name, choices=choices, usage=usage)
+    return Completion(id=new_id("cmpl"), model=state.model_name, choices=choices, usage=job.usage())
 
 
 async def stream(state: ServerState, req: CompletionRequest, job: Job, texts: list[str]) -> AsyncIterator[str]:
@@ -86,9 +84,7 @@ async def stream(state: ServerState, req: CompletionRequest, job: Job, texts: li
                 CompletionChoice(index=i, text=delta.text, logprobs=lp, finish_reason=delta.finish_reason)])
             yield _sse(chunk)
         if include_usage:
-            usage = Usage(prompt_tokens=job.prompt_tokens, completion_tokens=job.completion_tokens,
-                          total_tokens=job.prompt_tokens + job.completion_tokens)
-            yield _sse(Completion(id=cid, model=state.model_name, choices=[], usage=usage))
+            yield _sse(Completion(id=cid, model=state.model_name, choices=[], usage=job.usage()))
         job.settle("error" if job.first_error else "success")
         yield "data: [DONE]\n\n"
     except Exception:
