@@ -18,6 +18,7 @@ SHAPES = {
     "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0),
 }
+PUBLIC_VOCAB = {"llama-3.2-1b": (128256, True), "llama-3.1-8b": (128256, False)}  # (vocab, tied lm_head)
 
 
 def main() -> None:
@@ -26,6 +27,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--tokenizer", type=Path, default=None, help="tokenizer folder; default: the default model's")
     ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--shape-vocab", action="store_true",
+                    help="the public model's vocabulary size and embedding tying (training memory needs "
+                         "the real parameter count); token ids past the tokenizer's are never used")
     args = ap.parse_args()
 
     import torch
@@ -36,8 +40,9 @@ def main() -> None:
 
         args.tokenizer = build_default_model(progress=False)
     tok = AutoTokenizer.from_pretrained(str(args.tokenizer))
-    cfg = LlamaConfig(vocab_size=len(tok), max_position_embeddings=args.context, rms_norm_eps=1e-5,
-                      tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+    vocab, tied = PUBLIC_VOCAB[args.shape] if args.shape_vocab else (len(tok), False)
+    cfg = LlamaConfig(vocab_size=vocab, max_position_embeddings=args.context, rms_norm_eps=1e-5,
+                      tie_word_embeddings=tied, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                       pad_token_id=tok.pad_token_id, **SHAPES[args.shape])
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -46,7 +51,7 @@ def main() -> None:
     model.save_pretrained(args.out, safe_serialization=True)
     tok.save_pretrained(args.out)
     n = sum(p.numel() for p in model.parameters())
-    print(f"wrote {args.out}: {args.shape}, {n / 1e9:.2f} B parameters, vocab {len(tok)}")
+    print(f"wrote {args.out}: {args.shape}, {n / 1e9:.2f} B parameters, vocab {vocab}")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """bench/serve.py against a real OpenAI-compatible server (llama.cpp's, on the default model's
 GGUF), its metric definitions recomputed independently from the recorded timings, the plot, and
-bench/decode.py --quick end to end."""
+bench/decode.py --quick and bench/zero_scaling.py --quick end to end."""
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -130,3 +131,18 @@ def test_decode_quick(tmp_path):
     assert not [r for r in res["rows"] if "error" in r]
     assert all(0 < r["roofline_pct"] for r in res["rows"])
     assert res["bandwidth_Bps"] > 1e8
+
+
+def test_zero_scaling_quick(tmp_path):
+    """bench/zero_scaling.py on the CPU: ZeRO-2/3 on 1 and 2 gloo processes with the same global
+    batch reach the same weights (fp32: a two-term sum is the same in either order)."""
+    out = tmp_path / "zs"
+    subprocess.run([sys.executable, "-m", "bench.zero_scaling", "--quick", "--out", str(out)], check=True,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    res = json.loads((out / "zero_scaling.json").read_text())
+    assert [(r["zero"], r["nproc"], r["status"]) for r in res["rows"]] == \
+        [(2, 1, "ok"), (2, 2, "ok"), (3, 1, "ok"), (3, 2, "ok")]
+    assert all(r["global_step"] == res["steps"] for r in res["rows"])
+    for c in res["checks"]:
+        assert c["update_norm"] > 0.1  # the runs trained
+        assert c["relative_diff"] < 1e-5 and c["max_loss_rel_diff"] < 1e-5 and c["probe_top1_equal"], c

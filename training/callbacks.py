@@ -1,4 +1,5 @@
-"""What a run shows and leaves behind: a progress bar with tokens/s and ETA, a per-step log, a PNG.
+"""What a run shows and leaves behind: a progress bar with tokens/s and ETA, a per-step log, a PNG,
+and each rank's GPU memory (peak, and what stays allocated between steps).
 
 The Trainer keeps `state.log_history` inside its checkpoints, so after a resume the log and the
 loss curve cover the whole run, not only the part after the crash.
@@ -56,7 +57,9 @@ class ProgressCallback(TrainerCallback):
 
 
 class StepLogCallback(TrainerCallback):
-    """Adds tokens seen and tokens/s to every log entry (so they land in `state.log_history`)."""
+    """Adds tokens seen and tokens/s since the previous entry to every loss entry of
+    `state.log_history` (the Trainer's own `train_tokens_per_second` averages from the start,
+    first-step compile and warm-up included)."""
 
     def __init__(self):
         self.t_last = None
@@ -66,12 +69,54 @@ class StepLogCallback(TrainerCallback):
         self.t_last, self.tokens_last = time.time(), state.num_input_tokens_seen
 
     def on_log(self, args, state, control, logs=None, **kw):
-        if logs is None or "loss" not in logs:
+        if logs is None or "loss" not in logs or not state.log_history:
             return
         now = time.time()
-        logs["tokens_seen"] = int(state.num_input_tokens_seen)
-        logs["tokens_per_s"] = round((state.num_input_tokens_seen - self.tokens_last) / max(now - self.t_last, 1e-9), 1)
+        entry = state.log_history[-1]  # the Trainer appended a copy of `logs` just before this call
+        entry["tokens_seen"] = int(state.num_input_tokens_seen)
+        entry["tokens_per_s"] = round((state.num_input_tokens_seen - self.tokens_last) / max(now - self.t_last, 1e-9), 1)
         self.t_last, self.tokens_last = now, state.num_input_tokens_seen
+
+
+class MemoryCallback(TrainerCallback):
+    """Per-rank GPU memory: the peak over the run, and what stays allocated between optimizer steps.
+
+    "Between steps" (read at the start of the second step, after the first optimizer step made the
+    optimizer state) is the model state a rank holds: weights, optimizer state and whatever
+    DeepSpeed keeps resident; the peak adds activations, logits and gradients.  `quantserve plan`
+    predicts both, so `train_log.json` lets a run check the plan.  Nothing is measured on a CPU.
+    """
+
+    def __init__(self):
+        self.between_steps: int | None = None
+
+    def on_train_begin(self, args, state, control, **kw):
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+
+    def on_step_begin(self, args, state, control, **kw):
+        import torch
+
+        if self.between_steps is None and state.global_step >= 1 and torch.cuda.is_available():
+            torch.cuda.synchronize()
+            self.between_steps = torch.cuda.memory_allocated()
+
+    def report(self) -> dict:
+        """This rank's figures in GiB (None where not measured)."""
+        import torch
+
+        from training import distributed
+
+        cuda = torch.cuda.is_available()
+        gib = 2**30
+        return {"rank": distributed.world()[1],
+                "device": torch.cuda.get_device_name() if cuda else "cpu",
+                "peak_gib": round(torch.cuda.max_memory_allocated() / gib, 3) if cuda else None,
+                "between_steps_gib": round(self.between_steps / gib, 3) if self.between_steps else None,
+                "reserved_peak_gib": round(torch.cuda.max_memory_reserved() / gib, 3) if cuda else None}
 
 
 def write_log(out: Path, log_history: list[dict], summary: dict) -> Path:

@@ -44,7 +44,7 @@ def train_command(
     merge: bool = typer.Option(False, help="LoRA: write merged full weights as the output checkpoint (adapter in OUT/adapter)."),
     skip_bad_lines: bool = typer.Option(False, help="Skip malformed JSONL lines (reported) instead of stopping."),
     resume: bool = typer.Option(True, "--resume/--no-resume", help="Continue from the last checkpoint in OUT."),
-    save_steps: int = typer.Option(50, help="Checkpoint every N steps (for resuming)."),
+    save_steps: int = typer.Option(50, help="Checkpoint every N steps (for resuming); 0: only the final model."),
     seed: int = typer.Option(0),
     nproc: int = typer.Option(1, help="Processes (GPUs) per node; >1 re-launches through torchrun."),
     hostfile: Optional[Path] = typer.Option(None, help="DeepSpeed hostfile for multi-node runs."),

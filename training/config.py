@@ -100,7 +100,9 @@ class TrainConfig:
             raise UserError("--offload all (parameters too) needs --zero 3")
         if self.merge and self.method == "full":
             raise UserError("--merge applies to --method lora/qlora only")
-        for name in ("micro_batch", "lora_r", "save_steps", "logging_steps"):
+        if self.save_steps < 0:
+            raise UserError("--save-steps must be 0 (no resumable checkpoints) or more")
+        for name in ("micro_batch", "lora_r", "logging_steps"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be at least 1")
         if self.global_batch is not None and self.global_batch < 1:

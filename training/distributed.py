@@ -94,6 +94,17 @@ def _cuda_visible() -> bool:
     return torch.cuda.is_available()
 
 
+def gather(obj) -> list:
+    """`obj` from every rank, in rank order (a one-element list without a process group)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def barrier() -> None:
     import torch.distributed as dist
 

@@ -124,8 +124,9 @@ def training_args(cfg: TrainConfig, res: Resolved):
         use_cpu=res.device == "cpu" and cfg.zero is None,
         ddp_backend="gloo" if res.device == "cpu" and res.world_size > 1 else None,
         logging_steps=cfg.logging_steps,
-        save_strategy="steps",
-        save_steps=cfg.save_steps,
+        # 0: no resumable checkpoints (a DeepSpeed one holds the optimizer state: 12+ bytes/param)
+        save_strategy="steps" if cfg.save_steps else "no",
+        save_steps=max(cfg.save_steps, 1),
         save_total_limit=cfg.save_total_limit,
         seed=cfg.seed,
         data_seed=cfg.seed,
@@ -160,7 +161,7 @@ def train(cfg: TrainConfig) -> Path:
     from quantserve.default_model import resolve_model
     from quantserve.modeling import load_tokenizer
     from training import data as data_mod
-    from training.callbacks import ProgressCallback, StepLogCallback, write_log
+    from training.callbacks import MemoryCallback, ProgressCallback, StepLogCallback, write_log
     from training.loading import load_for_training, trainable_summary, undo_liger_globals
 
     caps = detect(cfg.gpu_profile)
@@ -199,8 +200,9 @@ def train(cfg: TrainConfig) -> Path:
     collator = data_mod.Collator(tok.pad_token_id, seq_len)
     if cfg.audit_data:
         collator.seen = []
+    memory = MemoryCallback()
     trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
-                      processing_class=tok, callbacks=[StepLogCallback(), ProgressCallback(cfg.progress)])
+                      processing_class=tok, callbacks=[StepLogCallback(), ProgressCallback(cfg.progress), memory])
     trainer.remove_callback(PrinterCallback)  # our ProgressCallback replaces its dict printing
     last = last_complete_checkpoint(cfg.out) if cfg.resume and cfg.out.is_dir() else None
     if last:
@@ -212,6 +214,7 @@ def train(cfg: TrainConfig) -> Path:
     finally:
         undo_liger_globals()  # models loaded later in this process must not inherit Liger's kernels
 
+    gpu_memory = distributed.gather(memory.report())  # collective: every rank takes part
     if collator.seen is not None:
         (cfg.out / "data_audit").mkdir(exist_ok=True)
         (cfg.out / "data_audit" / f"rank{rank}.json").write_text(json.dumps(collator.seen))
@@ -222,13 +225,16 @@ def train(cfg: TrainConfig) -> Path:
             "global_step": trainer.state.global_step, "resumed_from": last,
             "train_loss": result.training_loss, "tokens_seen": int(trainer.state.num_input_tokens_seen),
             "examples": len(dataset), "seconds": round(time.time() - t_start, 1),
-            "trainable_params": trainable, "params": total, "probe": probe,
+            "trainable_params": trainable, "params": total, "probe": probe, "gpu_memory": gpu_memory,
         }
         write_log(cfg.out, trainer.state.log_history, summary)
         losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
         if losses:
             log(f"done: {trainer.state.global_step} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
                 f"{summary['seconds']} s; checkpoint in {cfg.out}, curve in {cfg.out / 'loss.png'}")
+        peaks = [m["peak_gib"] for m in gpu_memory if m["peak_gib"] is not None]
+        if peaks:
+            log(f"GPU memory: peak {' / '.join(f'{p:.2f}' for p in peaks)} GiB per rank")
     distributed.barrier()
     return cfg.out
 
