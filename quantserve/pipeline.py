@@ -217,12 +217,39 @@ def _train(base: Path, data: Path, out: Path, cfg: PipelineConfig, heldout) -> d
     return {"base_accuracy": base_acc, "finetuned_accuracy": tuned, "seconds": seconds}
 
 
-def _convert_and_eval(src: Path, fmt: str, out: Path, cfg: PipelineConfig) -> dict:
-    from quant.convert import convert
-    from quant.evaluate import evaluate
+def _convert_and_eval(src: Path, fmt: str, out: Path, cfg: PipelineConfig, isolate: bool | None = None) -> dict:
+    """`quant convert` + `quant eval` of one format; GGUF ones in child processes after GPU work.
 
-    convert(src, fmt, out, force=True, progress=cfg.progress)
-    return evaluate(src, out)
+    llama.cpp dies with SIGSEGV when it loads a model into a process in which torch has already
+    created a CUDA context (seen with torch 2.11 + CUDA 13 and llama-cpp-python 0.3.36, its CPU
+    and CUDA builds alike), and by this stage this process has trained on the GPU.
+    """
+    if isolate is None:
+        isolate = fmt.startswith("gguf") and _cuda_initialized()
+    if not isolate:
+        from quant.convert import convert
+        from quant.evaluate import evaluate
+
+        convert(src, fmt, out, force=True, progress=cfg.progress)
+        return evaluate(src, out)
+    quant = [sys.executable, "-m", "quant.cli"]
+    _child(quant + ["convert", str(src), "-f", fmt, "-o", str(out), "--force", "-q"])
+    row = _child(quant + ["eval", str(src), str(out), "--json"])
+    return json.loads(row[row.index("{"):])
+
+
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
+
+
+def _child(cmd: list[str]) -> str:
+    """Run a quantserve command in a child process; its stdout, or its last error line as a UserError."""
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"]
+        raise UserError(f"{' '.join(cmd[2:4])} failed: {lines[-1]}")
+    return proc.stdout
 
 
 def free_port(host: str = "127.0.0.1") -> int:
