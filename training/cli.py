@@ -107,13 +107,14 @@ def plan_command(
     gpus: int = typer.Option(1, help="Data-parallel GPUs."),
     method: Optional[str] = typer.Option(None, help="Only this method (full | lora | qlora); default: all."),
     liger: Optional[bool] = typer.Option(None, "--liger/--no-liger", help="Count Liger's kernels (default: where the GPU supports them)."),
+    accumulate: bool = typer.Option(True, "--accumulate/--no-accumulate", help="Gradient accumulation over micro-batches (ZeRO-1/2 then hold fp32 gradients through the backward)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """Memory arithmetic per setup (ZeRO 0-3, offload, LoRA/QLoRA, checkpointing) and the one that fits."""
     from training.plan import plan, print_report
 
     report = plan(model=model, seq_len=seq_len, micro_batch=micro_batch, gpu=gpu, gpu_mem_gib=gpu_mem,
-                  gpus=gpus, method=method, liger=liger)
+                  gpus=gpus, method=method, liger=liger, accumulate=accumulate)
     if as_json:
         import json
 

@@ -149,8 +149,12 @@ def logits_bytes(s: Shape, tokens: int, liger: bool, weight_bytes: int) -> float
 
 
 def setup_row(s: Shape, method: str, zero: int | None, offload: str, ckpt: bool, liger: bool,
-              tokens: int, seq_len: int, n: int, dtype_bytes: int = 2) -> Row:
-    """Memory of one setup on each of `n` GPUs."""
+              tokens: int, seq_len: int, n: int, dtype_bytes: int = 2, accumulate: bool = True,
+              bf16: bool = False) -> Row:
+    """Memory of one setup on each of `n` GPUs.
+
+    `accumulate`: gradients are accumulated over several micro-batches per optimizer step;
+    `bf16`: bf16 rather than fp16 (loss-scaled) mixed precision.  Both matter to ZeRO-1/2 only."""
     P = s.params
     cpu = 0.0
     ds_est = None
@@ -198,8 +202,13 @@ def setup_row(s: Shape, method: str, zero: int | None, offload: str, ckpt: bool,
         buffers += 2 * (s.layer_linear + s.vocab * s.hidden)
     if zero in (1, 2):
         # DeepSpeed allocates the gradient partition up front and it lives through the backward,
-        # next to the activations (the Trainer without DeepSpeed grows .grad as activations free)
-        peak = w + o + g + act + logit + buffers
+        # next to the activations (the Trainer without DeepSpeed grows .grad as activations free).
+        # Its fp32 copy (4 of the 16 optimizer-side bytes) lives there too under fp16, or when bf16
+        # gradients are accumulated in fp32 over micro-batches; otherwise only during the step
+        # (measured on 2 GPUs, bench/RESULTS.md: ZeRO-2 with and without accumulation).
+        fp32_grads = o * 4 / 16 if (o and (accumulate or not bf16)) else 0.0
+        backward = w + (o * 12 / 16 if o else 0.0) + fp32_grads + g + act + logit + buffers
+        peak = max(backward, w + o + g + buffers)
     else:
         peak = w + o + max(act + logit + buffers, g)
     parts = [method]
@@ -256,12 +265,14 @@ def load_shape(model: str) -> tuple[str, object]:
 
 def plan(model: str = "default", seq_len: int = 2048, micro_batch: int = 1, gpu: str | None = None,
          gpu_mem_gib: float | None = None, gpus: int = 1, method: str | None = None,
-         liger: bool | None = None) -> Report:
+         liger: bool | None = None, accumulate: bool = True) -> Report:
     label, config = load_shape(model)
     budget = _budget(gpu, gpu_mem_gib)
     if liger is None:
         liger = gpu not in (None,) or gpu_mem_gib is not None  # a GPU is named: Liger is an option there
-    return plan_for_config(config, seq_len, micro_batch, gpus, budget, method, liger, label)
+    bf16 = gpu is not None and gpu.lower() != "t4"  # unnamed GPUs: fp16, the larger estimate
+    return plan_for_config(config, seq_len, micro_batch, gpus, budget, method, liger, label,
+                           accumulate=accumulate, bf16=bf16)
 
 
 def _budget(gpu: str | None, gpu_mem_gib: float | None) -> float | None:
@@ -277,7 +288,8 @@ def _budget(gpu: str | None, gpu_mem_gib: float | None) -> float | None:
 
 
 def plan_for_config(config, seq_len: int, micro_batch: int = 1, gpus: int = 1, gpu_mem_gib: float | None = None,
-                    method: str | None = None, liger: bool = False, label: str = "model") -> Report:
+                    method: str | None = None, liger: bool = False, label: str = "model",
+                    accumulate: bool = True, bf16: bool = False) -> Report:
     if seq_len < 1 or micro_batch < 1 or gpus < 1:
         raise UserError("--seq-len, --micro-batch and --gpus must be at least 1")
     if method not in (None, "full", "lora", "qlora"):
@@ -298,7 +310,8 @@ def plan_for_config(config, seq_len: int, micro_batch: int = 1, gpus: int = 1, g
         for zero, off in setups:
             for ckpt in (False, True):
                 for lg in ([False, True] if liger else [False]):
-                    rows.append(setup_row(s, m, zero, off, ckpt, lg, tokens, seq_len, gpus))
+                    rows.append(setup_row(s, m, zero, off, ckpt, lg, tokens, seq_len, gpus,
+                                          accumulate=accumulate, bf16=bf16))
     report = Report(label, seq_len, micro_batch, gpus, gpu_mem_gib, s.params, rows)
     if gpu_mem_gib is not None:
         for r in rows:

@@ -327,7 +327,8 @@ def apply_auto_plan(cfg: TrainConfig, model_config, caps, world_size: int) -> Tr
     seq = cfg.seq_len or min(getattr(model_config, "max_position_embeddings", MAX_DEFAULT_SEQ), MAX_DEFAULT_SEQ)
     report = plan_for_config(model_config, seq_len=seq, micro_batch=cfg.micro_batch, gpus=world_size,
                              gpu_mem_gib=caps.memory_budget_gib, method=cfg.method,
-                             liger=caps.liger and cfg.liger is not False)
+                             liger=caps.liger and cfg.liger is not False,
+                             accumulate=cfg.accumulation(world_size) > 1, bf16=caps.dtype == "bfloat16")
     best = report.best
     if best is None:
         raise UserError(f"no setup fits: {report.why_none}")
