@@ -107,7 +107,9 @@ def _stats(values: list[float], scale: float = 1e3) -> dict:
     return {"mean": statistics.fmean(v) * scale, "median": statistics.median(v) * scale, "p99": p99 * scale}
 
 
-def compute_metrics(records: list[Record], duration: float) -> dict:
+def compute_metrics(records: list[Record], duration: float, output_len: int | None = None) -> dict:
+    """Metrics of one level.  `output_len` (with --ignore-eos) counts the answers that came back
+    shorter: a server that ignores `ignore_eos`, or cuts requests short, would look fast otherwise."""
     ok = [r for r in records if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
@@ -121,6 +123,7 @@ def compute_metrics(records: list[Record], duration: float) -> dict:
         "ttft_ms": _stats([r.ttft for r in ok if r.ttft is not None]), "tpot_ms": _stats(tpot), "itl_ms": _stats(itl),
         "e2el_ms": _stats([r.latency for r in ok]),
         "errors": sorted({r.error for r in records if r.error})[:5],
+        "short_outputs": sum(r.output_tokens < output_len for r in ok) if output_len else None,
     }
 
 
@@ -211,11 +214,13 @@ def main(argv=None) -> int:
         prompts = make_prompts(n, args.input_len, args.seed, args.corpus)
         records, duration = asyncio.run(run_level(args.base_url, model, prompts, c, args.output_len, args.chat,
                                                   args.ignore_eos, args.api_key, args.timeout))
-        m = {"concurrency": c, "num_prompts": n, **compute_metrics(records, duration)}
+        m = {"concurrency": c, "num_prompts": n,
+             **compute_metrics(records, duration, args.output_len if args.ignore_eos else None)}
         if args.save_records:
             m["records"] = records_to_json(records)
         result["runs"].append(m)
-        print(f"concurrency {c}: {m['completed']} ok, {m['failed']} failed, "
+        short = f", {m['short_outputs']} shorter than {args.output_len} tokens" if m["short_outputs"] else ""
+        print(f"concurrency {c}: {m['completed']} ok, {m['failed']} failed{short}, "
               f"{m['output_throughput'] or 0:.1f} out tok/s, TPOT p99 {m['tpot_ms']['p99'] or 0:.1f} ms", flush=True)
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)

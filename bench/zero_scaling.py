@@ -10,7 +10,8 @@ update the training made (||W_N - W_1|| / ||W_1 - W_0||), the loss curves and th
     python -m bench.zero_scaling --model CKPT --seq-len 4096 --nproc 2 --out runs/zero   # GPUs
     python -m bench.zero_scaling --quick --out runs/zero-quick                         # CPU, gloo
 
-Writes OUT/zero_scaling.json and prints a table; `--json` copies the JSON elsewhere.
+Writes OUT/zero_scaling.json and OUT/zero_scaling.png and prints a table; `--json` copies the JSON
+elsewhere.  `--replot FILE.json` redraws the PNG of an earlier run.
 """
 
 from __future__ import annotations
@@ -135,8 +136,12 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--tolerance", type=float, default=0.1, help="largest relative_diff counted as equal")
     ap.add_argument("--quick", action="store_true", help="CPU: default model, seq 128, 4 steps")
+    ap.add_argument("--replot", type=Path, default=None, help="draw FILE.json's PNG beside it and exit")
     ap.add_argument("train_args", nargs="*", help="more `quantserve train` options, after --")
     args = ap.parse_args()
+    if args.replot:
+        print(plot(json.loads(args.replot.read_text()), args.replot.with_suffix(".png")))
+        return
     if args.quick:
         args.seq_len, args.steps, args.micro_batch, args.warmup_steps, args.lr = 128, 4, 2, 1, 1e-3
     args.global_batch = args.global_batch or args.micro_batch * args.nproc
@@ -184,7 +189,39 @@ def main() -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(path, args.json)
+    plot(result, args.out / "zero_scaling.png")
     print_table(result)
+
+
+def plot(result: dict, path: Path) -> Path:
+    """Two panels per run: tokens/s, and per-GPU memory (peak, held between steps, ZeRO paper)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r["status"] == "ok"]
+    names = [f"ZeRO-{r['zero']}\n{r['nproc']} GPU{'s' if r['nproc'] > 1 else ''}" for r in rows]
+    x = range(len(rows))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.bar(x, [r["tokens_per_s"] for r in rows], color="tab:blue")
+    a.set_xticks(list(x), names)
+    a.set_ylabel("tokens/s (all GPUs)")
+    a.set_title(f"throughput, global batch {result['global_batch']} x {result['seq_len']}")
+    w = 0.27
+    b.bar([i - w for i in x], [r.get("peak_gib") or 0 for r in rows], w, label="peak (measured)", color="tab:red")
+    b.bar(list(x), [r.get("plan_peak_gib") or 0 for r in rows], w, label="peak (plan)", color="tab:pink")
+    b.bar([i + w for i in x], [r.get("held_gib") or 0 for r in rows], w, label="held between steps", color="tab:green")
+    b.scatter(list(x), [r.get("paper_state_gib") or 0 for r in rows], marker="_", s=900, color="black",
+              label="ZeRO paper model state", zorder=3)
+    b.set_xticks(list(x), names)
+    b.set_ylabel("GiB per GPU")
+    b.set_title("memory per GPU")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def print_table(result: dict) -> None:

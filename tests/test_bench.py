@@ -36,7 +36,9 @@ def llama_server(default_model, tmp_path_factory):
     port = _free_port()
     log = open(tmp_path_factory.mktemp("log") / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--port", str(port),
-                             "--host", "127.0.0.1", "--n_ctx", "512", "--n_threads", "1"], stdout=log, stderr=log)
+                             "--host", "127.0.0.1", "--n_ctx", "512", "--n_threads", "1",
+                             # its default stops the running request whenever another one arrives
+                             "--interrupt_requests", "False"], stdout=log, stderr=log)
     base = f"http://127.0.0.1:{port}/v1"
     try:
         for _ in range(120):
@@ -109,6 +111,15 @@ def test_failed_requests_are_counted_not_averaged():
     assert m["tpot_ms"]["mean"] == pytest.approx(100.0) and m["errors"] == ["HTTP 429: busy"]
 
 
+def test_answers_shorter_than_asked_are_counted():
+    """With --ignore-eos every answer should have output_len tokens; fewer means the server ignored
+    it or cut the request (llama-cpp-python's server does when a new request arrives)."""
+    full = bs.Record(ok=True, output_tokens=8, ttft=0.1, latency=0.8, chunk_times=[0.1 * i for i in range(1, 9)])
+    cut = bs.Record(ok=True, output_tokens=2, ttft=0.1, latency=0.2, chunk_times=[0.1, 0.2])
+    assert bs.compute_metrics([full, cut], 1.0, output_len=8)["short_outputs"] == 1
+    assert bs.compute_metrics([full, cut], 1.0)["short_outputs"] is None
+
+
 def test_plot(serve_result, tmp_path):
     from PIL import Image
 
@@ -140,6 +151,7 @@ def test_zero_scaling_quick(tmp_path):
     subprocess.run([sys.executable, "-m", "bench.zero_scaling", "--quick", "--out", str(out)], check=True,
                    env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     res = json.loads((out / "zero_scaling.json").read_text())
+    assert (out / "zero_scaling.png").stat().st_size > 10_000
     assert [(r["zero"], r["nproc"], r["status"]) for r in res["rows"]] == \
         [(2, 1, "ok"), (2, 2, "ok"), (3, 1, "ok"), (3, 2, "ok")]
     assert all(r["global_step"] == res["steps"] for r in res["rows"])
