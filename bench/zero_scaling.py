@@ -181,6 +181,8 @@ def main() -> None:
                 c["paper_state_drop_gib"] = round(one["paper_state_gib"] - many["paper_state_gib"], 3)
             checks.append({"zero": zero, **c})
 
+    for row in rows:
+        row.pop("probe", None)  # a vocabulary's worth of logits: compared above, not worth keeping
     result = {"model": str(args.model), "seq_len": args.seq_len, "micro_batch": args.micro_batch,
               "global_batch": args.global_batch, "steps": args.steps, "nproc": args.nproc,
               "tolerance": args.tolerance, "rows": rows, "checks": checks}
