@@ -52,9 +52,10 @@ def main(argv=None) -> int:
                     t = triton.testing.do_bench(lambda: mod(x), warmup=50, rep=200)
                 nbytes = sum(b.numel() * b.element_size() for b in list(mod.parameters()) + list(mod.buffers()))
                 rows.append({"layer": name, "N": N, "K": K, "M": M, "kernel": kind, "us": t * 1e3,
-                             "GBps": nbytes / (t / 1e3) / 1e9, "bw_pct": 100 * nbytes / (t / 1e3) / copy_bw})
+                             "GBps": nbytes / (t / 1e3) / 1e9, "bw_pct": 100 * nbytes / (t / 1e3) / copy_bw,
+                             "chosen": chosen_kernel(kind, M, N, K)})
                 print(f"{name:8} M={M:<3} {kind:12} {t * 1e3:9.1f} us  {rows[-1]['GBps']:7.0f} GB/s "
-                      f"({rows[-1]['bw_pct']:.0f} % of copy)", flush=True)
+                      f"({rows[-1]['bw_pct']:.0f} % of copy) {rows[-1]['chosen'] or ''}", flush=True)
         del mods
         torch.cuda.empty_cache()
     summary = {}
@@ -69,6 +70,19 @@ def main(argv=None) -> int:
     Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "copy_GBps": copy_bw / 1e9,
                                           "rows": rows, "summary": summary}, indent=1))
     return 0
+
+
+def chosen_kernel(kind: str, M: int, N: int, K: int) -> str | None:
+    """Which Triton kernel and config the launcher settled on for this shape (tiled or matrix-vector)."""
+    if not kind.endswith("-triton"):
+        return None
+    from server.fastcore import triton_mm
+
+    for key, (fn, config, _) in triton_mm._chosen.items():
+        if key[0].startswith(f"_{kind.split('-')[0]}") and key[2] == (M == 1) and key[3:5] == (N, K) \
+                and key[1] == triton_mm._block_m(M):
+            return f"{fn.__name__} {config.kwargs}"
+    return None
 
 
 if __name__ == "__main__":

@@ -158,6 +158,27 @@ def test_triton_weight_kernels_match_torch_ops(mode):
             torch.testing.assert_close(tri(x), ref(x), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton int8/int4 kernels run on a CUDA GPU only")
+def test_every_batch1_matrix_vector_config_matches_torch_ops():
+    """Each config of the batch-1 matrix-vector kernels, launched directly (the launcher only keeps
+    whichever config and kernel kind is fastest, so the others would otherwise go unchecked)."""
+    from server.fastcore import triton_gemv, triton_mm
+    from server.fastcore.quant import make_linear
+
+    torch.manual_seed(0)
+    N, K = 3072, 4096
+    w = torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02
+    x = torch.randn(1, K, device="cuda", dtype=torch.float16)
+    q8, q4 = make_linear(w, None, "int8", torch.float16, "torch"), make_linear(w, None, "int4", torch.float16, "torch")
+    for config in triton_gemv._configs():
+        y8 = triton_mm._run(triton_gemv.int8_gemv_kernel.fn, config, 1, 1, N, K, x, (x, q8.weight, q8.scales), {})
+        torch.testing.assert_close(y8, q8(x), atol=2e-2, rtol=2e-2)
+        if config.kwargs["BLOCK_K"] <= q4.group_size:
+            y4 = triton_mm._run(triton_gemv.int4_gemv_kernel.fn, config, 1, 1, N, K, x,
+                                (x, q4.weight, q4.scales, q4.mins), {"GROUP": q4.group_size})
+            torch.testing.assert_close(y4, q4(x), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.compile + CUDA graph decode needs a CUDA GPU")
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_compiled_triton_decode_matches_eager_torch_ops(hf, prompts, mode):

@@ -2,7 +2,8 @@
 
 Decode at small batch reads every weight once per step, so bytes are time.  Kernels, by name:
 - "triton" (CUDA, the default there): `triton_mm.py`'s kernels read the int8 / packed int4 weights
-  once and dequantize in registers, for any batch up to 64, on any GPU Triton runs on (a T4 too).
+  once and dequantize in registers, for any batch up to 64, on any GPU Triton runs on (a T4 too);
+  at batch 1 `triton_gemv.py`'s matrix-vector kernels compete with them per layer shape.
 - "torch": plain torch ops.  int8 is gpt-fast's `linear(x, w.to(x.dtype)) * scale`, which only
   reads 1 byte/param if inductor turns the matmul into a fused reduction (batch 1 under
   coordinate-descent tuning; measured 0.86x fp16 on an H200, so it did not); int4 unpacks the
