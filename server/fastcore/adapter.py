@@ -22,7 +22,7 @@ class FastCoreBackend:
         if self.core.compile:
             # every decode shape compiled and recorded before /health says ready: lazily, the first
             # request to reach a new batch size waited seconds (and stalled everyone else)
-            self.warm_up_s = self.core.warm_up()
+            self.warm_up_s = self.core.warm_up(progress=True)
         self.vocab_size = self.core.args.vocab_size
         self.kv_capacity_tokens = max_batch * context_length
         self._slot: dict[int, int] = {}  # scheduler slot -> FastCore slot

@@ -18,6 +18,7 @@ decodes not to stall calls it with chunks (`prefill_chunk` tokens) between decod
 from __future__ import annotations
 
 import bisect
+import sys
 import time
 from pathlib import Path
 
@@ -197,18 +198,23 @@ class FastCore:
         return min(self.max_seq, -(-n // self.kv_bucket) * self.kv_bucket)
 
     @torch.inference_mode()
-    def warm_up(self) -> float:
+    def warm_up(self, progress: bool = False) -> float:
         """Compile and record every decode shape a server can hit (each batch bucket x each attended
         length) now, so that no request waits on torch.compile, Triton autotuning or a CUDA-graph
-        recording later.  Returns the seconds it took."""
+        recording later.  Returns the seconds it took (minutes for a large --max-batch: the bar
+        on stderr says how far it is)."""
+        from tqdm.auto import tqdm
+
         t0 = time.perf_counter()
         lengths = sorted({self._kv_len(n) for n in range(1, self.max_seq + 1, self.kv_bucket)} | {self.max_seq})
-        for batch in self.buckets:
+        shapes = [(b, n) for b in self.buckets for n in lengths]
+        bar = tqdm(shapes, desc="compiling decode shapes (batch x KV length)", unit="shape",
+                   disable=not progress, file=sys.stderr)
+        for batch, length in bar:
             tok = torch.zeros(batch, dtype=torch.long, device=self.device)
             pos = torch.full((batch,), self.max_seq, dtype=torch.long, device=self.device)  # the trash row
-            for length in lengths:
-                for _ in range(2):  # the first call compiles / warms, the second records the graph
-                    self.decode_padded(tok, pos, self._kv_idx[:length])
+            for _ in range(2):  # the first call compiles / warms, the second records the graph
+                self.decode_padded(tok, pos, self._kv_idx[:length])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
