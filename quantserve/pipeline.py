@@ -221,8 +221,9 @@ def _convert_and_eval(src: Path, fmt: str, out: Path, cfg: PipelineConfig, isola
     """`quant convert` + `quant eval` of one format; GGUF ones in child processes after GPU work.
 
     llama.cpp dies with SIGSEGV when it loads a model into a process in which torch has already
-    created a CUDA context (seen with torch 2.11 + CUDA 13 and llama-cpp-python 0.3.36, its CPU
-    and CUDA builds alike), and by this stage this process has trained on the GPU.
+    created a CUDA context (seen with torch 2.11 + CUDA 13 and llama-cpp-python 0.3.36: its CUDA
+    build in an isolated test, its CPU build inside this pipeline), and by this stage this process
+    has trained on the GPU.
     """
     if isolate is None:
         isolate = fmt.startswith("gguf") and _cuda_initialized()
