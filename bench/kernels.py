@@ -78,11 +78,7 @@ def chosen_kernel(kind: str, M: int, N: int, K: int) -> str | None:
         return None
     from server.fastcore import triton_mm
 
-    for key, (fn, config, _) in triton_mm._chosen.items():
-        if key[0].startswith(f"_{kind.split('-')[0]}") and key[2] == (M == 1) and key[3:5] == (N, K) \
-                and key[1] == triton_mm._block_m(M):
-            return f"{fn.__name__} {config.kwargs}"
-    return None
+    return triton_mm.chosen(kind.split("-")[0], M, N, K)
 
 
 if __name__ == "__main__":

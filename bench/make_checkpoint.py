@@ -18,7 +18,6 @@ SHAPES = {
     "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0),
 }
-PUBLIC_VOCAB = {"llama-3.2-1b": (128256, True), "llama-3.1-8b": (128256, False)}  # (vocab, tied lm_head)
 
 
 def main() -> None:
@@ -40,7 +39,10 @@ def main() -> None:
 
         args.tokenizer = build_default_model(progress=False)
     tok = AutoTokenizer.from_pretrained(str(args.tokenizer))
-    vocab, tied = PUBLIC_VOCAB[args.shape] if args.shape_vocab else (len(tok), False)
+    from training.plan import SHAPES as PUBLIC_SHAPES
+
+    public = PUBLIC_SHAPES[args.shape]
+    vocab, tied = (public["vocab_size"], public["tie_word_embeddings"]) if args.shape_vocab else (len(tok), False)
     cfg = LlamaConfig(vocab_size=vocab, max_position_embeddings=args.context, rms_norm_eps=1e-5,
                       tie_word_embeddings=tied, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                       pad_token_id=tok.pad_token_id, **SHAPES[args.shape])

@@ -34,12 +34,10 @@ def write_data(path: Path, tokens_needed: int, seed: int = 0) -> None:
     """Random lowercase words, enough for `tokens_needed` tokens (packing cuts them into blocks)."""
     rng = random.Random(seed)
     letters = "abcdefghijklmnopqrstuvwxyz"
-    words_needed = tokens_needed  # a random word is one token or more
     with path.open("w") as f:
-        while words_needed > 0:
-            words = [("".join(rng.choice(letters) for _ in range(rng.randint(2, 7)))) for _ in range(1000)]
+        for _ in range(-(-tokens_needed // 1000)):  # 1000 words a line; a random word is one token or more
+            words = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 7))) for _ in range(1000)]
             f.write(json.dumps({"text": " ".join(words)}) + "\n")
-            words_needed -= 1000
 
 
 def run_train(args, zero: int, nproc: int, data: Path, out: Path) -> dict:
@@ -80,13 +78,10 @@ def plan_figures(args, model_config, row: dict) -> dict:
     report = plan_for_config(model_config, seq_len=args.seq_len, micro_batch=args.micro_batch,
                              gpus=row["nproc"], method="full", liger=row["liger"],
                              accumulate=accumulate, bf16=row["dtype"] == "bfloat16")
-    match = [r for r in report.rows if r.zero == row["zero"] and r.offload == "none"
-             and r.grad_ckpt == row["grad_ckpt"] and r.liger == row["liger"]]
-    r = match[0]
-    return {"plan_peak_gib": round(r.peak / GIB, 3), "plan_weights_gib": round(r.weights / GIB, 3),
-            "plan_grads_gib": round(r.grads / GIB, 3), "plan_optim_gib": round(r.optimizer / GIB, 3),
-            "plan_state_gib": round((r.weights + r.grads + r.optimizer) / GIB, 3),
-            "plan_params": report.params, "paper_state_gib": round(paper_state(row["zero"], report.params, row["nproc"]) / GIB, 3)}
+    r = next(r for r in report.rows if r.zero == row["zero"] and r.offload == "none"
+             and r.grad_ckpt == row["grad_ckpt"] and r.liger == row["liger"])
+    return {"plan_peak_gib": round(r.peak / GIB, 3), "plan_params": report.params,
+            "paper_state_gib": round(paper_state(row["zero"], report.params, row["nproc"]) / GIB, 3)}
 
 
 def paper_state(zero: int, params: int, n: int) -> float:

@@ -206,9 +206,9 @@ def setup_row(s: Shape, method: str, zero: int | None, offload: str, ckpt: bool,
         # Its fp32 copy (4 of the 16 optimizer-side bytes) lives there too under fp16, or when bf16
         # gradients are accumulated in fp32 over micro-batches; otherwise only during the step
         # (measured on 2 GPUs, bench/RESULTS.md: ZeRO-2 with and without accumulation).
-        fp32_grads = o * 4 / 16 if (o and (accumulate or not bf16)) else 0.0
-        backward = w + (o * 12 / 16 if o else 0.0) + fp32_grads + g + act + logit + buffers
-        peak = max(backward, w + o + g + buffers)
+        fp32_grads = 4 * P / n if o else 0.0  # part of `o`
+        held_in_backward = o if (accumulate or not bf16) else o - fp32_grads
+        peak = max(w + held_in_backward + g + act + logit + buffers, w + o + g + buffers)
     else:
         peak = w + o + max(act + logit + buffers, g)
     parts = [method]

@@ -153,6 +153,14 @@ def _launch(kernel, M: int, N: int, x: torch.Tensor, args: tuple, gemv=None, **e
     return _run(*_chosen[key], M, N, K, x, args, extra)
 
 
+def chosen(weights: str, M: int, N: int, K: int) -> str | None:
+    """The kernel and config the launcher keeps for an "int8" / "int4" layer of this shape, if any."""
+    for (name, bm, batch1, n, k, *_), (fn, config, _) in _chosen.items():
+        if name == f"_{weights}_kernel" and (bm, batch1, n, k) == (_block_m(M), M == 1, N, K):
+            return f"{fn.__name__} {config.kwargs}"
+    return None
+
+
 def _run(fn, config, block_m: int, M: int, N: int, K: int, x: torch.Tensor, args: tuple, extra: dict):
     # Without split-K the kernel writes x's dtype into an uninitialised tensor: no zero-fill and
     # no cast, two kernels fewer per linear layer, which a decode step of small matmuls pays for.
