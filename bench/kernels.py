@@ -48,14 +48,20 @@ def main(argv=None) -> int:
             x = torch.randn(M, K, device="cuda", dtype=torch.float16)
             for kind, mod in mods.items():
                 with torch.inference_mode():
+                    before = tuner_timings()
                     mod(x)
+                    tuned = {k: v for k, v in tuner_timings().items() if v is not before.get(k)}
                     t = triton.testing.do_bench(lambda: mod(x), warmup=50, rep=200)
                 nbytes = sum(b.numel() * b.element_size() for b in list(mod.parameters()) + list(mod.buffers()))
-                rows.append({"layer": name, "N": N, "K": K, "M": M, "kernel": kind, "us": t * 1e3,
-                             "GBps": nbytes / (t / 1e3) / 1e9, "bw_pct": 100 * nbytes / (t / 1e3) / copy_bw,
-                             "chosen": chosen_kernel(kind, M, N, K)})
-                print(f"{name:8} M={M:<3} {kind:12} {t * 1e3:9.1f} us  {rows[-1]['GBps']:7.0f} GB/s "
-                      f"({rows[-1]['bw_pct']:.0f} % of copy) {rows[-1]['chosen'] or ''}", flush=True)
+                row = {"layer": name, "N": N, "K": K, "M": M, "kernel": kind, "us": t * 1e3,
+                       "GBps": nbytes / (t / 1e3) / 1e9, "bw_pct": 100 * nbytes / (t / 1e3) / copy_bw}
+                if kind.endswith("-triton"):
+                    row.update(triton_details(kind.split("-")[0], mod, x, tuned))
+                rows.append(row)
+                print(f"{name:8} M={M:<3} {kind:12} {t * 1e3:9.1f} us  {row['GBps']:7.0f} GB/s "
+                      f"({row['bw_pct']:.0f} % of copy) {row.get('chosen', '')} "
+                      f"{'plain .to() conversion: %.1f us' % row['plain_cvt_us'] if 'plain_cvt_us' in row else ''}",
+                      flush=True)
         del mods
         torch.cuda.empty_cache()
     summary = {}
@@ -72,13 +78,40 @@ def main(argv=None) -> int:
     return 0
 
 
-def chosen_kernel(kind: str, M: int, N: int, K: int) -> str | None:
-    """Which Triton kernel and config the launcher settled on for this shape (tiled or matrix-vector)."""
-    if not kind.endswith("-triton"):
-        return None
+def tuner_timings() -> dict:
+    """Each Triton autotuner's latest {config: [median, p20, p80] ms}: the object changes when it tunes."""
+    from server.fastcore import triton_gemv, triton_mm
+
+    tuners = {"tiled int8": triton_mm.int8_kernel, "tiled int4": triton_mm.int4_kernel,
+              "gemv int8": triton_gemv.int8_gemv_kernel, "gemv int4": triton_gemv.int4_gemv_kernel}
+    return {name: getattr(t, "configs_timings", None) for name, t in tuners.items()}
+
+
+def triton_details(weights: str, mod, x, tuned: dict) -> dict:
+    """Which kernel and config the launcher kept, every config's time the autotuners measured for
+    this shape, and the kept one re-timed with Triton's plain int -> float conversion instead of
+    the bit-pattern one (triton_dequant.py): the same-run baseline for that choice."""
+    import triton.testing
+
     from server.fastcore import triton_mm
 
-    return triton_mm.chosen(kind.split("-")[0], M, N, K)
+    M, K = x.shape
+    N = mod.weight.shape[0]
+    fn, config, block_m = triton_mm.chosen(weights, M, N, K)
+    if weights == "int8":
+        kernel_args, extra = (x, mod.weight, mod.scales), {}
+    else:
+        kernel_args, extra = (x, mod.weight, mod.scales, mod.mins), {"GROUP": mod.group_size}
+
+    def plain():
+        return triton_mm._run(fn, config, block_m, M, N, K, x, kernel_args, {**extra, "BIT_DEQUANT": False})
+
+    plain()
+    return {"chosen": f"{fn.__name__} {config.kwargs} warps={config.num_warps}",
+            "plain_cvt_us": triton.testing.do_bench(plain, warmup=50, rep=200) * 1e3,
+            "autotune_us": {name: {f"{c.kwargs} warps={c.num_warps}": round(v[0] * 1e3, 2) if isinstance(v, (list, tuple)) else v
+                                   for c, v in timings.items()}
+                            for name, timings in tuned.items() if timings}}
 
 
 if __name__ == "__main__":

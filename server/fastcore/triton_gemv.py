@@ -17,11 +17,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from server.fastcore.triton_dequant import int8_to, nibble_to
+
 
 def _configs():
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}, num_warps=4, num_stages=3)
-            for bn, bk, split in ((64, 128, 1), (32, 128, 4), (64, 128, 4), (64, 256, 2),
-                                  (128, 64, 8), (64, 64, 16), (32, 256, 8))]
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}, num_warps=warps, num_stages=3)
+            for bn, bk, split, warps in ((64, 128, 1, 4), (32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 2, 4),
+                                         (128, 64, 8, 4), (64, 64, 16, 4), (32, 256, 8, 4), (16, 256, 1, 4),
+                                         (128, 128, 1, 8), (64, 256, 1, 8), (128, 128, 4, 8))]
 
 
 def _prune(configs, named_args, **kwargs):
@@ -41,7 +44,8 @@ def _store_row(out_ptr, acc, rn, N, SPLIT_K: tl.constexpr):
 
 @triton.jit
 def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, stride_om,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                      BIT_DEQUANT: tl.constexpr = True):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_len = K // SPLIT_K
@@ -50,7 +54,7 @@ def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm
         rk = k + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rk).to(tl.float32)
         w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=rn[:, None] < N, other=0)  # [BN, BK]
-        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        acc += tl.sum(int8_to(w, tl.float32, BIT_DEQUANT) * x[None, :], axis=1)
     scale = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
     _store_row(out_ptr, acc * scale, rn, N, SPLIT_K)
 
@@ -58,7 +62,7 @@ def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm
 @triton.jit
 def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, stride_om,
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      SPLIT_K: tl.constexpr):
+                      SPLIT_K: tl.constexpr, BIT_DEQUANT: tl.constexpr = True):
     # Packing as in triton_mm: column 2j in the high nibble of byte j, 2j+1 in the low one; a K
     # tile lies inside one group, so x . (q * s + z) = s * (x . q) + z * sum(x).
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
@@ -71,8 +75,8 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, st
         x_hi = tl.load(x_ptr + 2 * rj).to(tl.float32)
         x_lo = tl.load(x_ptr + 2 * rj + 1).to(tl.float32)
         packed = tl.load(w_ptr + rn[:, None] * (K // 2) + rj[None, :], mask=rn[:, None] < N, other=0)
-        q_hi = (packed >> 4).to(tl.float32)
-        q_lo = (packed & 0xF).to(tl.float32)
+        q_hi = nibble_to(packed >> 4, tl.float32, BIT_DEQUANT)
+        q_lo = nibble_to(packed & 0xF, tl.float32, BIT_DEQUANT)
         part = tl.sum(q_hi * x_hi[None, :] + q_lo * x_lo[None, :], axis=1)
         xsum = tl.sum(x_hi, axis=0) + tl.sum(x_lo, axis=0)
         g = k // GROUP

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from server.fastcore.triton_dequant import int8_to, nibble_to
 from server.fastcore.triton_gemv import int4_gemv_kernel, int8_gemv_kernel
 
 
@@ -66,7 +67,8 @@ def _store(out_ptr, acc, rm, rn, M, N, stride_om, SPLIT_K: tl.constexpr):
 
 @triton.jit
 def _int8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, stride_om,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                 BIT_DEQUANT: tl.constexpr = True):
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -76,7 +78,7 @@ def _int8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, str
         rk = k + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=rm[:, None] < M, other=0.0)
         w = tl.load(w_ptr + rn[None, :] * K + rk[:, None], mask=rn[None, :] < N, other=0)  # [BK, BN]
-        acc += tl.dot(x, w.to(x.dtype))
+        acc += tl.dot(x, int8_to(w, x.dtype, BIT_DEQUANT))
     scale = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
     _store(out_ptr, acc * scale[None, :], rm, rn, M, N, stride_om, SPLIT_K)
 
@@ -84,7 +86,7 @@ def _int8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, str
 @triton.jit
 def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, stride_om,
                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT_K: tl.constexpr):
+                 SPLIT_K: tl.constexpr, BIT_DEQUANT: tl.constexpr = True):
     # w_ptr: uint8 [N, K/2], column 2j in the high nibble, 2j+1 in the low one.
     # A K tile lies inside one quantization group (BLOCK_K <= GROUP, both powers of two), so
     # x . (q * s + z) = s * (x . q) + z * sum(x), with one scale and one offset per column.
@@ -100,8 +102,8 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, stride_
         x_hi = tl.load(x_ptr + rm[:, None] * stride_xm + 2 * rj[None, :], mask=xm, other=0.0)
         x_lo = tl.load(x_ptr + rm[:, None] * stride_xm + 2 * rj[None, :] + 1, mask=xm, other=0.0)
         packed = tl.load(w_ptr + rn[None, :] * (K // 2) + rj[:, None], mask=rn[None, :] < N, other=0)
-        q_hi = (packed >> 4).to(x_hi.dtype)
-        q_lo = (packed & 0xF).to(x_hi.dtype)
+        q_hi = nibble_to(packed >> 4, x_hi.dtype, BIT_DEQUANT)
+        q_lo = nibble_to(packed & 0xF, x_hi.dtype, BIT_DEQUANT)
         part = tl.dot(x_hi, q_hi) + tl.dot(x_lo, q_lo)
         xsum = tl.sum(x_hi.to(tl.float32), axis=1) + tl.sum(x_lo.to(tl.float32), axis=1)
         g = k // GROUP
@@ -153,11 +155,12 @@ def _launch(kernel, M: int, N: int, x: torch.Tensor, args: tuple, gemv=None, **e
     return _run(*_chosen[key], M, N, K, x, args, extra)
 
 
-def chosen(weights: str, M: int, N: int, K: int) -> str | None:
-    """The kernel and config the launcher keeps for an "int8" / "int4" layer of this shape, if any."""
-    for (name, bm, batch1, n, k, *_), (fn, config, _) in _chosen.items():
+def chosen(weights: str, M: int, N: int, K: int) -> tuple | None:
+    """(kernel function, config, BLOCK_M) the launcher keeps for an "int8" / "int4" layer of this
+    shape, if it has launched one; `_run` takes them back."""
+    for (name, bm, batch1, n, k, *_), choice in _chosen.items():
         if name == f"_{weights}_kernel" and (bm, batch1, n, k) == (_block_m(M), M == 1, N, K):
-            return f"{fn.__name__} {config.kwargs}"
+            return choice
     return None
 
 
