@@ -77,7 +77,7 @@ def test_greedy_matches_generate_with_staggered_batched_decode(hf, prompts):
 
 def test_prefill_logits_match_hf(hf, prompts):
     model, _ = hf
-    core = FastCore(model, max_slots=2, max_seq=256)
+    core = FastCore(model, max_slots=2, max_seq=256, device="cpu")  # fp32 against fp32 (a GPU would run fp16)
     for p in prompts[:3]:
         ref = model(torch.tensor([p])).logits[0, -1]
         assert torch.allclose(core.prefill(0, p), ref, atol=1e-4, rtol=1e-4)
@@ -89,8 +89,8 @@ def test_quantized_logits_close_to_fp32(hf, prompts, quant, max_rel_err, min_agr
     fp32 greedy path.  Measured on the default model: int8 max rel. error 1.1 %, greedy agreement
     99.5 %; int4 32 % (a 256-wide model has only two 128-wide groups per row), agreement printed."""
     model, _ = hf
-    ref = FastCore(model, max_slots=1, max_seq=256)
-    q = FastCore(model, max_slots=1, max_seq=256, weight_quant=quant)
+    ref = FastCore(model, max_slots=1, max_seq=256, device="cpu")  # fp32 reference, also on a GPU machine
+    q = FastCore(model, max_slots=1, max_seq=256, weight_quant=quant, device="cpu")
     errs, agree, total = [], 0, 0
     for p in prompts[:4]:
         la, lb = ref.prefill(0, p), q.prefill(0, p)

@@ -113,6 +113,10 @@ class FastCore:
         self.lengths = [0] * max_slots
         self.in_use = [False] * max_slots
         self.compile = device.type == "cuda" if compile is None else compile
+        if self.compile:
+            # dynamo keeps compiled steps per code object, not per FastCore: a second core in this
+            # process would otherwise replay CUDA graphs recorded over the first one's weights
+            torch.compiler.reset()
         self._steps: dict[str, object] = {}
         self._kv_idx = torch.arange(max_seq, device=device)
         if device.type == "cuda":
