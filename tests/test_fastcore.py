@@ -122,6 +122,25 @@ def test_int4_layout_is_the_one_torch_int4_kernels_expect():
     assert ((deq - w).abs() <= step / 2 + 1e-5).all()
 
 
+def test_warm_up_survives_one_compile_per_decode_shape(hf, monkeypatch):
+    """On CUDA dynamo was seen to compile every (batch, KV length) shape separately, and a server
+    with --max-batch 64 died at dynamo's limit of 8 recompiles during warm-up.  Reproduced on the
+    CPU: sizes kept static (no dynamic marking) and dynamo's eager backend for speed."""
+    import torch._dynamo
+
+    model, _ = hf
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend="eager", fullgraph=True))
+    monkeypatch.setattr(torch._dynamo, "maybe_mark_dynamic", lambda *a, **kw: None)
+    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    core = FastCore(model, max_slots=32, max_seq=512, device="cpu", compile=True)
+    assert len(core.decode_shapes()) > 9  # more compiles of the batched step than dynamo's default allows
+    core.warm_up()
+    tok, pos = torch.zeros(32, dtype=torch.long), torch.full((32,), 512, dtype=torch.long)
+    assert core.decode_padded(tok, pos, core._kv_idx[:512]).shape[0] == 32
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.compile + CUDA graph decode needs a CUDA GPU")
 def test_compiled_cuda_decode_matches_eager(hf, prompts):
     model, _ = hf

@@ -201,6 +201,11 @@ class FastCore:
     def _kv_len(self, n: int) -> int:
         return min(self.max_seq, -(-n // self.kv_bucket) * self.kv_bucket)
 
+    def decode_shapes(self) -> list[tuple[int, int]]:
+        """Every (padded batch, attended KV length) a decode step can run at."""
+        lengths = sorted({self._kv_len(n) for n in range(1, self.max_seq + 1, self.kv_bucket)} | {self.max_seq})
+        return [(b, n) for b in self.buckets for n in lengths]
+
     @torch.inference_mode()
     def warm_up(self, progress: bool = False) -> float:
         """Compile and record every decode shape a server can hit (each batch bucket x each attended
@@ -210,8 +215,7 @@ class FastCore:
         from tqdm.auto import tqdm
 
         t0 = time.perf_counter()
-        lengths = sorted({self._kv_len(n) for n in range(1, self.max_seq + 1, self.kv_bucket)} | {self.max_seq})
-        shapes = [(b, n) for b in self.buckets for n in lengths]
+        shapes = self.decode_shapes()
         bar = tqdm(shapes, desc="compiling decode shapes (batch x KV length)", unit="shape",
                    disable=not progress, file=sys.stderr)
         for batch, length in bar:
@@ -257,6 +261,11 @@ class FastCore:
                 fuse = batch == 1 and (self.weight_quant == "none" or self.quant_kernel != "triton")
                 opts = {"triton.cudagraphs": True, "triton.cudagraph_trees": False,
                         "coordinate_descent_tuning": fuse}
+                # On CUDA dynamo has been seen to specialize both the batch and the KV length (one
+                # compile per shape; on the CPU one graph serves them all; cause not yet found), and
+                # past its default 8 recompiles a fullgraph compile fails: allow one per shape.
+                limit = len(self.decode_shapes()) + 2
+                torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
                 fn = torch.compile(fn, fullgraph=True, options=opts)
             self._steps[key] = fn
         return self._steps[key]
