@@ -220,10 +220,10 @@ def _train(base: Path, data: Path, out: Path, cfg: PipelineConfig, heldout) -> d
 def _convert_and_eval(src: Path, fmt: str, out: Path, cfg: PipelineConfig, isolate: bool | None = None) -> dict:
     """`quant convert` + `quant eval` of one format; GGUF ones in child processes after GPU work.
 
-    llama.cpp dies with SIGSEGV when it loads a model into a process in which torch has already
-    created a CUDA context (seen with torch 2.11 + CUDA 13 and llama-cpp-python 0.3.36: its CUDA
-    build in an isolated test, its CPU build inside this pipeline), and by this stage this process
-    has trained on the GPU.
+    llama-cpp-python 0.3.36's CUDA build died with SIGSEGV loading a model into a process in which
+    torch (2.11 + CUDA 13) had created a CUDA context, and ran in a fresh one; by this stage this
+    process has trained on the GPU.  (On that host its CPU build crashed even alone, with no torch
+    in the process: bench/RESULTS.md.  No process layout helps there.)
     """
     if isolate is None:
         isolate = fmt.startswith("gguf") and _cuda_initialized()
