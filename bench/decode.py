@@ -93,7 +93,7 @@ class Cap:
 def free(device) -> None:
     import torch
 
-    torch._dynamo.reset()  # drops compiled graphs and their CUDA-graph pools
+    torch._dynamo.reset()  # drops the previous engine's compiled code
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

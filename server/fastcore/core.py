@@ -9,7 +9,8 @@
 `decode` runs any subset of slots at their own positions.  It pads the batch to the next size in
 BATCH_BUCKETS covering slots 0..max(slot) (slots are handed out lowest-first, so the active set
 stays compact) and the attended cache prefix to the next multiple of `kv_bucket`, so on a GPU each
-(batch, kv-length) pair replays one CUDA graph; `warm_up()` records them all at start-up.  Padding rows write into the cache's trash row.
+(batch, kv-length) pair replays one CUDA graph; `warm_up()` records them all at start-up.
+Padding rows write into the cache's trash row.
 
 `prefill(slot, ids, start)` appends `ids` at position `start`; a scheduler that wants running
 decodes not to stall calls it with chunks (`prefill_chunk` tokens) between decode steps.
@@ -113,16 +114,11 @@ class FastCore:
         self.lengths = [0] * max_slots
         self.in_use = [False] * max_slots
         self.compile = device.type == "cuda" if compile is None else compile
-        if self.compile:
-            # dynamo keeps compiled steps per code object, not per FastCore: a second core in this
-            # process would otherwise replay CUDA graphs recorded over the first one's weights
-            torch.compiler.reset()
         self._steps: dict[str, object] = {}
         self._kv_idx = torch.arange(max_seq, device=device)
-        if device.type == "cuda":
-            # static addresses: CUDA graphs then replay on the weights and cache in place
-            for t in list(self.model.parameters()) + list(self.model.buffers()):
-                torch._dynamo.mark_static_address(t)
+        # (batch, KV length) -> (CUDA graph, its input tensors, its output); CUDA + compile only
+        self._graphs: dict[tuple[int, int], tuple] = {}
+        self._graph_pool = torch.cuda.graph_pool_handle() if self.compile and device.type == "cuda" else None
 
     # ---- building ------------------------------------------------------------------------------
     def _build(self, get, has, a: ModelArgs, mode: str, kernel: str, group_size: int) -> Transformer:
@@ -210,8 +206,7 @@ class FastCore:
     def warm_up(self, progress: bool = False) -> float:
         """Compile and record every decode shape a server can hit (each batch bucket x each attended
         length) now, so that no request waits on torch.compile, Triton autotuning or a CUDA-graph
-        recording later.  Returns the seconds it took (minutes for a large --max-batch: the bar
-        on stderr says how far it is)."""
+        recording later.  Returns the seconds it took (the bar on stderr says how far it is)."""
         from tqdm.auto import tqdm
 
         t0 = time.perf_counter()
@@ -221,8 +216,7 @@ class FastCore:
         for batch, length in bar:
             tok = torch.zeros(batch, dtype=torch.long, device=self.device)
             pos = torch.full((batch,), self.max_seq, dtype=torch.long, device=self.device)  # the trash row
-            for _ in range(2):  # the first call compiles / warms, the second records the graph
-                self.decode_padded(tok, pos, self._kv_idx[:length])
+            self.decode_padded(tok, pos, self._kv_idx[:length])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
@@ -245,28 +239,26 @@ class FastCore:
         return logits[0, -1].float()
 
     def _step_fn(self, batch: int):
-        """The decode forward for one padded batch size: compiled with CUDA graphs on a GPU."""
+        """The decode forward for one padded batch size: compiled (dynamic sizes) when `compile`."""
         key = "b1" if batch == 1 else "bN"
         if key not in self._steps:
             # two functions, not one: dynamo keeps compiled code per Python code object
             fn = self._decode_b1 if batch == 1 else self._decode_bn
             if self.compile:
-                # gpt-fast's settings: coordinate-descent tuning makes inductor turn 1-row matmuls
-                # into fused reductions (int8/int4 dequant folded in); cudagraphs kill launch cost.
-                # cudagraph *trees* keep their state in thread-local storage and assert when the
-                # server's scheduler thread replays a graph recorded elsewhere (pytorch#123177);
-                # plain per-function CUDA graphs have no such tie to a thread.
-                # (with the Triton int8/int4 kernels no weight matmul is left for it to fuse, and the
-                # tuning costs minutes of compile on an 8B model)
+                # gpt-fast's setting: coordinate-descent tuning makes inductor turn 1-row matmuls
+                # into fused reductions (int8/int4 dequant folded in).  With the Triton int8/int4
+                # kernels no weight matmul is left for it to fuse, and the tuning costs minutes of
+                # compile on an 8B model.
+                # No inductor CUDA graphs: without cudagraph trees inductor specializes every
+                # symbolic size (torch/_inductor/output_code.py, "Force specialize all inputs"), a
+                # compile per (batch, KV length) that took minutes and hit dynamo's recompile limit,
+                # and trees assert when the server's scheduler thread replays a graph recorded on
+                # another thread (pytorch#123177).  `decode_padded` captures its own graphs instead.
                 fuse = batch == 1 and (self.weight_quant == "none" or self.quant_kernel != "triton")
-                opts = {"triton.cudagraphs": True, "triton.cudagraph_trees": False,
-                        "coordinate_descent_tuning": fuse}
-                # On CUDA dynamo has been seen to specialize both the batch and the KV length (one
-                # compile per shape; on the CPU one graph serves them all; cause not yet found), and
-                # past its default 8 recompiles a fullgraph compile fails: allow one per shape.
+                # should a size still be specialized somewhere, one compile per shape beats failing
                 limit = len(self.decode_shapes()) + 2
                 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-                fn = torch.compile(fn, fullgraph=True, options=opts)
+                fn = torch.compile(fn, fullgraph=True, options={"coordinate_descent_tuning": fuse})
             self._steps[key] = fn
         return self._steps[key]
 
@@ -298,15 +290,43 @@ class FastCore:
         """The raw step on device tensors of a bucket size (no host sync: benchmarks loop on it).
         Returns the logits in the step's own output buffer: copy before the next call."""
         fn = self._step_fn(tok.shape[0])
+        if self._graph_pool is None:
+            return fn(*self._mark_dynamic(tok, pos, kv_idx))
+        key = (tok.shape[0], kv_idx.shape[0])
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(fn, tok, pos, kv_idx)
+        graph, static_tok, static_pos, out = self._graphs[key]
+        static_tok.copy_(tok)
+        static_pos.copy_(pos)
+        graph.replay()  # the whole step, ~10 kernels per layer, in one launch
+        return out
+
+    def _mark_dynamic(self, tok, pos, kv_idx):
+        """One compiled graph for every attended length (and every batch size > 1); batch 1 stays
+        static so its matmuls become reductions."""
         if self.compile:
-            # one compiled graph for every attended length (and every batch size > 1), replayed as a
-            # CUDA graph per distinct shape; batch 1 stays static so its matmuls become reductions
             torch._dynamo.maybe_mark_dynamic(kv_idx, 0)
             if tok.shape[0] > 1:
                 torch._dynamo.maybe_mark_dynamic(tok, 0)
                 torch._dynamo.maybe_mark_dynamic(pos, 0)
-            torch.compiler.cudagraph_mark_step_begin()
-        return fn(tok, pos, kv_idx)
+        return tok, pos, kv_idx
+
+    def _capture(self, fn, tok: torch.Tensor, pos: torch.Tensor, kv_idx: torch.Tensor) -> tuple:
+        """Record one decode shape as a CUDA graph (as vLLM does per batch size), after running it
+        eagerly twice on a side stream: that compiles, autotunes the Triton kernels and lets cuBLAS
+        pick its workspaces outside the capture.  The eager runs write the same K/V rows the step
+        itself writes.  All graphs share one memory pool; they replay one at a time on one stream."""
+        static_tok, static_pos, kv_idx = self._mark_dynamic(tok.clone(), pos.clone(), kv_idx)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn(static_tok, static_pos, kv_idx)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            out = fn(static_tok, static_pos, kv_idx)
+        return graph, static_tok, static_pos, out
 
 
 def _load_hf(path, dtype: torch.dtype):

@@ -77,8 +77,8 @@ class Attention(nn.Module):
         # q, k and v in one matmul: one weight read, one kernel (decode is launch-bound on big GPUs)
         self.wqkv = nn.Linear(a.dim, (a.n_heads + 2 * a.n_kv_heads) * a.head_dim, bias=a.qkv_bias)
         self.wo = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
-        # buffers, not plain attributes: torch.compile then treats them as static (CUDA graphs
-        # replay in place instead of copying the cache in and out on every step)
+        # buffers, not plain attributes: module state that torch.compile reads in place, so a
+        # captured CUDA graph writes the cache itself (no copy in and out on every step)
         self.register_buffer("k_cache", None, persistent=False)
         self.register_buffer("v_cache", None, persistent=False)
 
