@@ -195,8 +195,8 @@ def convert(src: Path, fmt: str, out: Path, force: bool = False, progress: bool 
 def _write_kquant(ckpt, tmp: Path, kind: str, progress: bool) -> dict:
     """Our F16 GGUF first, then llama.cpp's quantizer; only the quantized file is kept."""
     from quant.gguf_export import write_gguf
-    from quant.llamacpp import quantize
     from quant.inspect import gguf_tensor_types
+    from quant.llamacpp_worker import quantize
 
     f16 = tmp / ".model-f16.gguf"
     summary = write_gguf(ckpt, f16, "f16", progress)

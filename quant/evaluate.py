@@ -7,8 +7,9 @@ so the comparison is of weights and kernels, not of tokenizers):
 * top-1 agreement: how often the quantized model's most likely next token is the source's;
 * relative logit error ‖L_q − L_s‖ / ‖L_s‖ over every position, and the mean KL(p_s ‖ p_q).
 
-The source runs in fp32 through transformers; a GGUF output runs through llama.cpp itself, a
-bitsandbytes output through transformers + bitsandbytes — each in the engine that will serve it.
+The source runs in fp32 through transformers (on the GPU when it fits); a GGUF output runs through
+llama.cpp itself (in a worker process), a bitsandbytes output through transformers + bitsandbytes —
+each in the engine that will serve it.
 """
 
 from __future__ import annotations
@@ -86,13 +87,11 @@ def transformers_logits(model, windows: list[list[int]]):
 
 
 def gguf_logits(path: Path, windows: list[list[int]]):
-    from quant import llamacpp
+    """llama.cpp's logits for each window, computed in a worker process (quant/llamacpp_worker.py)."""
+    from quant.llamacpp_worker import LogitsWorker
 
-    llm = llamacpp.load(path, n_ctx=max(len(w) for w in windows))
-    try:
-        return [llamacpp.logits(llm, w) for w in windows]
-    finally:
-        llm.close()
+    with LogitsWorker(path, n_ctx=max(len(w) for w in windows)) as worker:
+        return [worker.logits(w) for w in windows]
 
 
 def compare(src: list, quant: list, windows: list[list[int]]) -> dict:
@@ -149,7 +148,7 @@ _SOURCE_CACHE: dict[tuple, tuple] = {}
 
 def _source_logits(src: Path, text_file: Path | None):
     """(windows, logits, label, weight bytes) of the fp32 source on the held-out text."""
-    from quantserve.modeling import load_model, load_tokenizer
+    from quantserve.modeling import load_model, load_tokenizer, reference_run
 
     with tempfile.TemporaryDirectory(prefix="quant-eval-") as tmp:
         ckpt = open_checkpoint(Path(src), merge_dir=Path(tmp) / "merged")
@@ -159,7 +158,8 @@ def _source_logits(src: Path, text_file: Path | None):
             tokenizer = load_tokenizer(ckpt.path)
             docs, label = heldout_documents(text_file, tokenizer)
             windows = token_windows(tokenizer, docs)
-            logits = transformers_logits(load_model(ckpt.path), windows)
+            with reference_run(load_model(ckpt.path)) as model:
+                logits = transformers_logits(model, windows)
             _SOURCE_CACHE.clear()
             _SOURCE_CACHE[key] = (windows, logits, label, sum(f.stat().st_size for f in ckpt.weight_files))
         return _SOURCE_CACHE[key]

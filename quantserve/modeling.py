@@ -6,6 +6,7 @@ checked against its greedy output.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 
@@ -94,6 +95,28 @@ def load_model(path: Path, dtype: str = "float32", device: str = "cpu", attentio
     model.to(device).eval()
     model.requires_grad_(False)  # inference only; never touch the global grad mode
     return model
+
+
+@contextlib.contextmanager
+def reference_run(model):
+    """Run an fp32 reference model (held-out accuracy, `quant eval`'s source logits) on the GPU when
+    its weights take at most half of the memory this process may still use there — on a CPU a 1B
+    model's reference took minutes — else on the CPU.  Full fp32 either way: no TF32, whatever
+    training set before."""
+    import torch
+
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda: 1.0)  # the T4 profile's cap
+        allowed = min(free, get_fraction() * total - torch.cuda.memory_reserved())
+        if sum(p.numel() * p.element_size() for p in model.parameters()) <= allowed / 2:
+            model.to("cuda")
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield model
+    finally:
+        torch.set_float32_matmul_precision(saved)
 
 
 def chat_prompt(tokenizer, user: str) -> str:

@@ -199,12 +199,14 @@ def _print_plan(base: Path, cfg: PipelineConfig) -> None:
 
 
 def _train(base: Path, data: Path, out: Path, cfg: PipelineConfig, heldout) -> dict:
-    from quantserve.modeling import load_model, load_tokenizer, task_accuracy
+    from quantserve.modeling import load_model, load_tokenizer, reference_run, task_accuracy
     from training.config import TrainConfig
     from training.train import train
 
     tok = load_tokenizer(base)
-    base_acc = task_accuracy(load_model(base), tok, heldout)
+    with reference_run(load_model(base)) as model:
+        base_acc = task_accuracy(model, tok, heldout)
+    del model
     say(f"[train] base model held-out exact match: {base_acc:.1%}")
     extra = {"epochs": cfg.train_epochs} if cfg.train_epochs else {}
     t0 = time.time()
@@ -212,45 +214,18 @@ def _train(base: Path, data: Path, out: Path, cfg: PipelineConfig, heldout) -> d
                       merge=cfg.method != "full", gpu_profile=cfg.gpu_profile, progress=cfg.progress,
                       resume=not cfg.force, **extra))
     seconds = round(time.time() - t0, 1)
-    tuned = task_accuracy(load_model(out), load_tokenizer(out), heldout)
+    with reference_run(load_model(out)) as model:
+        tuned = task_accuracy(model, load_tokenizer(out), heldout)
     say(f"[train] fine-tuned held-out exact match: {tuned:.1%} (was {base_acc:.1%})")
     return {"base_accuracy": base_acc, "finetuned_accuracy": tuned, "seconds": seconds}
 
 
-def _convert_and_eval(src: Path, fmt: str, out: Path, cfg: PipelineConfig, isolate: bool | None = None) -> dict:
-    """`quant convert` + `quant eval` of one format; GGUF ones in child processes after GPU work.
+def _convert_and_eval(src: Path, fmt: str, out: Path, cfg: PipelineConfig) -> dict:
+    from quant.convert import convert
+    from quant.evaluate import evaluate
 
-    llama-cpp-python 0.3.36's CUDA build died with SIGSEGV loading a model into a process in which
-    torch (2.11 + CUDA 13) had created a CUDA context, and ran in a fresh one; by this stage this
-    process has trained on the GPU.  (On that host its CPU build crashed even alone, with no torch
-    in the process: bench/RESULTS.md.  No process layout helps there.)
-    """
-    if isolate is None:
-        isolate = fmt.startswith("gguf") and _cuda_initialized()
-    if not isolate:
-        from quant.convert import convert
-        from quant.evaluate import evaluate
-
-        convert(src, fmt, out, force=True, progress=cfg.progress)
-        return evaluate(src, out)
-    quant = [sys.executable, "-m", "quant.cli"]
-    _child(quant + ["convert", str(src), "-f", fmt, "-o", str(out), "--force", "-q"])
-    row = _child(quant + ["eval", str(src), str(out), "--json"])
-    return json.loads(row[row.index("{"):])
-
-
-def _cuda_initialized() -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and torch.cuda.is_initialized()
-
-
-def _child(cmd: list[str]) -> str:
-    """Run a quantserve command in a child process; its stdout, or its last error line as a UserError."""
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    if proc.returncode != 0:
-        lines = proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"]
-        raise UserError(f"{' '.join(cmd[2:4])} failed: {lines[-1]}")
-    return proc.stdout
+    convert(src, fmt, out, force=True, progress=cfg.progress)
+    return evaluate(src, out)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

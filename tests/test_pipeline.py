@@ -71,18 +71,3 @@ def test_bad_arguments_are_refused_before_any_work(tmp_path):
     proc = pipeline(tmp_path / "x", "--data", str(tmp_path / "missing.jsonl"))
     assert proc.returncode == 1 and "no such data file" in proc.stderr
     assert not (tmp_path / "x").exists()
-
-
-@pytest.mark.slow
-def test_gguf_stage_in_a_child_process_matches_in_process(default_model, tmp_path):
-    """After GPU training the GGUF stage runs `quant convert` / `quant eval` in child processes
-    (llama.cpp crashes in a process holding a torch CUDA context); both routes give the same row."""
-    pytest.importorskip("llama_cpp")
-    from quantserve.pipeline import PipelineConfig, _convert_and_eval
-
-    cfg = PipelineConfig(out=tmp_path, progress=False)
-    inproc = _convert_and_eval(default_model, "gguf-q8_0", tmp_path / "a", cfg, isolate=False)
-    child = _convert_and_eval(default_model, "gguf-q8_0", tmp_path / "b", cfg, isolate=True)
-    for key in ("format", "size_mib", "ppl", "top1_agreement"):
-        assert child[key] == inproc[key], (key, child[key], inproc[key])
-    assert (tmp_path / "b" / "manifest.json").is_file()

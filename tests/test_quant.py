@@ -103,6 +103,43 @@ def test_gguf_logits_match_transformers(fmt, outputs, hf):
     assert err < TOLERANCE[fmt]
 
 
+
+def test_worker_process_gives_the_in_process_logits(outputs):
+    """`quant eval` scores GGUF files in a llama.cpp worker process that never imports torch."""
+    from quant.llamacpp_worker import LogitsWorker
+
+    gguf_file = outputs["gguf-q8_0"] / "model.gguf"
+    windows = [list(range(1, 40)), list(range(5, 130))]
+    llm = llamacpp.load(gguf_file, n_ctx=128)
+    try:
+        expected = [llamacpp.logits(llm, w) for w in windows]
+    finally:
+        llm.close()
+    with LogitsWorker(gguf_file, n_ctx=128) as worker:
+        for w, want in zip(windows, expected):
+            np.testing.assert_array_equal(worker.logits(w), want)
+    probe = "import sys, quant.llamacpp_worker; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_worker_crash_and_bad_file_are_one_clear_error(outputs, tmp_path):
+    import signal
+
+    from quant.llamacpp_worker import LogitsWorker, quantize
+    from quantserve.settings import UserError
+
+    with LogitsWorker(outputs["gguf-q8_0"] / "model.gguf", n_ctx=64) as worker:
+        worker.logits([1, 2, 3])
+        worker.proc.send_signal(signal.SIGSEGV)  # what llama.cpp did on one GPU host
+        with pytest.raises(UserError, match=r"llama.cpp crashed \(SIGSEGV\) while scoring"):
+            worker.logits([1, 2, 3])
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    with LogitsWorker(bad, n_ctx=64) as worker, pytest.raises(UserError, match="cannot load this GGUF"):
+        worker.logits([1, 2, 3])
+    with pytest.raises(UserError, match="unknown llama.cpp quantization"):
+        quantize(bad, tmp_path / "out.gguf", "q9_x")
+
 @pytest.mark.parametrize("breakage", ["no Q/K permutation", "wrong rope base"])
 def test_logit_check_catches_a_broken_converter(breakage, default_model, hf, tmp_path, monkeypatch):
     """Negative control: the F16 tolerance is tight enough to fail a subtly wrong GGUF."""
