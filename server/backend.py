@@ -29,7 +29,8 @@ class DecodeBackend(Protocol):
         sequence; start > 0: a later chunk of the same prompt); return float32 CPU logits of the last."""
 
     def decode(self, slots: list[int], tokens: list[int]):
-        """Append one token per slot; return float32 CPU logits, one row per slot, in order."""
+        """Append one token per slot; return float32 logits, one row per slot, in order, on the
+        backend's device (the scheduler copies to the CPU only the rows it samples there)."""
 
     def free(self, slot: int) -> None: ...
 
@@ -103,7 +104,7 @@ class HFBackend:
             self._slots[slot] = [(layer.keys[row:row + 1, :, start:], layer.values[row:row + 1, :, start:])
                                  for layer in cache_layers]
             self._lengths[slot] += 1
-        return out.logits[:, -1].float().cpu()
+        return out.logits[:, -1].float()
 
     def free(self, slot: int) -> None:
         self._slots.pop(slot, None)

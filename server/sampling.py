@@ -56,6 +56,16 @@ class SequenceSampler:
         if self.seen is not None:
             self.seen[torch.tensor(prompt_ids, dtype=torch.long).clamp(max=vocab_size - 1)] = True
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing else to compute: the token is the row's argmax, which the scheduler
+        takes for the whole batch at once, where the logits are."""
+        return self.params.greedy and not self.params.penalised and self.params.logprobs is None
+
+    def accept(self, token: int) -> None:
+        """Record a token picked outside `sample` (a plain-greedy batch argmax)."""
+        self._record(token)
+
     def sample(self, logits):
         """Pick the next token from a 1-D float32 logits row; returns (token, logprob, top list)."""
         import torch

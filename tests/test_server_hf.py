@@ -194,6 +194,30 @@ def test_32_concurrent_streams_are_correct_and_batched(server, reference):
     assert ratio < 0.5, f"continuous batching gave no speed-up: ratio {ratio:.2f}"
 
 
+def test_greedy_sampled_and_logprob_requests_share_a_batch(server):
+    """Plain greedy rows take one batched argmax; seeded sampling and greedy-with-logprobs rows are
+    sampled row by row.  Mixed in one batch, each request answers what it answers alone."""
+    kinds = [dict(temperature=0), dict(temperature=1.2, seed=7), dict(temperature=0, logprobs=True, top_logprobs=2)]
+
+    async def ask(ac, kw):
+        r = await ac.chat.completions.create(model=server.model_name, max_tokens=24,
+                                             messages=[{"role": "user", "content": "Repeat: k q z w"}],
+                                             extra_body={"ignore_eos": True}, **kw)
+        c = r.choices[0]
+        return c.message.content, [e.token for e in c.logprobs.content] if c.logprobs else None
+
+    async def run():
+        async with server.async_client() as ac:
+            alone = [await ask(ac, kw) for kw in kinds]
+            together = await asyncio.gather(*[ask(ac, kw) for kw in kinds * 4])
+            return alone, together
+
+    alone, together = asyncio.run(run())
+    assert alone[2][1] and alone[2][0] == alone[0][0]  # greedy with logprobs = plain greedy
+    for i, answer in enumerate(together):
+        assert answer == alone[i % 3], (kinds[i % 3], answer, alone[i % 3])
+
+
 def test_request_arriving_mid_batch_starts_before_the_batch_ends(server):
     async def timed(coro):
         result = await coro

@@ -35,7 +35,7 @@ class FastCoreBackend:
 
     def decode(self, slots: list[int], tokens: list[int]):
         cs = [self._slot[s] for s in slots]
-        return self.core.decode(cs, tokens, [self.core.lengths[c] for c in cs]).cpu()
+        return self.core.decode(cs, tokens, [self.core.lengths[c] for c in cs])
 
     def free(self, slot: int) -> None:
         s = self._slot.pop(slot, None)
