@@ -133,6 +133,11 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     for path in (cfg.data, cfg.eval_data):
         if path is not None and not Path(path).is_file():
             raise UserError(f"{path}: no such data file")
+    if cfg.gpu_profile:
+        from quantserve.capabilities import apply_profile, detect
+
+        # every GPU stage of this process (reference checks, bitsandbytes) under the profile's budget
+        apply_profile(detect(cfg.gpu_profile))
     out = Path(cfg.out)
     t_start = time.time()
 
