@@ -31,7 +31,10 @@ def _failure(proc: subprocess.Popen | subprocess.CompletedProcess, stderr_text: 
     """The worker's own one-line error, or what killed it."""
     code = proc.returncode
     if code is not None and code < 0:
-        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
         return UserError(f"llama.cpp crashed ({name}) while {what}")
     lines = [line for line in stderr_text.strip().splitlines() if line.strip()]
     return UserError(lines[-1].removeprefix("error: ") if lines else f"llama.cpp worker failed ({code}) while {what}")
