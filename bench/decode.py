@@ -126,8 +126,32 @@ def bench_generate(cfg, device, dtype, batch: int, prompt_len: int, new_tokens: 
     return {"step_ms": step * 1e3, "tok_s": batch / step, "weight_bytes": wbytes}
 
 
+def step_profile(step, device, steps: int = 16, top: int = 12) -> dict:
+    """Where a decode step's time goes: device time per step of each kernel (top `top`), their sum,
+    and the step's wall time; wall minus kernel time is the device sitting idle between kernels."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    step()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync(device)
+        wall = (time.perf_counter() - t0) / steps
+    events = [e for e in prof.key_averages()
+              if (e.device_type == torch.autograd.DeviceType.CUDA) == cuda and e.self_device_time_total + e.self_cpu_time_total > 0]
+    us = lambda e: (e.self_device_time_total if cuda else e.self_cpu_time_total) / steps  # noqa: E731
+    events.sort(key=us, reverse=True)
+    return {"wall_us": round(wall * 1e6, 1), "kernel_us": round(sum(us(e) for e in events), 1),
+            "top": [{"name": e.key[:90], "calls": round(e.count / steps, 1), "us": round(us(e), 1)}
+                    for e in events[:top]]}
+
+
 def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], prompt_len: int,
-               new_tokens: int, compile: bool) -> list[dict]:
+               new_tokens: int, compile: bool, profile_steps: int = 0) -> list[dict]:
     """FastCore decode at each batch size: prefill `prompt_len` tokens per slot, then time
     `new_tokens` steps feeding the argmax back on the device (no host sync inside the loop)."""
     import torch
@@ -169,6 +193,13 @@ def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], p
             row.update(step_ms=step * 1e3, tok_s=b / step, step_bytes=step_bytes)
             if device.type == "cuda":
                 row["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+            if profile_steps and b == batches[0]:
+                state = {"tok": tok}
+
+                def one_step():  # the same step at a fixed position: the profile does not move the KV length
+                    state["tok"] = core.decode_padded(state["tok"], pos, kv_idx).argmax(-1)
+
+                row["profile"] = step_profile(one_step, device, profile_steps)
         except Exception as e:  # one failing row must not lose the others
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
             traceback.print_exc(file=sys.stderr)
@@ -215,6 +246,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu-profile", default=None, help="'t4': fp16, 15 GiB cap, T4 attention kernels")
     ap.add_argument("--no-compile", action="store_true", help="eager decode steps (no torch.compile)")
     ap.add_argument("--no-fit-check", action="store_true")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="also profile this many steps at the first batch size (kernel time vs idle)")
     ap.add_argument("--quick", action="store_true", help="tiny model, few tokens: runs on a CPU in seconds")
     ap.add_argument("--out", default="bench/results/decode.json")
     args = ap.parse_args(argv)
@@ -270,7 +303,7 @@ def main(argv=None) -> int:
                 try:
                     cap.set(capped)
                     rows = bench_core(cfg, device, caps, quant, kernel if kernel != "-" else "auto", batches,
-                                      args.prompt_len, args.new_tokens, compile)
+                                      args.prompt_len, args.new_tokens, compile, args.profile_steps)
                 except Exception as e:
                     traceback.print_exc(file=sys.stderr)
                     rows = [{"batch": b, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"} for b in batches]
@@ -338,6 +371,12 @@ def print_table(result: dict) -> None:
                   f(r.get("weight_bytes") and r["weight_bytes"] / 1e9, 2), str(r.get("capped", "-")),
                   f(r.get("warmup_s")), (r.get("error") or "")[:60])
     Console(width=200).print(t)
+    for r in result["rows"]:
+        if "profile" in r:
+            p = r["profile"]
+            print(f"{r['model']} {r['engine']} b={r['batch']}: step {p['wall_us']:.0f} us, kernels {p['kernel_us']:.0f} us")
+            for k in p["top"]:
+                print(f"    {k['us']:8.1f} us  x{k['calls']:<5} {k['name']}")
     for fit in result["fit"]:
         print(f"fit check ({fit['model']} {fit['engine']}, capped={fit['capped']}): {fit}")
 

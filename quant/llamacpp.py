@@ -77,8 +77,10 @@ GGML_TYPE_F32 = 0
 
 
 def load(path: Path, n_ctx: int = 512, logits_all: bool = True):
-    """A `llama_cpp.Llama` on the CPU, quiet, with logits for every position when asked.
+    """A `llama_cpp.Llama`, quiet, with logits for every position when asked.
 
+    All layers go to the GPU when this llama.cpp build has a GPU backend, as the server runs them
+    (and on some GPU hosts llama.cpp's CPU backend crashes, so scoring there must not use it).
     The KV cache is F32 (llama.cpp's default is F16): evaluation must measure what the weight
     format costs, not the cache's rounding, which on some inputs alone moves logits by ~0.5 %."""
     llama_cpp = _llama_cpp()
@@ -90,7 +92,8 @@ def load(path: Path, n_ctx: int = 512, logits_all: bool = True):
         with quiet_native_stderr():
             return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
                                    logits_all=logits_all, n_threads=_threads(), verbose=False,
-                                   n_gpu_layers=0, seed=0, type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32)
+                                   n_gpu_layers=-1 if llama_cpp.llama_supports_gpu_offload() else 0,
+                                   seed=0, type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32)
     except (ValueError, RuntimeError) as e:
         raise UserError(f"{path}: llama.cpp cannot load this GGUF file ({e})") from e
 
