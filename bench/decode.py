@@ -151,7 +151,7 @@ def step_profile(step, device, steps: int = 16, top: int = 12) -> dict:
 
 
 def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], prompt_len: int,
-               new_tokens: int, compile: bool, profile_steps: int = 0) -> list[dict]:
+               new_tokens: int, compile: bool, profile_steps: int = 0, attention: str = "auto") -> list[dict]:
     """FastCore decode at each batch size: prefill `prompt_len` tokens per slot, then time
     `new_tokens` steps feeding the argmax back on the device (no host sync inside the loop)."""
     import torch
@@ -161,14 +161,16 @@ def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], p
     t0 = time.perf_counter()
     max_seq = -(-(prompt_len + new_tokens + 8) // 256) * 256
     core = FastCore(None, random_config=cfg, max_slots=max(batches), max_seq=max_seq, device=device,
-                    weight_quant=quant, quant_kernel=kernel, compile=compile, profile=caps.profile)
+                    weight_quant=quant, quant_kernel=kernel, compile=compile, profile=caps.profile,
+                    attention=attention)
     build_s = time.perf_counter() - t0
     wbytes = core.weight_bytes_per_token()
     kv_tok = core.args.kv_bytes_per_token(torch.finfo(core.dtype).bits // 8)
     prompt = torch.randint(0, cfg.vocab_size, (prompt_len,))
     rows = []
     for b in batches:
-        row = {"batch": b, "weight_bytes": wbytes, "build_s": round(build_s, 1), "kernel": core.quant_kernel if quant != "none" else None}
+        row = {"batch": b, "weight_bytes": wbytes, "build_s": round(build_s, 1), "attention": core.attention,
+               "kernel": core.quant_kernel if quant != "none" else None}
         try:
             first = [int(core.prefill(s, prompt).argmax()) for s in range(b)]
             tok = torch.tensor(first, device=device)
@@ -238,6 +240,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quants", default="none,int8,int4", help="comma list of none, int8, int4")
     ap.add_argument("--kernels", default="auto",
                     help="int8/int4 kernels, comma list of auto, triton, torch, tinygemm (int4; sm_80+, not under t4)")
+    ap.add_argument("--attention", default="auto",
+                    help="decode attention, comma list of auto, triton, sdpa (the first is the one other rows compare to)")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -295,15 +299,17 @@ def main(argv=None) -> int:
             add(row)
         for quant in args.quants.split(","):
             kernels = [k for k in args.kernels.split(",") if quant == "int4" or k != "tinygemm"] if quant != "none" else ["-"]
-            for kernel in kernels:
+            for kernel, attention in [(k, a) for k in kernels for a in args.attention.split(",")]:
                 capped = quant != "none" or fp16_fits
                 engine = "fastcore-" + {"none": "fp16" if dtype == torch.float16 else "fp32"}.get(quant, quant)
                 if quant != "none" and kernel != "auto":
                     engine += f"-{kernel}"
+                if attention != "auto":
+                    engine += f"-{attention}"
                 try:
                     cap.set(capped)
                     rows = bench_core(cfg, device, caps, quant, kernel if kernel != "-" else "auto", batches,
-                                      args.prompt_len, args.new_tokens, compile, args.profile_steps)
+                                      args.prompt_len, args.new_tokens, compile, args.profile_steps, attention)
                 except Exception as e:
                     traceback.print_exc(file=sys.stderr)
                     rows = [{"batch": b, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"} for b in batches]
@@ -350,7 +356,9 @@ def finish(result: dict) -> None:
         gen = by.get((r["model"], "generate", r["batch"])) or by.get((r["model"], "generate", 1))
         if gen and r["engine"] != "generate":
             r["vs_generate"] = r["tok_s"] / gen["tok_s"]
-        fp = by.get((r["model"], "fastcore-fp16", r["batch"])) or by.get((r["model"], "fastcore-fp32", r["batch"]))
+        first = result["settings"]["attention"].split(",")[0]
+        suffix = "" if first == "auto" else f"-{first}"
+        fp = by.get((r["model"], "fastcore-fp16" + suffix, r["batch"])) or by.get((r["model"], "fastcore-fp32" + suffix, r["batch"]))
         if fp and r["engine"].startswith("fastcore"):
             r["vs_fp16"] = r["tok_s"] / fp["tok_s"]
 

@@ -89,10 +89,9 @@ class LlamaCppBackend:
 
     def _logits(self, index: int):
         import numpy as np
-        import torch
 
         ptr = self._llama_cpp.llama_get_logits_ith(self.ctx.ctx, index)
-        return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(self.vocab_size,)).copy())
+        return np.ctypeslib.as_array(ptr, shape=(self.vocab_size,)).copy()
 
     def prefill(self, slot: int, prompt_ids: list[int], start: int = 0):
         if start == 0:
@@ -103,12 +102,12 @@ class LlamaCppBackend:
         return self._logits(n - 1)
 
     def decode(self, slots: list[int], tokens: list[int]):
-        import torch
+        import numpy as np
 
         self._run([(t, self._lengths[s], s, True) for s, t in zip(slots, tokens)])
         for s in slots:
             self._lengths[s] += 1
-        return torch.stack([self._logits(i) for i in range(len(slots))])
+        return np.stack([self._logits(i) for i in range(len(slots))])
 
     def free(self, slot: int) -> None:
         if self._lengths.pop(slot, None) is not None:

@@ -20,7 +20,7 @@ MAX_STOP_CHARS = 256
 # Token ids sent by clients: the exact vocabulary check happens once the model is known; this bound
 # only keeps absurd integers (JSON has no limit) away from the tokenizer, which takes 32-bit ids.
 MAX_TOKEN_ID = 2**31 - 1
-# The seed feeds torch.Generator.manual_seed (64-bit); choice i uses seed + i.  vLLM's range.
+# The seed names a 64-bit generator stream (negative seeds too); choice i uses seed + i.  vLLM's range.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 

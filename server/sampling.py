@@ -1,6 +1,6 @@
 """Per-request sampling: penalties, temperature, top-k, top-p, seeded draws and logprobs.
 
-Every running sequence carries its own `SamplingParams` and its own `torch.Generator`, so a batch
+Every running sequence carries its own `SamplingParams` and its own random generator, so a batch
 can mix greedy and sampled requests, and a seeded request gives the same tokens whatever else is
 in the batch.  Logprobs are those of the model's raw distribution (log-softmax of the logits,
 before penalties and temperature), like vLLM's default: they are the model's probabilities, which
@@ -40,21 +40,21 @@ class SamplingParams:
 
 
 class SequenceSampler:
-    """Sampling state of one sequence: its generator and the counts of the tokens it has produced."""
+    """Sampling state of one sequence: its generator and the counts of the tokens it has produced.
+
+    Plain numpy on the CPU: sampling one row is a few vector operations either way, and the GGUF
+    engine's process must not load torch (next to llama.cpp's CUDA build it crashes the process)."""
 
     def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int):
-        import torch
+        import numpy as np
 
         self.params = params
-        self.generator = torch.Generator()
-        if params.seed is not None:
-            self.generator.manual_seed(params.seed)
-        else:
-            self.generator.seed()
-        self.output_counts = torch.zeros(vocab_size) if params.penalised else None
-        self.seen = torch.zeros(vocab_size, dtype=torch.bool) if params.repetition_penalty != 1.0 else None
+        # any 64-bit seed the API accepts, negative ones included, names one stream
+        self.generator = np.random.default_rng(None if params.seed is None else params.seed % 2**64)
+        self.output_counts = np.zeros(vocab_size, dtype=np.float32) if params.penalised else None
+        self.seen = np.zeros(vocab_size, dtype=bool) if params.repetition_penalty != 1.0 else None
         if self.seen is not None:
-            self.seen[torch.tensor(prompt_ids, dtype=torch.long).clamp(max=vocab_size - 1)] = True
+            self.seen[np.minimum(np.asarray(prompt_ids, dtype=np.int64), vocab_size - 1)] = True
 
     @property
     def plain_greedy(self) -> bool:
@@ -67,80 +67,102 @@ class SequenceSampler:
         self._record(token)
 
     def sample(self, logits):
-        """Pick the next token from a 1-D float32 logits row; returns (token, logprob, top list)."""
-        import torch
+        """Pick the next token from a 1-D logits row (numpy); returns (token, logprob, top list)."""
+        import numpy as np
 
         p = self.params
-        raw = logits.float()
+        raw = np.asarray(logits, dtype=np.float32)
         scores = self._penalise(raw) if p.penalised else raw
         if p.greedy:
-            token = int(torch.argmax(scores))
+            token = int(np.argmax(scores))
         else:
-            scores = scores / p.temperature
-            if p.top_k and p.top_k > 0 and p.top_k < scores.numel():
-                kth = torch.topk(scores, p.top_k).values[-1]
-                scores = scores.masked_fill(scores < kth, float("-inf"))
+            scores = scores / np.float32(p.temperature)
+            if p.top_k and 0 < p.top_k < scores.size:
+                kth = np.partition(scores, scores.size - p.top_k)[scores.size - p.top_k]
+                scores = np.where(scores < kth, np.float32(-np.inf), scores)
             if p.top_p < 1.0:
                 scores = _top_p_filter(scores, p.top_p)
             token = _draw(scores, self.generator)
         self._record(token)
         if p.logprobs is None:
             return token, None, None
-        logprobs = torch.log_softmax(raw, dim=-1)
+        logprobs = _log_softmax(raw)
         top = []
         if p.logprobs > 0:
-            values, ids = torch.topk(logprobs, min(p.logprobs, logprobs.numel()))
-            top = list(zip(ids.tolist(), values.tolist()))
+            k = min(p.logprobs, logprobs.size)
+            ids = np.argpartition(-logprobs, k - 1)[:k] if k < logprobs.size else np.arange(logprobs.size)
+            ids = ids[np.argsort(-logprobs[ids], kind="stable")]
+            top = list(zip(ids.tolist(), logprobs[ids].tolist()))
         return token, float(logprobs[token]), top
 
     def _penalise(self, scores):
-        import torch
+        import numpy as np
 
         p = self.params
-        scores = scores.clone()
-        if self.seen is not None:
-            # CTRL / Hugging Face style: over prompt and output, shrink positive logits, grow negative ones
-            s = scores[self.seen]
-            scores[self.seen] = s.where(s < 0, s / p.repetition_penalty).where(s >= 0, s * p.repetition_penalty)
-        if self.output_counts is not None:
-            # OpenAI style: over generated tokens only
-            scores -= p.frequency_penalty * self.output_counts
-            scores -= p.presence_penalty * (self.output_counts > 0).float()
+        scores = scores.copy()
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            if self.seen is not None:
+                # CTRL / Hugging Face style: over prompt and output, shrink positive logits, grow negative ones
+                s = scores[self.seen]
+                scores[self.seen] = np.where(s < 0, s * np.float32(p.repetition_penalty),
+                                             s / np.float32(p.repetition_penalty))
+            if self.output_counts is not None:
+                # OpenAI style: over generated tokens only
+                scores -= np.float32(p.frequency_penalty) * self.output_counts
+                scores -= np.float32(p.presence_penalty) * (self.output_counts > 0)
         # a tiny repetition penalty divides by ~0: keep overflowed scores finite (and ordered)
-        return torch.nan_to_num(scores, nan=float("-inf"))
+        return np.where(np.isnan(scores), np.float32(-np.inf), scores).astype(np.float32)
 
     def _record(self, token: int) -> None:
-        if self.output_counts is not None and token < self.output_counts.numel():
+        if self.output_counts is not None and token < self.output_counts.size:
             self.output_counts[token] += 1
-        if self.seen is not None and token < self.seen.numel():
+        if self.seen is not None and token < self.seen.size:
             self.seen[token] = True
+
+
+def _log_softmax(x):
+    import numpy as np
+
+    shifted = x.astype(np.float64) - np.max(x)
+    return (shifted - np.log(np.exp(shifted).sum())).astype(np.float32)
+
+
+def _softmax(x):
+    import numpy as np
+
+    e = np.exp(x.astype(np.float64) - np.max(x))
+    return e / e.sum()
 
 
 def _draw(scores, generator) -> int:
     """One token from softmax(scores); never fails on overflowed scores.
 
     Penalties and temperature can push scores to +-inf (or NaN for inf - inf); softmax then gives
-    NaN and `multinomial` raises.  +inf becomes the largest float (those tokens share the mass),
-    NaN and -inf get no mass; when nothing is left, the best score wins.
+    NaN.  +inf becomes the largest float (those tokens share the mass), NaN and -inf get no mass;
+    when nothing is left, the best score wins.
     """
-    import torch
+    import numpy as np
 
-    if not bool(torch.isfinite(scores).all()):
-        scores = torch.nan_to_num(scores, nan=float("-inf"), posinf=torch.finfo(scores.dtype).max)
-        if bool(torch.isneginf(scores).all()):
-            return int(torch.argmax(scores))
-    probs = torch.softmax(scores, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    if not np.isfinite(scores).all():
+        scores = np.nan_to_num(scores, nan=-np.inf, posinf=np.finfo(np.float32).max, neginf=-np.inf)
+        if np.isneginf(scores).all():
+            return int(np.argmax(scores))
+    probs = _softmax(scores)
+    cdf = np.cumsum(probs)
+    # inverse CDF: the first token whose cumulative mass passes a uniform draw (never a zero-mass one)
+    i = int(np.searchsorted(cdf, generator.random() * cdf[-1], side="right"))
+    return i if i < probs.size and probs[i] > 0 else int(np.flatnonzero(probs)[-1])
 
 
 def _top_p_filter(scores, top_p: float):
-    import torch
+    import numpy as np
 
-    sorted_scores, order = torch.sort(scores, descending=True)
-    cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
+    order = np.argsort(-scores, kind="stable")
+    probs = _softmax(scores[order])
     # drop a token when the tokens before it already reach top_p; the first token always stays
     # (set explicitly: a top_p that rounds to 0 in float32 would otherwise drop it too)
-    drop_sorted = (cumulative - torch.softmax(sorted_scores, dim=-1)) >= top_p
+    drop_sorted = (np.cumsum(probs) - probs) >= top_p
     drop_sorted[0] = False
-    drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-    return scores.masked_fill(drop, float("-inf"))
+    drop = np.empty_like(drop_sorted)
+    drop[order] = drop_sorted
+    return np.where(drop, np.float32(-np.inf), scores)

@@ -250,7 +250,8 @@ class Scheduler:
             if seq.sampler.plain_greedy:
                 self._emit(seq, None, argmax[row])
             else:
-                self._emit(seq, logits[row].cpu())
+                row_logits = logits[row]
+                self._emit(seq, row_logits.cpu() if hasattr(row_logits, "cpu") else row_logits)  # torch or numpy
 
     def _emit(self, seq: _Running, logits, token: int | None = None) -> None:
         try:

@@ -189,3 +189,38 @@ def test_q8_0_file_serves_llama_cpp_greedy_output(gguf_dirs, default_model):
             assert r.choices[0].message.content == text, user
     finally:
         assert srv.stop() == 0, srv.log()
+
+
+TORCH_FREE_SCRIPT = """
+import json, sys
+from pathlib import Path
+from starlette.testclient import TestClient
+from server.api_server import create_app
+from server.engines import EngineOptions, ScheduledEngine
+
+engine = ScheduledEngine(Path(sys.argv[1]), EngineOptions(max_batch=4))
+with TestClient(create_app(engine, "m", max_logprobs=8)) as client:
+    for _ in range(600):
+        if client.get("/health").status_code == 200:
+            break
+        __import__("time").sleep(0.1)
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "the sum of", "max_tokens": 6,
+                    "temperature": 0.9, "top_p": 0.9, "top_k": 20, "seed": -5, "logprobs": 3,
+                    "presence_penalty": 0.5, "repetition_penalty": 1.1, "ignore_eos": True})
+print(json.dumps({"status": r.status_code, "tokens": r.json().get("usage", {}).get("completion_tokens"),
+                  "torch_loaded": "torch" in sys.modules}))
+"""
+
+
+def test_gguf_serving_never_loads_torch(gguf_dirs):
+    """The GGUF engine's process stays torch-free through loading, sampling, penalties and logprobs:
+    on a GPU host torch and llama.cpp's CUDA build in one process crash it."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", TORCH_FREE_SCRIPT, str(gguf_dirs["q8_0"] / "model.gguf")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"status": 200, "tokens": 6, "torch_loaded": False}, result

@@ -79,10 +79,11 @@ class FastCore:
                  device: str | torch.device | None = None, weight_quant: str = "none",
                  compile: bool | None = None, quant_kernel: str = "auto", group_size: int = 128,
                  prefill_chunk: int = 512, profile: str = "native", kv_budget_gib: float | None = None,
-                 random_config=None, seed: int = 0):
+                 random_config=None, seed: int = 0, attention: str = "auto"):
         """model: a checkpoint folder, a loaded HF LlamaForCausalLM, or None with `random_config`
         (an HF config: random weights, for benchmarks).  max_slots=None sizes the KV cache from the
-        GPU memory left after the weights (or from kv_budget_gib)."""
+        GPU memory left after the weights (or from kv_budget_gib).  attention: the decode step's
+        kernel, "triton" (split-KV, triton_attention.py), "sdpa", or "auto" (triton on a GPU)."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None:
             dtype = torch.float16 if device.type == "cuda" else torch.float32
@@ -103,6 +104,12 @@ class FastCore:
         self.config = cfg
         self.args = a = ModelArgs.from_hf(cfg)
         self.model = self._build(get, has, a, weight_quant, quant_kernel, group_size)
+        self.attention = _decode_attention_choice(attention, device)
+        if self.attention == "triton":
+            from server.fastcore.triton_attention import decode_attention
+
+            for layer in self.model.layers:
+                layer.attention.decode_kernel = decode_attention
         self.load_seconds = time.perf_counter() - t0
         if max_slots is None:
             max_slots = self.slots_for_budget(kv_budget_gib)
@@ -217,6 +224,10 @@ class FastCore:
             tok = torch.zeros(batch, dtype=torch.long, device=self.device)
             pos = torch.full((batch,), self.max_seq, dtype=torch.long, device=self.device)  # the trash row
             self.decode_padded(tok, pos, self._kv_idx[:length])
+        # one full prefill chunk: the weight kernels pick their prompt-sized path now, not on the
+        # first request (slot 0 is free until a request takes it, and is reset here)
+        self.prefill(0, torch.zeros(min(self.prefill_chunk, self.max_seq), dtype=torch.long))
+        self.release(0)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
@@ -234,7 +245,7 @@ class FastCore:
             chunk = ids[c0:c0 + self.prefill_chunk].view(1, -1)
             pos = torch.arange(start + c0, start + c0 + chunk.shape[1], device=self.device).view(1, -1)
             kv_idx = self._kv_idx[: self._kv_len(start + c0 + chunk.shape[1])]
-            logits = self.model(chunk, pos, slot, kv_idx)
+            logits = self.model(chunk, pos, slot, kv_idx, last_only=True)
         self.lengths[slot] = start + n
         return logits[0, -1].float()
 
@@ -255,9 +266,9 @@ class FastCore:
                 # and trees assert when the server's scheduler thread replays a graph recorded on
                 # another thread (pytorch#123177).  `decode_padded` captures its own graphs instead.
                 fuse = batch == 1 and (self.weight_quant == "none" or self.quant_kernel != "triton")
-                # should a size still be specialized somewhere, one compile per shape beats failing
-                limit = len(self.decode_shapes()) + 2
-                torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+                # should a size still be specialized somewhere, one compile per shape beats failing;
+                # dynamo counts compiles per code object, so every FastCore in a process adds its own
+                torch._dynamo.config.recompile_limit += len(self.decode_shapes()) + 2
                 fn = torch.compile(fn, fullgraph=True, options={"coordinate_descent_tuning": fuse})
             self._steps[key] = fn
         return self._steps[key]
@@ -327,6 +338,18 @@ class FastCore:
         with torch.cuda.graph(graph, pool=self._graph_pool):
             out = fn(static_tok, static_pos, kv_idx)
         return graph, static_tok, static_pos, out
+
+
+def _decode_attention_choice(choice: str, device: torch.device) -> str:
+    if choice not in ("auto", "triton", "sdpa"):
+        raise ValueError(f"unknown attention {choice!r} (auto, triton or sdpa)")
+    if choice == "auto":
+        from server.fastcore.quant import triton_ops
+
+        return "triton" if device.type == "cuda" and triton_ops() is not None else "sdpa"
+    if choice == "triton" and device.type != "cuda":
+        raise ValueError("the Triton decode attention runs on a CUDA GPU only")
+    return choice
 
 
 def _load_hf(path, dtype: torch.dtype):

@@ -81,6 +81,8 @@ class Attention(nn.Module):
         # captured CUDA graph writes the cache itself (no copy in and out on every step)
         self.register_buffer("k_cache", None, persistent=False)
         self.register_buffer("v_cache", None, persistent=False)
+        # one-token (decode) attention kernel, e.g. triton_attention.decode_attention; None: SDPA
+        self.decode_kernel = None
 
     def forward(self, x, cos, sin, rows, pos, row0: int, kv_idx):
         """x [B, C, dim]; cos/sin [B, C, D]; rows/pos [B, C] cache coordinates of the new tokens;
@@ -105,9 +107,12 @@ class Attention(nn.Module):
         g = a.n_heads // a.n_kv_heads
         # [B, C, Hkv*g, D] -> [B, Hkv, g*C, D]: query heads of one kv head share its K/V
         q = q.view(B, C, a.n_kv_heads, g, a.head_dim).permute(0, 2, 3, 1, 4).reshape(B, a.n_kv_heads, g * C, a.head_dim)
-        mask = (kv_idx.view(1, 1, L) <= pos.view(B, C, 1))  # [B, C, L]
-        mask = mask.unsqueeze(1).expand(B, g, C, L).reshape(B, 1, g * C, L)
-        y = F.scaled_dot_product_attention(q, kc.to(q.dtype), vc.to(q.dtype), attn_mask=mask)
+        if C == 1 and self.decode_kernel is not None:
+            y = self.decode_kernel(q, self.k_cache, self.v_cache, pos.view(B), row0, L)
+        else:
+            mask = (kv_idx.view(1, 1, L) <= pos.view(B, C, 1))  # [B, C, L]
+            mask = mask.unsqueeze(1).expand(B, g, C, L).reshape(B, 1, g * C, L)
+            y = F.scaled_dot_product_attention(q, kc.to(q.dtype), vc.to(q.dtype), attn_mask=mask)
         y = y.view(B, a.n_kv_heads, g, C, a.head_dim).permute(0, 3, 1, 2, 4).reshape(B, C, a.n_heads * a.head_dim)
         return self.wo(y)
 
@@ -164,12 +169,15 @@ class Transformer(nn.Module):
         self.rope_cos = (emb.cos() * rope_scale).to(dtype)
         self.rope_sin = (emb.sin() * rope_scale).to(dtype)
 
-    def forward(self, tokens, pos, row0: int, kv_idx):
-        """tokens/pos [B, C] for cache rows row0..row0+B-1 -> logits [B, C, vocab]."""
+    def forward(self, tokens, pos, row0: int, kv_idx, last_only: bool = False):
+        """tokens/pos [B, C] for cache rows row0..row0+B-1 -> logits [B, C, vocab] ([B, 1, vocab]
+        with last_only: a prompt needs only its last position's, and the vocab matmul is big)."""
         B, C = tokens.shape
         rows = (torch.arange(B, device=tokens.device) + row0).view(B, 1).expand(B, C)
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin, rows, pos, row0, kv_idx)
+        if last_only:
+            x = x[:, -1:]
         return self.output(self.norm(x))

@@ -125,18 +125,46 @@ def _block_m(M: int) -> int:
     return 16 if M <= 16 else (32 if M <= 32 else 64)
 
 
+def _m_bucket(M: int) -> int:
+    """Shapes sharing one choice: decode batches by tile height, prompts (M > 64) all together."""
+    return _block_m(M) if M <= 64 else 65
+
+
+def _int8_dense(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Prefill-sized M: the whole weight dequantized to x's dtype, then one cuBLAS matmul.  Writes
+    and reads a dense copy, which long prompts amortise over many rows."""
+    return torch.mm(x, (weight.to(x.dtype) * scales[:, None]).t())
+
+
+def _int4_dense(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                group: int) -> torch.Tensor:
+    N = packed.shape[0]
+    q = torch.stack([packed >> 4, packed & 0xF], dim=-1).view(N, -1, group).to(x.dtype)
+    return torch.mm(x, (q * scales[..., None] + mins[..., None]).view(N, -1).t())
+
+
 # (kernel name, M bucket, batch 1?, N, K, dtype, group) -> (kernel, config, BLOCK_M) chosen for it
 _chosen: dict[tuple, tuple] = {}
 
 
-def _launch(kernel, M: int, N: int, x: torch.Tensor, args: tuple, gemv=None, **extra) -> torch.Tensor:
-    """Run `kernel` (or, at batch 1, `gemv` where it is faster) for this shape's chosen config.
+def _launch(kernel, M: int, N: int, x: torch.Tensor, args: tuple, gemv=None, dense=None, **extra) -> torch.Tensor:
+    """Run `kernel` (or, at batch 1, `gemv`; for a prompt, `dense`, where faster) for this shape's
+    chosen config.
 
     The first call for a shape tunes: each autotuner times its configs into a zeroed fp32 buffer
-    (split-K configs add atomically); at batch 1 the tiled and the matrix-vector winners are then
-    timed against each other and the faster is kept.  Later calls launch the choice directly."""
+    (split-K configs add atomically); at batch 1 the tiled and the matrix-vector winners, and for
+    M > 64 the tiled winner and dequantize-then-cuBLAS, are then timed against each other and the
+    faster is kept.  Later calls launch the choice directly."""
     bm, K = _block_m(M), x.shape[1]
-    key = (kernel.fn.__name__, bm, M == 1, N, K, x.dtype, extra.get("GROUP"))  # batch 1 has its own choice
+    key = (kernel.fn.__name__, _m_bucket(M), M == 1, N, K, x.dtype, extra.get("GROUP"))  # batch 1 has its own choice
+    if key not in _chosen and M > 64 and dense is not None:
+        from triton.testing import do_bench
+
+        _launch(kernel, 64, N, x[:64], (x[:64],) + args[1:], **extra)  # tunes the tiles on 64 rows
+        tiled = _chosen[(kernel.fn.__name__, 64, False, N, K, x.dtype, extra.get("GROUP"))]
+        choices = [tiled, (dense, None, 0)]
+        times = [do_bench(lambda c=c: _run(*c, M, N, K, x, args, extra)) for c in choices]
+        _chosen[key] = choices[times.index(min(times))]
     if key not in _chosen:
         candidates = [(kernel, bm)] + ([(gemv, 1)] if gemv is not None and M == 1 else [])
         for tuned, block_m in candidates:
@@ -157,14 +185,16 @@ def _launch(kernel, M: int, N: int, x: torch.Tensor, args: tuple, gemv=None, **e
 
 def chosen(weights: str, M: int, N: int, K: int) -> tuple | None:
     """(kernel function, config, BLOCK_M) the launcher keeps for an "int8" / "int4" layer of this
-    shape, if it has launched one; `_run` takes them back."""
-    for (name, bm, batch1, n, k, *_), choice in _chosen.items():
-        if name == f"_{weights}_kernel" and (bm, batch1, n, k) == (_block_m(M), M == 1, N, K):
+    shape, if it has launched one (config None: dequantize + cuBLAS); `_run` takes them back."""
+    for (name, bucket, batch1, n, k, *_), choice in _chosen.items():
+        if name == f"_{weights}_kernel" and (bucket, batch1, n, k) == (_m_bucket(M), M == 1, N, K):
             return choice
     return None
 
 
 def _run(fn, config, block_m: int, M: int, N: int, K: int, x: torch.Tensor, args: tuple, extra: dict):
+    if config is None:  # dequantize + cuBLAS
+        return fn(*args, *([extra["GROUP"]] if "GROUP" in extra else []))
     # Without split-K the kernel writes x's dtype into an uninitialised tensor: no zero-fill and
     # no cast, two kernels fewer per linear layer, which a decode step of small matmuls pays for.
     meta = config.kwargs
@@ -183,7 +213,8 @@ def _run(fn, config, block_m: int, M: int, N: int, K: int, x: torch.Tensor, args
 def int8_weight_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [M, K] fp16, weight int8 [N, K], scales [N] -> [M, N] in x's dtype."""
     x = x.contiguous()
-    return _launch(int8_kernel, x.shape[0], weight.shape[0], x, (x, weight, scales), gemv=int8_gemv_kernel)
+    return _launch(int8_kernel, x.shape[0], weight.shape[0], x, (x, weight, scales), gemv=int8_gemv_kernel,
+                   dense=_int8_dense)
 
 
 @int8_weight_mm.register_fake
@@ -198,7 +229,7 @@ def int4_weight_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
     Dequantization: w = q * scale + min, q in 0..15."""
     x = x.contiguous()
     return _launch(int4_kernel, x.shape[0], packed.shape[0], x, (x, packed, scales, mins), gemv=int4_gemv_kernel,
-                   GROUP=group_size)
+                   dense=_int4_dense, GROUP=group_size)
 
 
 @int4_weight_mm.register_fake
