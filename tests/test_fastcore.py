@@ -263,3 +263,20 @@ def test_triton_decode_attention_matches_sdpa():
         ref = F.scaled_dot_product_attention(q.float(), kc[row0:row0 + B, :, :L].float(),
                                              vc[row0:row0 + B, :, :L].float(), attn_mask=mask)
         torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
+
+
+def test_int8_torch_fallback_does_not_overflow_fp16():
+    """The plain-torch int8 path (CUDA without Triton, and the eager reference of the GPU tests)
+    scales the weights before the matmul: fp16 sums of unscaled int8 weights reach inf."""
+    from server.fastcore.quant import int8_linear_torch, quantize_int8
+
+    torch.manual_seed(0)
+    w = torch.randn(64, 4096) * 0.05
+    q, scales = quantize_int8(w)
+    x = (torch.randn(4, 4096) * 40).half()  # large activations, as outlier features in real models
+    y = int8_linear_torch(x, q, scales.half())
+    assert torch.isfinite(y).all()
+    ref = x.float() @ w.t()
+    assert (y.float() - ref).abs().max() <= 0.02 * ref.abs().max()
+    # what the old formula (scale after the sum) gave on the same inputs
+    assert not torch.isfinite(torch.nn.functional.linear(x, q.half()) * scales.half()).all()

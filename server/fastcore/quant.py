@@ -80,6 +80,13 @@ def default_kernel(device: torch.device) -> str:
     return "torch"
 
 
+def int8_linear_torch(x, weight, scales):
+    """x @ (weight * scales).T in plain torch ops (inductor fuses the dequantization into the
+    matmul at batch 1).  The scales go on the weight, not on the output: unscaled int8 weights
+    (up to 127) summed over K in fp16 overflow to inf."""
+    return F.linear(x, weight.to(x.dtype) * scales[:, None])
+
+
 class Int8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, kernel: str = "torch"):
         super().__init__()
@@ -100,7 +107,7 @@ class Int8Linear(nn.Module):
             y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.weight,
                                           self.scales.to(x.dtype)).view(*x.shape[:-1], -1)
         else:
-            y = F.linear(x, self.weight.to(x.dtype)) * self.scales
+            y = int8_linear_torch(x, self.weight, self.scales)
         return y if self.bias is None else y + self.bias
 
     def weight_bytes(self) -> int:
