@@ -154,13 +154,32 @@ async def run_level(base_url: str, model: str, prompts: list[str], concurrency: 
         return list(records), time.perf_counter() - t0
 
 
-def served_model(base_url: str, api_key: str | None) -> str:
+class ServerNotUsable(Exception):
+    """The endpoint cannot be benchmarked (unreachable, an error reply, no models)."""
+
+
+def served_model(base_url: str, api_key: str | None, wait_s: float = 600) -> str:
+    """The first model id of /v1/models, waiting up to `wait_s` while the server answers 503
+    (still loading: a fast engine compiles for minutes before it serves)."""
     import httpx
 
+    url = base_url.rstrip("/") + "/models"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    r = httpx.get(base_url.rstrip("/") + "/models", headers=headers, timeout=30)
-    r.raise_for_status()
-    return r.json()["data"][0]["id"]
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            r = httpx.get(url, headers=headers, timeout=30)
+        except httpx.HTTPError as e:
+            raise ServerNotUsable(f"cannot reach {url}: {type(e).__name__}: {e}") from e
+        if r.status_code == 503 and time.monotonic() < deadline:
+            time.sleep(1)
+            continue
+        if r.status_code != 200:
+            raise ServerNotUsable(f"{url} answered HTTP {r.status_code}: {r.text[:200]}")
+        try:
+            return r.json()["data"][0]["id"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise ServerNotUsable(f"{url} did not list a model: {r.text[:200]}") from None
 
 
 def print_table(result: dict) -> None:
@@ -200,7 +219,11 @@ def main(argv=None) -> int:
     ap.add_argument("--save-records", action="store_true", help="also store every request's timings")
     args = ap.parse_args(argv)
 
-    model = args.model or served_model(args.base_url, args.api_key)
+    try:
+        model = args.model or served_model(args.base_url, args.api_key, args.timeout)
+    except ServerNotUsable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     result = {"label": args.label or model, "base_url": args.base_url, "model": model,
               "settings": vars(args), "runs": []}
     if not args.no_warmup:

@@ -158,3 +158,11 @@ def test_zero_scaling_quick(tmp_path):
     for c in res["checks"]:
         assert c["update_norm"] > 0.1  # the runs trained
         assert c["relative_diff"] < 1e-5 and c["max_loss_rel_diff"] < 1e-5 and c["probe_top1_equal"], c
+
+
+def test_serve_against_nothing_is_one_line_and_exit_1(capsys):
+    from bench.serve import main
+
+    assert main(["--base-url", "http://127.0.0.1:9/v1", "--concurrency", "1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: cannot reach http://127.0.0.1:9/v1/models")
