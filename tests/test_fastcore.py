@@ -132,13 +132,13 @@ def test_warm_up_survives_one_compile_per_decode_shape(hf, monkeypatch):
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend="eager", fullgraph=True))
     monkeypatch.setattr(torch._dynamo, "maybe_mark_dynamic", lambda *a, **kw: None)
-    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
-    core = FastCore(model, max_slots=32, max_seq=512, device="cpu", compile=True)
-    assert len(core.decode_shapes()) > 9  # more compiles of the batched step than dynamo's default allows
-    core.warm_up()
-    tok, pos = torch.zeros(32, dtype=torch.long), torch.full((32,), 512, dtype=torch.long)
-    assert core.decode_padded(tok, pos, core._kv_idx[:512]).shape[0] == 32
+    # the config's own patch(): monkeypatch's undo leaves dynamo's config without the attribute
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=8):
+        core = FastCore(model, max_slots=32, max_seq=512, device="cpu", compile=True)
+        assert len(core.decode_shapes()) > 9  # more compiles of the batched step than dynamo's default allows
+        core.warm_up()
+        tok, pos = torch.zeros(32, dtype=torch.long), torch.full((32,), 512, dtype=torch.long)
+        assert core.decode_padded(tok, pos, core._kv_idx[:512]).shape[0] == 32
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.compile + CUDA graph decode needs a CUDA GPU")
@@ -280,3 +280,37 @@ def test_int8_torch_fallback_does_not_overflow_fp16():
     assert (y.float() - ref).abs().max() <= 0.02 * ref.abs().max()
     # what the old formula (scale after the sum) gave on the same inputs
     assert not torch.isfinite(torch.nn.functional.linear(x, q.half()) * scales.half()).all()
+
+
+def test_compiled_prefill_is_one_graph_for_every_slot_and_length(default_model):
+    """Prompts go through one compiled graph whatever their slot, length and chunking (a graph
+    per slot or length would stall requests for a compile each), and write the eager path's
+    logits and K/V cache."""
+    from torch._dynamo.utils import counters
+
+    eager = FastCore(default_model, max_slots=4, max_seq=512, device="cpu", compile=False, prefill_chunk=256)
+    fast = FastCore(default_model, max_slots=4, max_seq=512, device="cpu", compile=True, prefill_chunk=256)
+    graphs = counters["stats"]["unique_graphs"]
+    torch.manual_seed(0)
+    for slot, n in ((0, 300), (1, 200), (3, 2), (2, 1), (0, 17), (3, 511)):  # 300, 511: two chunks
+        ids = torch.randint(0, fast.args.vocab_size, (n,))
+        torch.testing.assert_close(fast.prefill(slot, ids), eager.prefill(slot, ids), atol=1e-4, rtol=1e-4)
+        for a, b in zip(fast.model.layers, eager.model.layers):
+            for name in ("k_cache", "v_cache"):  # fused ops round differently: fp32 noise only
+                torch.testing.assert_close(getattr(a.attention, name)[slot, :, :n],
+                                           getattr(b.attention, name)[slot, :, :n], atol=1e-4, rtol=1e-4)
+    assert counters["stats"]["unique_graphs"] - graphs == 1
+
+
+def test_a_failing_prompt_compile_falls_back_to_eager_prompts(default_model, monkeypatch, capsys):
+    core = FastCore(default_model, max_slots=2, max_seq=256, device="cpu", compile=True)
+
+    def broken():
+        raise RuntimeError("inductor could not lower this")
+
+    monkeypatch.setattr(core, "_prefill_step", broken)
+    monkeypatch.setattr(core, "decode_padded", lambda *a: None)  # only the prompt path is under test
+    core.warm_up()
+    assert core.compile_prefill is False
+    assert "compiled prompt path failed (RuntimeError: inductor could not lower this)" in capsys.readouterr().err
+    assert core.prefill(0, [1, 2, 3]).shape == (core.args.vocab_size,)

@@ -121,6 +121,7 @@ class FastCore:
         self.lengths = [0] * max_slots
         self.in_use = [False] * max_slots
         self.compile = device.type == "cuda" if compile is None else compile
+        self.compile_prefill = self.compile
         self._steps: dict[str, object] = {}
         self._kv_idx = torch.arange(max_seq, device=device)
         # (batch, KV length) -> (CUDA graph, its input tensors, its output); CUDA + compile only
@@ -224,9 +225,18 @@ class FastCore:
             tok = torch.zeros(batch, dtype=torch.long, device=self.device)
             pos = torch.full((batch,), self.max_seq, dtype=torch.long, device=self.device)  # the trash row
             self.decode_padded(tok, pos, self._kv_idx[:length])
-        # one full prefill chunk: the weight kernels pick their prompt-sized path now, not on the
-        # first request (slot 0 is free until a request takes it, and is reset here)
-        self.prefill(0, torch.zeros(min(self.prefill_chunk, self.max_seq), dtype=torch.long))
+        # one full prefill chunk: the prompt graph compiles and the weight kernels pick their
+        # prompt-sized path now, not on the first request (slot 0 is reset afterwards)
+        prompt = torch.zeros(min(self.prefill_chunk, self.max_seq), dtype=torch.long)
+        try:
+            self.prefill(0, prompt)
+        except Exception as e:  # eager prompts still serve: say so, once
+            if not self.compile_prefill:
+                raise
+            print(f"warning: the compiled prompt path failed ({type(e).__name__}: {str(e)[:200]}); "
+                  "prompts run eagerly", file=sys.stderr)
+            self.compile_prefill = False
+            self.prefill(0, prompt)
         self.release(0)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -245,9 +255,30 @@ class FastCore:
             chunk = ids[c0:c0 + self.prefill_chunk].view(1, -1)
             pos = torch.arange(start + c0, start + c0 + chunk.shape[1], device=self.device).view(1, -1)
             kv_idx = self._kv_idx[: self._kv_len(start + c0 + chunk.shape[1])]
-            logits = self.model(chunk, pos, slot, kv_idx, last_only=True)
+            if self.compile_prefill and chunk.shape[1] > 1:
+                # fresh tensors, not views: dynamo guards on a view's offset and base size, which
+                # would make a prompt's later chunks, or the full-length prefix, graphs of their own
+                kv_idx = torch.arange(kv_idx.shape[0], device=self.device)
+                rows = torch.tensor([slot], device=self.device)
+                # and no "duck sizing": a prompt as long as its KV prefix must not tie the two sizes
+                with torch.fx.experimental._config.patch(use_duck_shape=False):
+                    logits = self._prefill_step()(chunk.clone(), pos, rows, kv_idx)
+            else:  # eager; a 1-token chunk would be a graph of its own (sizes 0 and 1 specialize)
+                logits = self.model(chunk, pos, slot, kv_idx, last_only=True)
         self.lengths[slot] = start + n
         return logits[0, -1].float()
+
+    def _prefill_step(self):
+        """The prompt forward, compiled once for every prompt length, KV length and slot (the slot
+        goes in as a tensor).  Eager, a prompt's ~20 small ops per layer cost more Python than GPU
+        time: under load the server spent most of its time there (bench/RESULTS.md)."""
+        if "prefill" not in self._steps:
+            torch._dynamo.config.recompile_limit += 2
+            self._steps["prefill"] = torch.compile(self._prefill_forward, fullgraph=True, dynamic=True)
+        return self._steps["prefill"]
+
+    def _prefill_forward(self, chunk, pos, rows, kv_idx):
+        return self.model(chunk, pos, rows, kv_idx, last_only=True)
 
     def _step_fn(self, batch: int):
         """The decode forward for one padded batch size: compiled (dynamic sizes) when `compile`."""

@@ -84,10 +84,10 @@ class Attention(nn.Module):
         # one-token (decode) attention kernel, e.g. triton_attention.decode_attention; None: SDPA
         self.decode_kernel = None
 
-    def forward(self, x, cos, sin, rows, pos, row0: int, kv_idx):
+    def forward(self, x, cos, sin, rows, pos, row0, kv_idx):
         """x [B, C, dim]; cos/sin [B, C, D]; rows/pos [B, C] cache coordinates of the new tokens;
-        row0: first cache row of this batch (rows are row0..row0+B-1); kv_idx: arange(L), the
-        cache prefix to attend over."""
+        row0: first cache row of this batch (rows are row0..row0+B-1), or a [B] tensor of the rows
+        themselves; kv_idx: arange(L), the cache prefix to attend over."""
         a = self.a
         B, C, _ = x.shape
         q, k, v = self.wqkv(x).split([a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim,
@@ -102,12 +102,14 @@ class Attention(nn.Module):
         self.k_cache[rows, :, pos] = k.to(self.k_cache.dtype)
         self.v_cache[rows, :, pos] = v.to(self.v_cache.dtype)
         L = kv_idx.shape[0]
-        kc = self.k_cache[row0:row0 + B, :, :L]
-        vc = self.v_cache[row0:row0 + B, :, :L]
+        if isinstance(row0, int):  # a view of consecutive rows
+            kc, vc = self.k_cache[row0:row0 + B, :, :L], self.v_cache[row0:row0 + B, :, :L]
+        else:  # rows as data (the compiled prefill: one graph for every slot), gathered
+            kc, vc = self.k_cache[row0, :, :L], self.v_cache[row0, :, :L]
         g = a.n_heads // a.n_kv_heads
         # [B, C, Hkv*g, D] -> [B, Hkv, g*C, D]: query heads of one kv head share its K/V
         q = q.view(B, C, a.n_kv_heads, g, a.head_dim).permute(0, 2, 3, 1, 4).reshape(B, a.n_kv_heads, g * C, a.head_dim)
-        if C == 1 and self.decode_kernel is not None:
+        if C == 1 and self.decode_kernel is not None and isinstance(row0, int):
             y = self.decode_kernel(q, self.k_cache, self.v_cache, pos.view(B), row0, L)
         else:
             mask = (kv_idx.view(1, 1, L) <= pos.view(B, C, 1))  # [B, C, L]
@@ -169,11 +171,13 @@ class Transformer(nn.Module):
         self.rope_cos = (emb.cos() * rope_scale).to(dtype)
         self.rope_sin = (emb.sin() * rope_scale).to(dtype)
 
-    def forward(self, tokens, pos, row0: int, kv_idx, last_only: bool = False):
-        """tokens/pos [B, C] for cache rows row0..row0+B-1 -> logits [B, C, vocab] ([B, 1, vocab]
-        with last_only: a prompt needs only its last position's, and the vocab matmul is big)."""
+    def forward(self, tokens, pos, row0, kv_idx, last_only: bool = False):
+        """tokens/pos [B, C] for cache rows row0..row0+B-1 (or the rows in a [B] tensor row0) ->
+        logits [B, C, vocab] ([B, 1, vocab] with last_only: a prompt needs only its last
+        position's, and the vocab matmul is big)."""
         B, C = tokens.shape
-        rows = (torch.arange(B, device=tokens.device) + row0).view(B, 1).expand(B, C)
+        first = row0 if torch.is_tensor(row0) else torch.arange(B, device=tokens.device) + row0
+        rows = first.view(B, 1).expand(B, C)
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
