@@ -76,13 +76,14 @@ class SequenceSampler:
         if p.greedy:
             token = int(np.argmax(scores))
         else:
-            scores = scores / np.float32(p.temperature)
-            if p.top_k and 0 < p.top_k < scores.size:
-                kth = np.partition(scores, scores.size - p.top_k)[scores.size - p.top_k]
-                scores = np.where(scores < kth, np.float32(-np.inf), scores)
-            if p.top_p < 1.0:
-                scores = _top_p_filter(scores, p.top_p)
-            token = _draw(scores, self.generator)
+            with np.errstate(over="ignore", invalid="ignore"):  # overflowed scores: `_draw` copes
+                scores = scores / np.float32(p.temperature)
+                if p.top_k and 0 < p.top_k < scores.size:
+                    kth = np.partition(scores, scores.size - p.top_k)[scores.size - p.top_k]
+                    scores = np.where(scores < kth, np.float32(-np.inf), scores)
+                if p.top_p < 1.0:
+                    scores = _top_p_filter(scores, p.top_p)
+                token = _draw(scores, self.generator)
         self._record(token)
         if p.logprobs is None:
             return token, None, None
