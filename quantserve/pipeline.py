@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 import socket
 import subprocess
 import sys
@@ -190,7 +191,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print_summary(summary)
     if cfg.serve:
-        _serve_forever(Path(results[cfg.serve_format].path), cfg)
+        _serve_forever(Path(results[cfg.serve_format].path), cfg, heldout[0])
     return summary
 
 
@@ -334,15 +335,24 @@ def print_summary(summary: dict) -> None:
     Console().print(table)
 
 
-def _serve_forever(model: Path, cfg: PipelineConfig) -> None:
-    """The last stage of `make run`: serve the chosen format until Ctrl-C."""
+def ready_requests(url: str, model_name: str, prompt: str) -> tuple[str, str]:
+    """A curl and a Python one-liner (shell-quoted) that ask `prompt` of the served model."""
+    body = json.dumps({"model": model_name, "messages": [{"role": "user", "content": prompt}]})
+    curl = f"curl {url}/chat/completions -H 'Content-Type: application/json' -d {shlex.quote(body)}"
+    q = json.dumps  # a JSON string is a Python string literal too, in double quotes
+    python = (f"from openai import OpenAI; c = OpenAI(base_url={q(url)}, api_key=\"none\"); "
+              f"print(c.chat.completions.create(model={q(model_name)}, messages=[{{\"role\": \"user\", "
+              f"\"content\": {q(prompt)}}}]).choices[0].message.content)")
+    return curl, f"python -c {shlex.quote(python)}"
+
+
+def _serve_forever(model: Path, cfg: PipelineConfig, example) -> None:
+    """The last stage of `make run`: serve the chosen format until Ctrl-C, with ready-to-paste
+    requests that ask a held-out task prompt (`example`)."""
     url = f"http://{cfg.host}:{cfg.port}/v1"
+    curl, python = ready_requests(url, model.name, example.prompt)
     say(f"\nserving {model} at {url}  (Ctrl-C stops)\n")
-    say(f"  curl {url}/chat/completions -H 'Content-Type: application/json' \\\n"
-        f"    -d '{{\"model\": \"{model.name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Reverse: [a,b,c,d]\"}}]}}'\n")
-    say("  python -c \"from openai import OpenAI; c = OpenAI(base_url='" + url + "', api_key='none'); "
-        f"print(c.chat.completions.create(model='{model.name}', messages=[{{'role': 'user', "
-        "'content': 'Reverse: [a,b,c,d]'}]).choices[0].message.content)\"\n")
+    say(f"  {curl}\n  {python}\n  (expected answer: {example.answer!r})\n")
     cmd = [sys.executable, "-m", "quantserve", "serve", str(model), "--host", cfg.host, "--port", str(cfg.port)]
     if cfg.gpu_profile:
         cmd += ["--gpu-profile", cfg.gpu_profile]

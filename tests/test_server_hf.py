@@ -252,3 +252,26 @@ def test_non_streaming_request_is_cancelled_when_the_client_goes(server):
     m = server.metrics()
     assert m["quantserve:num_requests_running"] == 0 and m["quantserve:kv_cache_used_tokens"] == 0
     assert m["quantserve:engine_generated_tokens_total"] - before < 480
+
+
+def test_make_run_ready_requests_work_as_printed(server):
+    """The curl and Python lines `make run` prints, run through a shell as a user pastes them,
+    with a held-out task prompt (newline included) and a quote in it."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from quantserve.pipeline import ready_requests
+
+    prompt = "Last letter?\nit's a b c"
+    curl, python = ready_requests(server.base_url + "/v1", server.model_name, prompt)
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+    out = subprocess.run(python, shell=True, capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0 and out.stdout.strip(), out.stderr[-2000:]
+    if shutil.which("curl"):
+        out = subprocess.run(curl, shell=True, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        reply = json.loads(out.stdout)
+        assert reply["choices"][0]["message"]["content"] and reply["model"] == server.model_name
