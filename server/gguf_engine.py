@@ -88,10 +88,11 @@ class LlamaCppBackend:
             raise RuntimeError(f"llama_decode returned {rc} (KV cache full?)")
 
     def _logits(self, index: int):
+        """A view of llama.cpp's logits buffer for batch entry `index`: valid until the next decode."""
         import numpy as np
 
         ptr = self._llama_cpp.llama_get_logits_ith(self.ctx.ctx, index)
-        return np.ctypeslib.as_array(ptr, shape=(self.vocab_size,)).copy()
+        return np.ctypeslib.as_array(ptr, shape=(self.vocab_size,))
 
     def prefill(self, slot: int, prompt_ids: list[int], start: int = 0):
         if start == 0:
@@ -99,7 +100,7 @@ class LlamaCppBackend:
         n = len(prompt_ids)
         self._run([(t, start + i, slot, i == n - 1) for i, t in enumerate(prompt_ids)])
         self._lengths[slot] = start + n
-        return self._logits(n - 1)
+        return self._logits(n - 1).copy()
 
     def decode(self, slots: list[int], tokens: list[int]):
         import numpy as np
@@ -107,7 +108,7 @@ class LlamaCppBackend:
         self._run([(t, self._lengths[s], s, True) for s, t in zip(slots, tokens)])
         for s in slots:
             self._lengths[s] += 1
-        return np.stack([self._logits(i) for i in range(len(slots))])
+        return np.stack([self._logits(i) for i in range(len(slots))])  # one copy, out of llama.cpp's buffer
 
     def free(self, slot: int) -> None:
         if self._lengths.pop(slot, None) is not None:
