@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -121,6 +122,10 @@ def serve(
                             timeout_graceful_shutdown=shutdown_grace, access_log=log_level == "debug")
     logging.getLogger("uvicorn.access").addFilter(_NoQueryStrings())  # after Config set up uvicorn's logging
     server = _Server(config)
+    # The scheduler thread and the event loop share the GIL.  Back from a GPU wait, the scheduler
+    # asks for it and, at Python's default 5 ms switch interval, may stand still that long while
+    # the loop streams tokens: longer than a whole decode step.
+    sys.setswitchinterval(0.001)
     print(f"serving {name!r} from {engine.path} ({engine.kind} engine) on http://{host}:{port}/v1", flush=True)
     server.run()
     if failure:

@@ -131,8 +131,8 @@ class ModelTokenizer(Protocol):
 class TokenStream:
     """The async side of one request: iterate for `TokenEvent`s, `cancel()` to stop it early.
 
-    The scheduler thread pushes events through `loop.call_soon_threadsafe`, so the event loop never
-    blocks on the model.
+    The scheduler thread pushes events through `loop.call_soon_threadsafe` (`push_all`), so the
+    event loop never blocks on the model.
     """
 
     def __init__(self, request: EngineRequest, loop: asyncio.AbstractEventLoop, engine: "Engine"):
@@ -142,8 +142,22 @@ class TokenStream:
         self._engine = engine
         self.finished = False
 
-    def push(self, event: TokenEvent) -> None:  # called from the scheduler thread
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+    @staticmethod
+    def push_all(events: list[tuple["TokenStream", TokenEvent]]) -> None:  # called from the scheduler thread
+        """Hand many streams' events to their event loops with one wake-up each: a decode step's
+        tokens at once, where a wake-up per token cost a syscall and a loop callback each, under
+        the GIL the scheduler thread needs.  A stream without a loop gets them right here."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for stream, event in events:
+            if stream._loop is None:
+                stream.deliver(event)
+            else:
+                by_loop.setdefault(stream._loop, []).append((stream, event))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_deliver_all, items)
+
+    def deliver(self, event: TokenEvent) -> None:
+        self._queue.put_nowait(event)
 
     def cancel(self) -> None:
         if not self.finished:
@@ -158,6 +172,11 @@ class TokenStream:
             if event.finish_reason is not None:
                 self.finished = True
             yield event
+
+
+def _deliver_all(items: list[tuple[TokenStream, TokenEvent]]) -> None:
+    for stream, event in items:
+        stream.deliver(event)
 
 
 class Engine(Protocol):

@@ -89,6 +89,7 @@ class Scheduler:
         self._generated_tokens = 0
         self._cancelled_count = 0
         self._deadline: float | None = None
+        self._outbox: list[tuple[TokenStream, TokenEvent]] = []  # events not yet handed to the event loop
         self._thread = threading.Thread(target=self._loop, name="quantserve-scheduler", daemon=True)
         self._thread.start()
 
@@ -137,6 +138,17 @@ class Scheduler:
                 with self._cond:
                     for seq in list(self._running.values()):
                         self._fail(seq, error)
+            finally:
+                self._flush()
+
+    def _send(self, stream: TokenStream, event: TokenEvent) -> None:
+        self._outbox.append((stream, event))
+
+    def _flush(self) -> None:
+        """Hand the events gathered since the last flush to the event loop in one wake-up."""
+        if self._outbox:
+            events, self._outbox = self._outbox, []
+            TokenStream.push_all(events)
 
     def _iteration(self) -> bool:
         """One round: cancellations, admissions, a prefill chunk, one decode step.  True when shut down."""
@@ -154,6 +166,7 @@ class Scheduler:
         for stream, submitted_at, slot in admitted:
             self._admit(stream, submitted_at, slot)
         self._prefill_chunk()
+        self._flush()  # first tokens go out now, not after the decode step
         if any(seq.decoding for seq in self._running.values()):
             self._decode_step()
         return False
@@ -165,7 +178,7 @@ class Scheduler:
             if stream.request.request_id in self._cancelled:
                 self._waiting.remove((stream, t))
                 self._cancelled_count += 1
-                stream.push(TokenEvent(None, finish_reason="cancelled"))
+                self._send(stream, TokenEvent(None, finish_reason="cancelled"))
         for rid in list(self._running):
             if rid in self._cancelled:
                 self._finish(self._running[rid], TokenEvent(None, finish_reason="cancelled"))
@@ -173,7 +186,7 @@ class Scheduler:
 
     def _cancel_everything(self) -> None:
         for stream, _ in self._waiting:
-            stream.push(TokenEvent(None, finish_reason="cancelled"))
+            self._send(stream, TokenEvent(None, finish_reason="cancelled"))
         self._waiting.clear()
         for seq in list(self._running.values()):
             self._finish(seq, TokenEvent(None, finish_reason="cancelled"))
@@ -187,7 +200,7 @@ class Scheduler:
         if event.finish_reason == "cancelled":
             self._cancelled_count += 1
         event.elapsed_s = time.perf_counter() - seq.submitted_at
-        seq.stream.push(event)
+        self._send(seq.stream, event)
 
     def _fail(self, seq: _Running, error: EngineError) -> None:
         self._finish(seq, TokenEvent(None, finish_reason="error", error=error))
@@ -203,12 +216,14 @@ class Scheduler:
             last_token=-1, generated=0, submitted_at=submitted_at)
 
     def _prefill_chunk(self) -> None:
-        """Prefill up to `prefill_chunk` prompt tokens, oldest admitted prompt first."""
+        """Prefill up to `prefill_chunk` prompt tokens, oldest admitted prompt first.  A prompt that
+        does not fit in what is left of the budget waits for the next iteration instead of being
+        cut there: each piece is a forward of its own, a whole pass over the weights."""
         budget = self.prefill_chunk
         for seq in [s for s in self._running.values() if not s.decoding]:  # dicts keep admission order
-            if budget <= 0:
-                return
             prompt = seq.stream.request.prompt_ids
+            if budget <= 0 or (len(prompt) - seq.prefilled > budget and budget < self.prefill_chunk):
+                return
             chunk = prompt[seq.prefilled:seq.prefilled + budget]
             try:
                 logits = self.backend.prefill(seq.slot, chunk, seq.prefilled)
@@ -281,4 +296,4 @@ class Scheduler:
             self._finish(seq, event)
         else:
             event.elapsed_s = time.perf_counter() - seq.submitted_at
-            seq.stream.push(event)
+            self._send(seq.stream, event)

@@ -4,6 +4,7 @@ every backend, and the scheduler keeps running streams going while a long prompt
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -81,7 +82,7 @@ def test_running_stream_keeps_decoding_while_a_long_prompt_is_prefilled(chunk, d
             super().__init__(EngineRequest(ids, params), loop=None, engine=None)
             self.label, self.done = label, threading.Event()
 
-        def push(self, event) -> None:
+        def deliver(self, event) -> None:  # on the scheduler thread: no event loop here
             if event.token_id is not None:
                 log.append(self.label)
             if event.finish_reason:
@@ -93,7 +94,9 @@ def test_running_stream_keeps_decoding_while_a_long_prompt_is_prefilled(chunk, d
     running, long = Recording("running", tok.encode("Last letter?\nq f k"), 300), Recording("long", prompt, 1)
     try:
         sched.submit(running)
+        deadline = time.monotonic() + 60
         while "running" not in log:
+            assert time.monotonic() < deadline, "the running stream got no token in 60 s"
             threading.Event().wait(0.005)
         log.append("submitted")
         sched.submit(long)
@@ -106,3 +109,47 @@ def test_running_stream_keeps_decoding_while_a_long_prompt_is_prefilled(chunk, d
         assert between >= len(prompt) // 16 - 1, between
     else:
         assert between <= 1, between
+
+
+def test_a_prompt_is_not_cut_at_the_end_of_an_iterations_budget(default_model, prompt):
+    """Budget 4/3 of a prompt, two prompts: the second waits for the next iteration whole, not a
+    third now and the rest later (each piece is a forward, a pass over the weights); a prompt
+    longer than the budget still goes in budget-sized pieces, each starting an iteration."""
+    from quantserve.modeling import load_model, load_tokenizer
+    from server.backend import HFBackend
+    from server.engine import EngineRequest, TokenStream
+    from server.sampling import SamplingParams
+    from server.scheduler import Scheduler
+
+    calls: list[tuple[int, int]] = []
+
+    class RecordingBackend(HFBackend):
+        def prefill(self, slot, prompt_ids, start=0):
+            calls.append((len(prompt_ids), start))
+            return super().prefill(slot, prompt_ids, start)
+
+    class Quiet(TokenStream):
+        def __init__(self, ids):
+            super().__init__(EngineRequest(ids, SamplingParams(max_tokens=2, temperature=0.0)), loop=None, engine=None)
+            self.done = threading.Event()
+
+        def deliver(self, event) -> None:  # on the scheduler thread: no event loop here
+            if event.finish_reason:
+                self.done.set()
+
+    tok = load_tokenizer(default_model)
+    n = len(prompt)
+    pieces = [(min(40, n - start), start) for start in range(0, n, 40)]
+    for budget, expected in ((n + n // 3, [(n, 0), (n, 0)]), (40, pieces * 2)):
+        calls.clear()
+        backend = RecordingBackend(load_model(default_model), max_batch=2, context_length=512)
+        sched = Scheduler(backend, set(tok.all_special_ids), max_batch=2, max_queue=4, prefill_chunk=budget)
+        streams = [Quiet(list(prompt)), Quiet(list(prompt))]
+        try:
+            with sched._cond:  # both waiting before the scheduler's next iteration admits them
+                for s in streams:
+                    sched.submit(s)
+            assert all(s.done.wait(60) for s in streams)
+        finally:
+            sched.shutdown(5)
+        assert calls == expected, (budget, calls)

@@ -314,3 +314,28 @@ def test_a_failing_prompt_compile_falls_back_to_eager_prompts(default_model, mon
     assert core.compile_prefill is False
     assert "compiled prompt path failed (RuntimeError: inductor could not lower this)" in capsys.readouterr().err
     assert core.prefill(0, [1, 2, 3]).shape == (core.args.vocab_size,)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph prompts need a CUDA GPU")
+def test_graphed_prompts_match_eager_prompts(default_model):
+    """On a GPU a prompt chunk is padded to one of a few widths and replays that width's CUDA graph,
+    all recorded at warm-up: the eager path's logits and K/V cache, whatever the slot, length and
+    chunking, and the padding (written to the trash row) disturbs no other slot."""
+    eager = FastCore(default_model, max_slots=4, max_seq=512, device="cuda", dtype="float32", compile=False,
+                     prefill_chunk=256)
+    fast = FastCore(default_model, max_slots=4, max_seq=512, device="cuda", dtype="float32", compile=True,
+                    prefill_chunk=256)
+    fast.warm_up()
+    recorded = len(fast._graphs)
+    torch.manual_seed(0)
+    lengths = {}
+    for slot, n in ((0, 300), (1, 200), (3, 2), (2, 1), (0, 17), (3, 511), (1, 129)):
+        ids = torch.randint(0, fast.args.vocab_size, (n,))
+        torch.testing.assert_close(fast.prefill(slot, ids), eager.prefill(slot, ids), atol=1e-4, rtol=1e-4)
+        lengths[slot] = n
+        for s, m in lengths.items():
+            for a, b in zip(fast.model.layers, eager.model.layers):
+                for name in ("k_cache", "v_cache"):
+                    torch.testing.assert_close(getattr(a.attention, name)[s, :, :m],
+                                               getattr(b.attention, name)[s, :, :m], atol=1e-4, rtol=1e-4)
+    assert len(fast._graphs) == recorded  # every prompt shape was recorded at warm-up

@@ -13,7 +13,9 @@ stays compact) and the attended cache prefix to the next multiple of `kv_bucket`
 Padding rows write into the cache's trash row.
 
 `prefill(slot, ids, start)` appends `ids` at position `start`; a scheduler that wants running
-decodes not to stall calls it with chunks (`prefill_chunk` tokens) between decode steps.
+decodes not to stall calls it with chunks (`prefill_chunk` tokens) between decode steps.  A chunk
+runs through one compiled graph whatever its length; on a GPU it is padded to the next of a few
+widths (padding writes the trash row) and replays that width's CUDA graph, recorded at warm-up too.
 """
 
 from __future__ import annotations
@@ -213,7 +215,7 @@ class FastCore:
     @torch.inference_mode()
     def warm_up(self, progress: bool = False) -> float:
         """Compile and record every decode shape a server can hit (each batch bucket x each attended
-        length) now, so that no request waits on torch.compile, Triton autotuning or a CUDA-graph
+        length) and every prompt shape now, so that no request waits on torch.compile, Triton autotuning or a CUDA-graph
         recording later.  Returns the seconds it took (the bar on stderr says how far it is)."""
         from tqdm.auto import tqdm
 
@@ -225,48 +227,107 @@ class FastCore:
             tok = torch.zeros(batch, dtype=torch.long, device=self.device)
             pos = torch.full((batch,), self.max_seq, dtype=torch.long, device=self.device)  # the trash row
             self.decode_padded(tok, pos, self._kv_idx[:length])
-        # one full prefill chunk: the prompt graph compiles and the weight kernels pick their
-        # prompt-sized path now, not on the first request (slot 0 is reset afterwards)
-        prompt = torch.zeros(min(self.prefill_chunk, self.max_seq), dtype=torch.long)
         try:
-            self.prefill(0, prompt)
+            self._warm_up_prompts(progress)
         except Exception as e:  # eager prompts still serve: say so, once
             if not self.compile_prefill:
                 raise
             print(f"warning: the compiled prompt path failed ({type(e).__name__}: {str(e)[:200]}); "
                   "prompts run eagerly", file=sys.stderr)
             self.compile_prefill = False
-            self.prefill(0, prompt)
-        self.release(0)
+            self._warm_up_prompts(progress)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
+    def _warm_up_prompts(self, progress: bool) -> None:
+        """Compile the prompt graph, let the weight kernels pick their prompt-sized path, and on a
+        GPU record every (chunk width, KV length) prompt graph."""
+        from tqdm.auto import tqdm
+
+        if self.compile_prefill and self._graph_pool is not None:
+            shapes = self.prefill_shapes()
+            for width, length in tqdm(shapes, desc="recording prompt shapes (width x KV length)", unit="shape",
+                                      disable=not progress, file=sys.stderr):
+                self._prefill_graph(width, length)
+        else:  # one full chunk (slot 0 is reset afterwards)
+            self.prefill(0, torch.zeros(min(self.prefill_chunk, self.max_seq), dtype=torch.long))
+            self.release(0)
+
     @torch.inference_mode()
     def prefill(self, slot: int, ids, start: int = 0) -> torch.Tensor:
         """Write `ids` into `slot` at positions start.. and return the last position's logits."""
-        ids = torch.as_tensor(list(ids) if not torch.is_tensor(ids) else ids, dtype=torch.long).view(-1)
+        ids = torch.as_tensor(list(ids) if not torch.is_tensor(ids) else ids, dtype=torch.long).view(-1).cpu()
         n = ids.numel()
         if n == 0 or start + n > self.max_seq:
             raise ValueError(f"prefill of {n} tokens at {start} does not fit max_seq {self.max_seq}")
         self.in_use[slot] = True
-        ids = ids.to(self.device)
         for c0 in range(0, n, self.prefill_chunk):
-            chunk = ids[c0:c0 + self.prefill_chunk].view(1, -1)
-            pos = torch.arange(start + c0, start + c0 + chunk.shape[1], device=self.device).view(1, -1)
-            kv_idx = self._kv_idx[: self._kv_len(start + c0 + chunk.shape[1])]
-            if self.compile_prefill and chunk.shape[1] > 1:
-                # fresh tensors, not views: dynamo guards on a view's offset and base size, which
-                # would make a prompt's later chunks, or the full-length prefix, graphs of their own
-                kv_idx = torch.arange(kv_idx.shape[0], device=self.device)
-                rows = torch.tensor([slot], device=self.device)
-                # and no "duck sizing": a prompt as long as its KV prefix must not tie the two sizes
-                with torch.fx.experimental._config.patch(use_duck_shape=False):
-                    logits = self._prefill_step()(chunk.clone(), pos, rows, kv_idx)
-            else:  # eager; a 1-token chunk would be a graph of its own (sizes 0 and 1 specialize)
-                logits = self.model(chunk, pos, slot, kv_idx, last_only=True)
+            logits = self._prefill_chunk(slot, ids[c0:c0 + self.prefill_chunk], start + c0)
         self.lengths[slot] = start + n
+        return logits
+
+    def _prefill_chunk(self, slot: int, chunk: torch.Tensor, start: int) -> torch.Tensor:
+        n = chunk.numel()
+        if self.compile_prefill and self._graph_pool is not None:
+            return self._prefill_replay(slot, chunk, start)
+        kv_idx = torch.arange(self._kv_len(start + n), device=self.device)
+        inputs = [t.to(self.device) for t in self._prefill_inputs(slot, chunk, start, n)]
+        if self.compile_prefill and n > 1:  # a 1-token chunk would be a graph of its own (sizes 0 and 1 specialize)
+            logits = self._prefill_step()(*inputs, kv_idx)
+        else:
+            tok, pos, _, last = inputs
+            logits = self.model(tok, pos, slot, kv_idx, last=last)
         return logits[0, -1].float()
+
+    def _prefill_inputs(self, slot: int, chunk: torch.Tensor, start: int, width: int) -> list[torch.Tensor]:
+        """Host tensors (tokens, positions, cache row, index of the last token) for one prompt chunk
+        padded to `width` tokens; padding sits at the trash position, which no prompt attends to."""
+        n = chunk.numel()
+        tok = torch.zeros((1, width), dtype=torch.long)
+        pos = torch.full((1, width), self.max_seq, dtype=torch.long)
+        tok[0, :n], pos[0, :n] = chunk, torch.arange(start, start + n)
+        return [tok, pos, torch.tensor([slot]), torch.tensor([max(n - 1, 0)])]
+
+    def prefill_widths(self) -> list[int]:
+        """The padded chunk lengths a prompt chunk runs at on a GPU (one CUDA graph per width and
+        attended length): 16, 32, 64, then four per octave from 128 (128, 160, 192, 224, 256,
+        320, ...: at most 25 % padding), up to the chunk size."""
+        cap, widths, w = min(self.prefill_chunk, self.max_seq), [], 16
+        while w < cap:
+            widths += [w] if w < 128 else [w, w * 5 // 4, w * 3 // 2, w * 7 // 4]
+            w *= 2
+        return [x for x in widths if x < cap] + [cap]
+
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        """Every (padded chunk width, attended KV length) a prompt chunk can run at."""
+        lengths = sorted({self._kv_len(n) for n in range(1, self.max_seq + 1, self.kv_bucket)} | {self.max_seq})
+        shapes, shortest = [], 1
+        for w in self.prefill_widths():
+            shapes += [(w, n) for n in lengths if n >= self._kv_len(shortest)]
+            shortest = w + 1
+        return shapes
+
+    def _prefill_replay(self, slot: int, chunk: torch.Tensor, start: int) -> torch.Tensor:
+        """A prompt chunk as one CUDA-graph replay: launching the compiled graph's ~25 kernels per
+        layer from Python took several times the GPU's own time for a prompt (bench/RESULTS.md)."""
+        n = chunk.numel()
+        width = next(w for w in self.prefill_widths() if w >= n)
+        graph, static, out = self._prefill_graph(width, self._kv_len(start + n))
+        for dst, src in zip(static, self._prefill_inputs(slot, chunk, start, width)):
+            dst.copy_(src)
+        graph.replay()
+        return out[0, -1].float().clone()  # the graph's own buffer: the next replay overwrites it
+
+    def _prefill_graph(self, width: int, length: int) -> tuple:
+        key = ("prefill", width, length)
+        if key not in self._graphs:
+            # record at the trash position only: the eager runs before the capture write nothing real
+            static = [t.to(self.device) for t in self._prefill_inputs(0, torch.zeros(0, dtype=torch.long), 0, width)]
+            kv_idx = torch.arange(length, device=self.device)
+            graph, out = self._capture(self._prefill_step(), *static, kv_idx)
+            self._graphs[key] = (graph, static, out)
+        return self._graphs[key]
 
     def _prefill_step(self):
         """The prompt forward, compiled once for every prompt length, KV length and slot (the slot
@@ -274,11 +335,17 @@ class FastCore:
         time: under load the server spent most of its time there (bench/RESULTS.md)."""
         if "prefill" not in self._steps:
             torch._dynamo.config.recompile_limit += 2
-            self._steps["prefill"] = torch.compile(self._prefill_forward, fullgraph=True, dynamic=True)
+            compiled = torch.compile(self._prefill_forward, fullgraph=True, dynamic=True)
+
+            def step(*inputs):
+                # no "duck sizing": a prompt as long as its KV prefix must not tie the two sizes
+                with torch.fx.experimental._config.patch(use_duck_shape=False):
+                    return compiled(*inputs)
+            self._steps["prefill"] = step
         return self._steps["prefill"]
 
-    def _prefill_forward(self, chunk, pos, rows, kv_idx):
-        return self.model(chunk, pos, rows, kv_idx, last_only=True)
+    def _prefill_forward(self, tok, pos, rows, last, kv_idx):
+        return self.model(tok, pos, rows, kv_idx, last=last)
 
     def _step_fn(self, batch: int):
         """The decode forward for one padded batch size: compiled (dynamic sizes) when `compile`."""
@@ -336,8 +403,9 @@ class FastCore:
             return fn(*self._mark_dynamic(tok, pos, kv_idx))
         key = (tok.shape[0], kv_idx.shape[0])
         if key not in self._graphs:
-            self._graphs[key] = self._capture(fn, tok, pos, kv_idx)
-        graph, static_tok, static_pos, out = self._graphs[key]
+            static_tok, static_pos, static_kv = self._mark_dynamic(tok.clone(), pos.clone(), kv_idx)
+            self._graphs[key] = (*self._capture(fn, static_tok, static_pos, static_kv), static_tok, static_pos)
+        graph, out, static_tok, static_pos = self._graphs[key]
         static_tok.copy_(tok)
         static_pos.copy_(pos)
         graph.replay()  # the whole step, ~10 kernels per layer, in one launch
@@ -353,22 +421,22 @@ class FastCore:
                 torch._dynamo.maybe_mark_dynamic(pos, 0)
         return tok, pos, kv_idx
 
-    def _capture(self, fn, tok: torch.Tensor, pos: torch.Tensor, kv_idx: torch.Tensor) -> tuple:
-        """Record one decode shape as a CUDA graph (as vLLM does per batch size), after running it
-        eagerly twice on a side stream: that compiles, autotunes the Triton kernels and lets cuBLAS
-        pick its workspaces outside the capture.  The eager runs write the same K/V rows the step
-        itself writes.  All graphs share one memory pool; they replay one at a time on one stream."""
-        static_tok, static_pos, kv_idx = self._mark_dynamic(tok.clone(), pos.clone(), kv_idx)
+    def _capture(self, fn, *inputs: torch.Tensor) -> tuple:
+        """Record `fn(*inputs)` as a CUDA graph (as vLLM does per batch size) -> (graph, output),
+        after running it eagerly twice on a side stream: that compiles, autotunes the Triton
+        kernels and lets cuBLAS pick its workspaces outside the capture.  The eager runs write the
+        same K/V rows the graph itself writes.  All graphs share one memory pool; they replay one at
+        a time on one stream, and each replay overwrites the output of the last."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                fn(static_tok, static_pos, kv_idx)
+                fn(*inputs)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            out = fn(static_tok, static_pos, kv_idx)
-        return graph, static_tok, static_pos, out
+            out = fn(*inputs)
+        return graph, out
 
 
 def _decode_attention_choice(choice: str, device: torch.device) -> str:

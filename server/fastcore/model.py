@@ -171,10 +171,10 @@ class Transformer(nn.Module):
         self.rope_cos = (emb.cos() * rope_scale).to(dtype)
         self.rope_sin = (emb.sin() * rope_scale).to(dtype)
 
-    def forward(self, tokens, pos, row0, kv_idx, last_only: bool = False):
+    def forward(self, tokens, pos, row0, kv_idx, last: torch.Tensor | None = None):
         """tokens/pos [B, C] for cache rows row0..row0+B-1 (or the rows in a [B] tensor row0) ->
-        logits [B, C, vocab] ([B, 1, vocab] with last_only: a prompt needs only its last
-        position's, and the vocab matmul is big)."""
+        logits [B, C, vocab], or [B, 1, vocab] at index `last` [B] of each row: a prompt needs only
+        its last real position's (padding may follow it), and the vocab matmul is big."""
         B, C = tokens.shape
         first = row0 if torch.is_tensor(row0) else torch.arange(B, device=tokens.device) + row0
         rows = first.view(B, 1).expand(B, C)
@@ -182,6 +182,6 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin, rows, pos, row0, kv_idx)
-        if last_only:
-            x = x[:, -1:]
+        if last is not None:
+            x = x.gather(1, last.view(B, 1, 1).expand(B, 1, x.shape[-1]))
         return self.output(self.norm(x))

@@ -126,8 +126,9 @@ def _block_m(M: int) -> int:
 
 
 def _m_bucket(M: int) -> int:
-    """Shapes sharing one choice: decode batches by tile height, prompts (M > 64) all together."""
-    return _block_m(M) if M <= 64 else 65
+    """Shapes sharing one choice: decode batches by tile height; prompts (M > 64) by the next power
+    of two, since the dense path's fixed cost (a dequantized weight copy) pays off only on long ones."""
+    return _block_m(M) if M <= 64 else 1 << (M - 1).bit_length()
 
 
 def _int8_dense(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
