@@ -313,7 +313,7 @@ class FastCore:
         layer from Python took several times the GPU's own time for a prompt (bench/RESULTS.md)."""
         n = chunk.numel()
         width = next(w for w in self.prefill_widths() if w >= n)
-        graph, static, out = self._prefill_graph(width, self._kv_len(start + n))
+        graph, static, _, out = self._prefill_graph(width, self._kv_len(start + n))
         for dst, src in zip(static, self._prefill_inputs(slot, chunk, start, width)):
             dst.copy_(src)
         graph.replay()
@@ -326,7 +326,9 @@ class FastCore:
             static = [t.to(self.device) for t in self._prefill_inputs(0, torch.zeros(0, dtype=torch.long), 0, width)]
             kv_idx = torch.arange(length, device=self.device)
             graph, out = self._capture(self._prefill_step(), *static, kv_idx)
-            self._graphs[key] = (graph, static, out)
+            # every input stays referenced: the graph reads them at their recorded addresses, and
+            # a freed one is soon someone else's memory (garbage attention masks, measured)
+            self._graphs[key] = (graph, static, kv_idx, out)
         return self._graphs[key]
 
     def _prefill_step(self):
@@ -404,8 +406,8 @@ class FastCore:
         key = (tok.shape[0], kv_idx.shape[0])
         if key not in self._graphs:
             static_tok, static_pos, static_kv = self._mark_dynamic(tok.clone(), pos.clone(), kv_idx)
-            self._graphs[key] = (*self._capture(fn, static_tok, static_pos, static_kv), static_tok, static_pos)
-        graph, out, static_tok, static_pos = self._graphs[key]
+            self._graphs[key] = (*self._capture(fn, static_tok, static_pos, static_kv), static_tok, static_pos, static_kv)
+        graph, out, static_tok, static_pos, _ = self._graphs[key]
         static_tok.copy_(tok)
         static_pos.copy_(pos)
         graph.replay()  # the whole step, ~10 kernels per layer, in one launch
