@@ -215,8 +215,9 @@ class FastCore:
     @torch.inference_mode()
     def warm_up(self, progress: bool = False) -> float:
         """Compile and record every decode shape a server can hit (each batch bucket x each attended
-        length) and every prompt shape now, so that no request waits on torch.compile, Triton autotuning or a CUDA-graph
-        recording later.  Returns the seconds it took (the bar on stderr says how far it is)."""
+        length) and every prompt shape now, so that no request waits on torch.compile, Triton
+        autotuning or a CUDA-graph recording later.  Returns the seconds it took (the bars on stderr
+        say how far it is)."""
         from tqdm.auto import tqdm
 
         t0 = time.perf_counter()
