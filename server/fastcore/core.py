@@ -207,10 +207,13 @@ class FastCore:
     def _kv_len(self, n: int) -> int:
         return min(self.max_seq, -(-n // self.kv_bucket) * self.kv_bucket)
 
+    def kv_lengths(self) -> list[int]:
+        """Every attended KV length a step can run at (multiples of `kv_bucket`, and max_seq)."""
+        return sorted({self._kv_len(n) for n in range(1, self.max_seq + 1, self.kv_bucket)} | {self.max_seq})
+
     def decode_shapes(self) -> list[tuple[int, int]]:
         """Every (padded batch, attended KV length) a decode step can run at."""
-        lengths = sorted({self._kv_len(n) for n in range(1, self.max_seq + 1, self.kv_bucket)} | {self.max_seq})
-        return [(b, n) for b in self.buckets for n in lengths]
+        return [(b, n) for b in self.buckets for n in self.kv_lengths()]
 
     @torch.inference_mode()
     def warm_up(self, progress: bool = False) -> float:
@@ -302,10 +305,9 @@ class FastCore:
 
     def prefill_shapes(self) -> list[tuple[int, int]]:
         """Every (padded chunk width, attended KV length) a prompt chunk can run at."""
-        lengths = sorted({self._kv_len(n) for n in range(1, self.max_seq + 1, self.kv_bucket)} | {self.max_seq})
         shapes, shortest = [], 1
         for w in self.prefill_widths():
-            shapes += [(w, n) for n in lengths if n >= self._kv_len(shortest)]
+            shapes += [(w, n) for n in self.kv_lengths() if n >= self._kv_len(shortest)]
             shortest = w + 1
         return shapes
 
