@@ -89,6 +89,8 @@ class EngineStats:
     kv_capacity_tokens: int
     generated_tokens: int = 0  # every token the engine sampled, since start
     cancelled: int = 0  # requests stopped early (client gone, stop string, shutdown)
+    decode_steps: int = 0  # batched decode steps run, since start
+    decode_rows: int = 0  # sequences those steps advanced: decode_rows / decode_steps is the mean batch
 
     @property
     def kv_usage(self) -> float:

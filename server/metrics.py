@@ -37,6 +37,11 @@ class _EngineCollector:
                                   "including those of requests cancelled later.", value=s.generated_tokens)
         yield CounterMetricFamily("quantserve:engine_cancelled_requests", "Requests stopped early by "
                                   "disconnect, stop string or shutdown.", value=s.cancelled)
+        # rate(decode_rows) / rate(decode_steps) is the mean decode batch: the continuous batching at work
+        yield CounterMetricFamily("quantserve:engine_decode_steps", "Batched decode steps run.",
+                                  value=s.decode_steps)
+        yield CounterMetricFamily("quantserve:engine_decode_rows", "Sequences advanced by decode steps "
+                                  "(one token each).", value=s.decode_rows)
 
 
 class Metrics:

@@ -88,6 +88,8 @@ class Scheduler:
         self._closing = False
         self._generated_tokens = 0
         self._cancelled_count = 0
+        self._decode_steps = 0
+        self._decode_rows = 0
         self._deadline: float | None = None
         self._outbox: list[tuple[TokenStream, TokenEvent]] = []  # events not yet handed to the event loop
         self._thread = threading.Thread(target=self._loop, name="quantserve-scheduler", daemon=True)
@@ -115,7 +117,8 @@ class Scheduler:
             running, waiting = len(self._running), len(self._waiting)
         return EngineStats(running=running, waiting=waiting, kv_used_tokens=self.backend.cached_tokens(),
                            kv_capacity_tokens=self.backend.kv_capacity_tokens,
-                           generated_tokens=self._generated_tokens, cancelled=self._cancelled_count)
+                           generated_tokens=self._generated_tokens, cancelled=self._cancelled_count,
+                           decode_steps=self._decode_steps, decode_rows=self._decode_rows)
 
     def shutdown(self, grace_s: float) -> None:
         """Stop admitting; let queued and running work finish for `grace_s`, then cancel the rest."""
@@ -245,6 +248,8 @@ class Scheduler:
         while True:
             try:
                 logits = self.backend.decode([s.slot for s in batch], [s.last_token for s in batch])
+                self._decode_steps += 1
+                self._decode_rows += len(batch)
                 break
             except Exception as e:
                 self._log(f"decode step of {len(batch)} sequences failed: {type(e).__name__}: {e}")

@@ -155,11 +155,13 @@ def test_32_concurrent_streams_are_correct_and_batched(server, reference):
         async with server.async_client() as ac:
             await one(ac, users[0])
             singles = [await one(ac, u) for u in users[:3]]
+            before = server.wait_idle()
             t0 = time.perf_counter()
             results = await asyncio.gather(*[one(ac, u) for u in users])
-            return singles, results, time.perf_counter() - t0
+            return singles, results, time.perf_counter() - t0, before
 
-    singles, results, wall = asyncio.run(run())
+    singles, results, wall, before = asyncio.run(run())
+    after = server.wait_idle()
     for user, (text, _) in list(zip(users, results))[::4]:
         ids = reference.chat_ids(user)
         reference.llm.reset()
@@ -167,14 +169,17 @@ def test_32_concurrent_streams_are_correct_and_batched(server, reference):
                                                    logit_bias=None)["choices"][0]["text"]
         # llama-cpp-python stops at eos; the served stream (ignore_eos) must start with the same text
         assert text.startswith(expected), user
+    steps, rows = (after[f"quantserve:engine_decode_{k}_total"] - before[f"quantserve:engine_decode_{k}_total"]
+                   for k in ("steps", "rows"))
     single_s = sorted(s for _, s in singles)[1]
-    ratio = wall / (n * single_s)
-    print(f"\ngguf: 32 concurrent streams {wall:.2f} s; one alone {single_s:.3f} s; ratio {ratio:.3f}")
-    # On a CPU this 3.5 M-parameter model is compute-bound inside llama.cpp (a 32-row step costs
-    # ~32 single steps), so batching saves only the per-request overhead here; on a GPU, where
-    # decode is memory-bound, the step cost barely grows with the batch.  Serialized requests
-    # would give a ratio >= 1.
-    assert ratio < 0.8
+    print(f"\ngguf: 32 concurrent streams {wall:.2f} s; one alone {single_s:.3f} s; "
+          f"ratio {wall / (n * single_s):.3f}; mean decode batch {rows / steps:.1f} over {steps:.0f} steps")
+    # Each stream's first token comes from its prompt step, the other max_tokens - 1 from decode steps.
+    assert rows == n * (max_tokens - 1)
+    # Batched, not one request after another: served one at a time the mean batch would be 1.  (The
+    # wall-clock gain is no test on a CPU: there llama.cpp is compute-bound, a 32-row step costs about
+    # 32 single steps, and the timing of a shared CI machine decides the ratio.)
+    assert rows / steps >= 8
 
 
 def test_q8_0_file_serves_llama_cpp_greedy_output(gguf_dirs, default_model):
