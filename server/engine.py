@@ -145,18 +145,25 @@ class TokenStream:
         self.finished = False
 
     @staticmethod
-    def push_all(events: list[tuple["TokenStream", TokenEvent]]) -> None:  # called from the scheduler thread
+    def push_all(events: list[tuple["TokenStream", TokenEvent]]) -> int:  # called from the scheduler thread
         """Hand many streams' events to their event loops with one wake-up each: a decode step's
         tokens at once, where a wake-up per token cost a syscall and a loop callback each, under
-        the GIL the scheduler thread needs.  A stream without a loop gets them right here."""
+        the GIL the scheduler thread needs.  A stream without a loop gets them right here.
+        Returns how many events could not be handed over (their event loop is closed: nobody is
+        left to read them); the other loops still get theirs."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for stream, event in events:
             if stream._loop is None:
                 stream.deliver(event)
             else:
                 by_loop.setdefault(stream._loop, []).append((stream, event))
+        undelivered = 0
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_deliver_all, items)
+            try:
+                loop.call_soon_threadsafe(_deliver_all, items)
+            except RuntimeError:  # "Event loop is closed"
+                undelivered += len(items)
+        return undelivered
 
     def deliver(self, event: TokenEvent) -> None:
         self._queue.put_nowait(event)

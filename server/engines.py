@@ -115,7 +115,7 @@ class ScheduledEngine:
 
                 torch.set_num_threads(o.threads)
             backend, self.tokenizer, info = load_fast(self.path, o.gpu_profile, o.context, o.max_batch,
-                                                      o.max_queue, o.weight_quant)
+                                                      o.max_queue, o.weight_quant, o.prefill_chunk)
         else:
             from server.gguf_engine import load_gguf
 

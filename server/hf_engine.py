@@ -119,7 +119,7 @@ def load_hf(path: Path, gpu_profile: str | None, context: int | None, max_batch:
 
 
 def load_fast(path: Path, gpu_profile: str | None, context: int | None, max_batch: int, max_queue: int,
-              weight_quant: str):
+              weight_quant: str, prefill_chunk: int = 512):
     """The `fast` engine: server/fastcore's static-KV-cache decoder behind the same seam.
     Returns (FastCoreBackend, HFTokenizer, EngineInfo)."""
     from quantserve.capabilities import apply_profile, detect
@@ -138,7 +138,9 @@ def load_fast(path: Path, gpu_profile: str | None, context: int | None, max_batc
         raise UserError(f"--context {context} exceeds the model's trained context of {trained} tokens")
     context = context or trained
     try:
-        backend = FastCoreBackend(str(path), max_batch, context, weight_quant=weight_quant, profile=caps.profile)
+        # the core's prompt forwards (and, on a GPU, its recorded prompt widths) match the scheduler's chunk
+        backend = FastCoreBackend(str(path), max_batch, context, weight_quant=weight_quant, profile=caps.profile,
+                                  prefill_chunk=prefill_chunk)
     except (ValueError, KeyError, NotImplementedError) as e:
         raise UserError(f"{path}: the fast engine cannot run this model ({e}); use --engine hf") from e
     core = backend.core
@@ -146,7 +148,8 @@ def load_fast(path: Path, gpu_profile: str | None, context: int | None, max_batc
                       max_queue=max_queue, device=str(core.device), dtype=str(core.dtype).replace("torch.", ""),
                       attention="sdpa (fastcore static KV cache)",
                       quantization=None if weight_quant == "none" else f"{weight_quant} weight-only",
-                      extra={"gpu_profile": caps.profile, "gpu": caps.gpu_name, "compiled": core.compile})
+                      extra={"gpu_profile": caps.profile, "gpu": caps.gpu_name, "compiled": core.compile,
+                             "prefill_chunk": core.prefill_chunk})
     return backend, HFTokenizer(load_tokenizer(path)), info
 
 

@@ -151,10 +151,9 @@ class Scheduler:
         """Hand the events gathered since the last flush to the event loop in one wake-up."""
         if self._outbox:
             events, self._outbox = self._outbox, []
-            try:
-                TokenStream.push_all(events)
-            except RuntimeError as e:  # the event loop is closed: nobody is left to read them
-                self._log(f"could not deliver {len(events)} events: {e}")
+            undelivered = TokenStream.push_all(events)
+            if undelivered:
+                self._log(f"could not deliver {undelivered} events: their event loop is closed")
 
     def _iteration(self) -> bool:
         """One round: cancellations, admissions, a prefill chunk, one decode step.  True when shut down."""

@@ -13,7 +13,9 @@ from test_server_support import MAX_TOKENS, PROMPTS, ServerProcess, hf_reference
 
 @pytest.fixture(scope="module")
 def server(default_model):
-    srv = ServerProcess(default_model, "--engine", "fast", "--max-batch", "16", name="fast")
+    # a small prompt chunk: the chat prompts below span several chunks, scheduler and core alike
+    srv = ServerProcess(default_model, "--engine", "fast", "--max-batch", "16", "--prefill-chunk", "16",
+                        name="fast")
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -25,6 +27,7 @@ def reference(default_model):
 
 def test_fast_engine_is_reported(server):
     assert server.health["engine"] == "fast"
+    assert server.health["prefill_chunk"] == 16  # --prefill-chunk reaches the core, not only the scheduler
     assert server.client().models.list().data[0].model_dump()["engine"] == "fast"
 
 

@@ -169,3 +169,25 @@ def test_graceful_shutdown_finishes_in_flight_streams(default_model):
             httpx.get(srv.base_url + "/health", timeout=2)
     finally:
         srv.stop()
+
+
+def test_a_closed_event_loop_does_not_cost_other_loops_their_events():
+    """The scheduler hands a step's tokens to each event loop in one call; a loop that has closed
+    (its server gone) loses its own events only, and the count comes back for the log."""
+    import asyncio
+
+    from server.engine import EngineRequest, TokenEvent, TokenStream
+    from server.sampling import SamplingParams
+
+    closed, alive = asyncio.new_event_loop(), asyncio.new_event_loop()
+    closed.close()
+    request = EngineRequest([1, 2, 3], SamplingParams(max_tokens=2))
+    gone, a, b = (TokenStream(request, loop, engine=None) for loop in (closed, alive, alive))
+    try:
+        undelivered = TokenStream.push_all([(gone, TokenEvent(7)), (a, TokenEvent(8)), (b, TokenEvent(9)),
+                                            (gone, TokenEvent(None, finish_reason="length"))])
+        alive.run_until_complete(asyncio.sleep(0))  # runs the loop's pending callbacks
+        assert undelivered == 2
+        assert [a._queue.get_nowait().token_id, b._queue.get_nowait().token_id] == [8, 9]
+    finally:
+        alive.close()
