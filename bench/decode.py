@@ -26,6 +26,8 @@ import time
 import traceback
 from pathlib import Path
 
+from bench.args import Parser, choice_list, int_list, positive_int
+
 SHAPES = {
     # name: (hidden, ffn, layers, heads, kv_heads, vocab, rope_theta)
     "1b": (2048, 8192, 16, 32, 8, 128256, 500000.0),
@@ -235,7 +237,7 @@ def fit_check(cfg, device, caps, quant: str, kernel: str, slots: int = 8, seq: i
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = Parser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="1b,8b", help="comma list of 1b, 8b, tiny")
     ap.add_argument("--quants", default="none,int8,int4", help="comma list of none, int8, int4")
     ap.add_argument("--kernels", default="auto",
@@ -243,9 +245,9 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", default="auto",
                     help="decode attention, comma list of auto, triton, sdpa (the first is the one other rows compare to)")
     ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--generate-tokens", type=int, default=16, help="tokens per plain-generate baseline")
+    ap.add_argument("--prompt-len", type=positive_int, default=128)
+    ap.add_argument("--new-tokens", type=positive_int, default=128)
+    ap.add_argument("--generate-tokens", type=positive_int, default=16, help="tokens per plain-generate baseline")
     ap.add_argument("--generate-batches", default="1", help="batches for the generate baseline ('' = none)")
     ap.add_argument("--gpu-profile", default=None, help="'t4': fp16, 15 GiB cap, T4 attention kernels")
     ap.add_argument("--no-compile", action="store_true", help="eager decode steps (no torch.compile)")
@@ -255,6 +257,17 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny model, few tokens: runs on a CPU in seconds")
     ap.add_argument("--out", default="bench/results/decode.json")
     args = ap.parse_args(argv)
+    checks = {"models": choice_list(*SHAPES), "quants": choice_list("none", "int8", "int4"),
+              "kernels": choice_list("auto", "triton", "torch", "tinygemm"),
+              "attention": choice_list("auto", "triton", "sdpa"), "batches": int_list,
+              "generate_batches": int_list}
+    for name, check in checks.items():  # the comma lists stay text (the JSON's settings); checked here
+        try:
+            check(getattr(args, name))
+        except argparse.ArgumentTypeError as e:
+            ap.error(f"argument --{name.replace('_', '-')}: {e}")
+    if not int_list(args.batches):
+        ap.error("argument --batches: at least one batch size")
 
     import torch
 

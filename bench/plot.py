@@ -5,10 +5,23 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
+
+from bench.args import Parser, existing_file
+
+
+def load_result(path: str) -> dict:
+    """A `bench serve` JSON, or ValueError naming the file."""
+    try:
+        res = json.loads(Path(path).read_text())
+        if all(isinstance(r, dict) and {"concurrency", "output_throughput", "tpot_ms"} <= r.keys()
+               for r in res["runs"]):
+            return res
+    except (ValueError, KeyError, TypeError):  # not JSON, or JSON of another shape
+        pass
+    raise ValueError(f"{path}: not a `bench serve` result (a JSON with runs of concurrency, throughput, TPOT)")
 
 
 def plot(paths: list[str], out: str, labels: list[str] | None = None) -> str:
@@ -19,7 +32,7 @@ def plot(paths: list[str], out: str, labels: list[str] | None = None) -> str:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for i, p in enumerate(paths):
-        res = json.loads(Path(p).read_text())
+        res = load_result(p)
         runs = sorted(res["runs"], key=lambda r: r["concurrency"])
         label = labels[i] if labels and i < len(labels) else res.get("label") or Path(p).stem
         conc = [r["concurrency"] for r in runs]
@@ -40,12 +53,16 @@ def plot(paths: list[str], out: str, labels: list[str] | None = None) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("results", nargs="+", help="bench.serve JSON files")
+    ap = Parser(description=__doc__.split("\n")[0])
+    ap.add_argument("results", nargs="+", type=existing_file, help="bench.serve JSON files")
     ap.add_argument("-o", "--out", default="serve.png")
     ap.add_argument("--labels", default=None, help="comma list, one per file (default: each file's label)")
     args = ap.parse_args(argv)
-    print(plot(args.results, args.out, args.labels.split(",") if args.labels else None))
+    try:
+        print(plot(args.results, args.out, args.labels.split(",") if args.labels else None))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -17,7 +17,6 @@ generator (about one token per word with a BPE tokenizer) or lines of a corpus f
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
@@ -26,6 +25,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from bench.args import Parser, existing_file, int_list, non_negative_int, positive_int
 
 WORDS = ("the of and to in is was for on that with as by at from it his an were are which this be "
          "also or had first one their its new after who they two her she been other when there all "
@@ -200,24 +201,26 @@ def print_table(result: dict) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = Parser(description=__doc__.split("\n")[0])
     ap.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
     ap.add_argument("--model", default=None, help="model id; default: the first of /v1/models")
     ap.add_argument("--label", default=None, help="name in tables and plots (default: the model id)")
-    ap.add_argument("--concurrency", default="1,8,32,64")
-    ap.add_argument("--num-prompts", type=int, default=0, help="requests per level; 0: max(16, 4 x concurrency)")
-    ap.add_argument("--input-len", type=int, default=128, help="words per random prompt")
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--corpus", default=None, help="a text or JSONL file of prompts instead of random words")
+    ap.add_argument("--concurrency", type=int_list, default="1,8,32,64", help="comma list of levels")
+    ap.add_argument("--num-prompts", type=non_negative_int, default=0, help="requests per level; 0: max(16, 4 x concurrency)")
+    ap.add_argument("--input-len", type=positive_int, default=128, help="words per random prompt")
+    ap.add_argument("--output-len", type=positive_int, default=128)
+    ap.add_argument("--corpus", type=existing_file, default=None, help="a text or JSONL file of prompts instead of random words")
     ap.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
     ap.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (servers that know it)")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per request")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--out", default=None, help="JSON file to write")
     ap.add_argument("--save-records", action="store_true", help="also store every request's timings")
     args = ap.parse_args(argv)
+    if not args.concurrency:
+        ap.error("--concurrency needs at least one level")
 
     try:
         model = args.model or served_model(args.base_url, args.api_key, args.timeout)
@@ -232,7 +235,7 @@ def main(argv=None) -> int:
         if not recs[0].ok:
             print(f"warm-up request failed: {recs[0].error}", file=sys.stderr)
             return 1
-    for c in [int(x) for x in args.concurrency.split(",")]:
+    for c in args.concurrency:
         n = args.num_prompts or max(16, 4 * c)
         prompts = make_prompts(n, args.input_len, args.seed, args.corpus)
         records, duration = asyncio.run(run_level(args.base_url, model, prompts, c, args.output_len, args.chat,

@@ -32,7 +32,7 @@ def fail(message: str, code: int = 1) -> None:
 def run(app: typer.Typer, prog: str) -> None:
     """Entry point wrapper: usage errors exit 2, user errors 1, interrupts 130."""
     try:
-        app(prog_name=prog, standalone_mode=False)
+        code = app(prog_name=prog, standalone_mode=False)
     except click_exceptions.NoArgsIsHelpError as e:
         # typer/click already printed the help text; nothing was asked for
         raise SystemExit(0) from e
@@ -58,3 +58,6 @@ def run(app: typer.Typer, prog: str) -> None:
             raise
         fail(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
              "(set QUANTSERVE_DEBUG=1 for the traceback)", 1)
+    # without standalone mode click returns a command's `typer.Exit(code)` instead of exiting with it
+    if isinstance(code, int) and code:
+        raise SystemExit(code)

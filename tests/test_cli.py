@@ -86,3 +86,19 @@ def test_generate_from_the_default_model(default_model):
     proc = cli("generate", "What is the capital of Norvania?", "--model", str(default_model))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "Velmor"
+
+
+def test_bench_commands_refuse_bad_input_in_one_line(tmp_path):
+    """Arguments are checked before a model is built or a server is asked; a failed run exits
+    non-zero through `quantserve bench` too (the wrapper once turned every exit code into 0)."""
+    unreachable = "http://127.0.0.1:9/v1"  # port 9 (discard): nothing listens there
+    assert_one_line_error(cli("bench", "serve", "--base-url", unreachable), 1, "cannot reach")
+    assert_one_line_error(cli("bench", "serve", "--concurrency", "1,x"), 2, "--concurrency", "'x'")
+    assert_one_line_error(cli("bench", "serve", "--concurrency", "0"), 2, "at least 1")
+    assert_one_line_error(cli("bench", "serve", "--corpus", str(tmp_path / "none.txt")), 2, "no such file")
+    assert_one_line_error(cli("bench", "decode", "--models", "70b"), 2, "--models", "choose from")
+    assert_one_line_error(cli("bench", "decode", "--quants", "int8,int3"), 2, "'int3'")
+    not_a_result = tmp_path / "other.json"
+    not_a_result.write_text('{"rows": []}')
+    assert_one_line_error(cli("bench", "plot", str(not_a_result)), 1, "not a `bench serve` result")
+    assert_one_line_error(cli("bench", "plot", str(tmp_path / "missing.json")), 2, "no such file")
