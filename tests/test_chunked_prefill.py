@@ -98,8 +98,9 @@ def test_running_stream_keeps_decoding_while_a_long_prompt_is_prefilled(chunk, d
         while "running" not in log:
             assert time.monotonic() < deadline, "the running stream got no token in 60 s"
             threading.Event().wait(0.005)
-        log.append("submitted")
-        sched.submit(long)
+        with sched._cond:  # no decode step between the mark and the submission
+            log.append("submitted")
+            sched.submit(long)
         assert long.done.wait(60)
     finally:
         sched.cancel(running.request.request_id)

@@ -31,11 +31,13 @@ def test_help_is_fast_and_imports_no_heavy_library():
             "heavy=[m for m in ('torch','transformers','deepspeed','llama_cpp','bitsandbytes') if m in sys.modules]; "
             "print(time.time()-t, heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO).stdout.split(" ", 1)
-    assert float(out[0]) < 1.0 and out[1].strip() == "[]", out
+    # no heavy library is what keeps --help instant (~0.3 s here); the times only guard against a
+    # gross regression, with room for a cold, busy CI machine
+    assert out[1].strip() == "[]" and float(out[0]) < 3.0, out
     t = time.time()
     proc = cli("--help")
     assert proc.returncode == 0 and "info" in proc.stdout
-    assert time.time() - t < 5  # includes interpreter start-up
+    assert time.time() - t < 15  # includes interpreter start-up
 
 
 def test_unknown_subcommand_and_option():

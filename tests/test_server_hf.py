@@ -177,21 +177,27 @@ def test_32_concurrent_streams_are_correct_and_batched(server, reference):
         async with server.async_client() as ac:
             await _stream_chat(ac, server.model_name, users[0], max_tokens, **kw)  # warm-up
             singles = [await _stream_chat(ac, server.model_name, u, max_tokens, **kw) for u in users[:3]]
+            before = server.wait_idle()
             t0 = time.perf_counter()
             results = await asyncio.gather(*[_stream_chat(ac, server.model_name, u, max_tokens, **kw)
                                              for u in users])
-            return singles, results, time.perf_counter() - t0
+            return singles, results, time.perf_counter() - t0, before
 
-    singles, results, wall = asyncio.run(run())
+    singles, results, wall, before = asyncio.run(run())
+    after = server.wait_idle()
     single_s = sorted(s[2] for s in singles)[1]  # median of three sequential requests
     for user, (text, _, _) in list(zip(users, results))[::4]:  # a sample: the reference is slow
         assert text == reference.text(reference.greedy_ignoring_eos(reference.chat_ids(user), max_tokens)), user
     for single, result in zip(singles, results[:3]):
         assert result[0] == single[0]
-    ratio = wall / (n * single_s)
+    steps, rows = (after[f"quantserve:engine_decode_{k}_total"] - before[f"quantserve:engine_decode_{k}_total"]
+                   for k in ("steps", "rows"))
     print(f"\n32 concurrent streams: {wall:.2f} s; one alone: {single_s:.3f} s; "
-          f"wall / (32 x single) = {ratio:.3f}")
-    assert ratio < 0.5, f"continuous batching gave no speed-up: ratio {ratio:.2f}"
+          f"wall / (32 x single) = {wall / (n * single_s):.3f}; mean decode batch {rows / steps:.1f}")
+    # Batched, not one request after another (a mean batch of 1).  The wall-clock ratio is printed,
+    # not asserted: on a shared 2-core CI machine the test's own 32 clients compete with the server.
+    assert rows == n * (max_tokens - 1)  # each stream's first token comes from its prompt step
+    assert rows / steps >= 8, f"continuous batching did not batch: mean decode batch {rows / steps:.1f}"
 
 
 def test_greedy_sampled_and_logprob_requests_share_a_batch(server):

@@ -115,6 +115,7 @@ def _events(response: httpx.Response):
 
 
 def test_full_queue_answers_429_with_retry_after(server):
+    third = server.client()  # made first: the window while the running stream lasts stays short
     running_client, running = _open_stream(server, 100)
     lines = _events(running)
     assert next(lines).startswith("data: ")  # the first token arrived: it holds the only slot
@@ -122,7 +123,7 @@ def test_full_queue_answers_429_with_retry_after(server):
     assert waiting.status_code == 200
     try:
         with pytest.raises(openai.RateLimitError) as e:
-            server.client().completions.create(model="tiny", prompt="hi", max_tokens=2)
+            third.completions.create(model="tiny", prompt="hi", max_tokens=2)
         assert e.value.status_code == 429 and e.value.body["code"] == "queue_full"
         assert int(e.value.response.headers["retry-after"]) >= 1
     finally:
