@@ -68,6 +68,7 @@ async def one_request(client, url: str, body: dict, chat: bool) -> Record:
     rec = Record()
     t0 = time.perf_counter()
     try:
+        done = False
         async with client.stream("POST", url, json=body) as resp:
             if resp.status_code != 200:
                 rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
@@ -77,8 +78,12 @@ async def one_request(client, url: str, body: dict, chat: bool) -> Record:
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
+                    done = True
                     break
                 obj = json.loads(data)
+                if obj.get("error"):  # an error inside a started stream (after the HTTP 200)
+                    rec.error = f"error event: {json.dumps(obj['error'])[:200]}"
+                    return rec
                 if obj.get("usage"):
                     rec.prompt_tokens = obj["usage"].get("prompt_tokens")
                     rec.output_tokens = obj["usage"].get("completion_tokens") or rec.output_tokens
@@ -89,6 +94,9 @@ async def one_request(client, url: str, body: dict, chat: bool) -> Record:
                         if rec.ttft is None:
                             rec.ttft = now
                         rec.chunk_times.append(now)
+        if not done:  # the server closed the stream early (llama.cpp's does on a too-long prompt)
+            rec.error = "the stream ended without [DONE]"
+            return rec
         rec.latency = time.perf_counter() - t0
         rec.output_tokens = rec.output_tokens or len(rec.chunk_times)
         rec.ok = True  # a stream that ends at once (EOS first) is a completed, 0-token request
@@ -233,7 +241,7 @@ def main(argv=None) -> int:
         recs, _ = asyncio.run(run_level(args.base_url, model, make_prompts(1, args.input_len, args.seed + 1),
                                         1, 8, args.chat, args.ignore_eos, args.api_key, args.timeout))
         if not recs[0].ok:
-            print(f"warm-up request failed: {recs[0].error}", file=sys.stderr)
+            print(f"error: the warm-up request failed: {recs[0].error}", file=sys.stderr)
             return 1
     for c in args.concurrency:
         n = args.num_prompts or max(16, 4 * c)
@@ -259,6 +267,12 @@ def main(argv=None) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
         print(f"wrote {args.out}")
+    failed = sum(r["failed"] for r in result["runs"])
+    if failed:  # the figures above leave those requests out: not a clean measurement
+        first = next(e for r in result["runs"] for e in r["errors"])
+        print(f"error: {failed} of {sum(r['num_prompts'] for r in result['runs'])} requests failed, "
+              f"e.g. {first}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -107,6 +107,7 @@ class _SamplingFields(_Request):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     user: Optional[str] = None
+    logit_bias: Optional[dict[str, float]] = None  # refused when not empty (serving.refuse_unsupported)
     # extras
     top_k: int = Field(0, ge=-1)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
@@ -172,6 +173,12 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
+    # known to OpenAI's API but not implemented here: refused by serving.refuse_unsupported
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Any] = None
+    functions: Optional[list[Any]] = None
+    function_call: Optional[Any] = None
+    response_format: Optional[Any] = None
 
 
 class TokenizeRequest(_Request):

@@ -86,6 +86,24 @@ def check_model(state: ServerState, name: str) -> None:
                        param="model", code="model_not_found")
 
 
+def refuse_unsupported(req: _SamplingFields) -> None:
+    """OpenAI fields this server does not implement get a 400 naming them, never a reply that
+    quietly ignored them (a client that asked for JSON or a tool call would get free text)."""
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")
+    if getattr(req, "tools", None) or getattr(req, "functions", None):
+        param = "tools" if getattr(req, "tools", None) else "functions"
+        raise APIError(400, "tools / function calling is not supported by this server", param=param)
+    for param in ("tool_choice", "function_call"):
+        if getattr(req, param, None) not in (None, "none", "auto"):
+            raise APIError(400, f"{param} is not supported by this server (no tools)", param=param)
+    fmt = getattr(req, "response_format", None)
+    kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+    if fmt is not None and kind != "text":
+        raise APIError(400, f"response_format {kind!r} is not supported by this server (only 'text')",
+                       param="response_format")
+
+
 def sampling_params(state: ServerState, req: _SamplingFields, prompt_len: int, max_tokens: int | None,
                     logprobs: int | None, param: str, choice_index: int) -> SamplingParams:
     context = state.engine.info.context_length

@@ -8,8 +8,8 @@ from server.errors import APIError
 from server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                              ChatCompletionChunk, ChatCompletionRequest, ChoiceLogprobs, DeltaMessage,
                              TokenLogprobOut, TopLogprobOut)
-from server.serving import (Job, ServerState, check_model, collect, new_id, run_job, run_to_reply,
-                            sse_error, start_job)
+from server.serving import (Job, ServerState, check_model, collect, new_id, refuse_unsupported, run_job,
+                            run_to_reply, sse_error, start_job)
 from server.textstream import LogprobEntry
 from quantserve.settings import UserError
 
@@ -35,6 +35,7 @@ def _logprobs_out(entries: list[LogprobEntry]) -> ChoiceLogprobs:
 
 def prepare(state: ServerState, req: ChatCompletionRequest) -> Job:
     check_model(state, req.model)
+    refuse_unsupported(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     prompt = render_prompt(state, req.messages)

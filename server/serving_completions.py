@@ -6,8 +6,8 @@ from typing import AsyncIterator
 
 from server.errors import APIError
 from server.protocol import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
-from server.serving import (Job, ServerState, check_model, collect, new_id, run_job, run_to_reply,
-                            sse_error, start_job)
+from server.serving import (Job, ServerState, check_model, collect, new_id, refuse_unsupported, run_job,
+                            run_to_reply, sse_error, start_job)
 from server.textstream import LogprobEntry
 
 DEFAULT_MAX_TOKENS = 16  # the OpenAI completions default
@@ -43,6 +43,7 @@ def _legacy_logprobs(entries: list[LogprobEntry], offset: int) -> CompletionLogp
 
 def prepare(state: ServerState, req: CompletionRequest) -> tuple[Job, list[str]]:
     check_model(state, req.model)
+    refuse_unsupported(req)
     if req.suffix:
         raise APIError(400, "suffix (fill-in-the-middle) is not supported by this server", param="suffix")
     if req.echo and req.logprobs is not None:

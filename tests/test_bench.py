@@ -166,3 +166,12 @@ def test_serve_against_nothing_is_one_line_and_exit_1(capsys):
     assert main(["--base-url", "http://127.0.0.1:9/v1", "--concurrency", "1"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: cannot reach http://127.0.0.1:9/v1/models")
+
+
+def test_failed_requests_make_the_run_exit_1(llama_server, capsys):
+    """Prompts longer than the server's 512-token context: every request fails, the table shows it
+    and the exit code says the figures are not a clean measurement."""
+    code = bs.main(["--base-url", llama_server, "--concurrency", "1", "--num-prompts", "2", "--input-len", "600",
+                    "--output-len", "4", "--no-warmup"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and err[-1].startswith("error: 2 of 2 requests failed, e.g. "), err

@@ -67,6 +67,8 @@ def test_two_process_zero(zero, small_data, tmp_path):
               "--max-steps", "8", "--micro-batch", "8", "--lr", "3e-3", "--audit-data")
     log = json.loads((out / "train_log.json").read_text())
     assert log["world_size"] == 2 and log["global_step"] == 8 and log["zero"] == zero
+    # a full fine-tune trains every parameter, ZeRO-3's partitioned ones included (once reported as 0)
+    assert log["trainable_params"] == log["params"] > 3e6, (log["trainable_params"], log["params"])
     # Every rank's memory report reached rank 0 (the figures themselves exist on GPUs only).
     assert [m["rank"] for m in log["gpu_memory"]] == [0, 1]
     assert_learns(out)

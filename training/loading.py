@@ -116,6 +116,10 @@ def wrap_lora(model, cfg: TrainConfig):
 
 
 def trainable_summary(model) -> tuple[int, int]:
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    return trainable, total
+    """(trainable, total) parameter counts; under ZeRO-3 a parameter's own tensor is an empty
+    placeholder and `ds_numel` is its real size."""
+    def size(p):
+        return getattr(p, "ds_numel", p.numel())
+
+    params = list(model.parameters())
+    return sum(size(p) for p in params if p.requires_grad), sum(size(p) for p in params)
