@@ -107,7 +107,7 @@ class _SamplingFields(_Request):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     user: Optional[str] = None
-    logit_bias: Optional[dict[str, float]] = None  # refused when not empty (serving.refuse_unsupported)
+    logit_bias: Optional[dict[str, float]] = None  # token id (a JSON key) -> bias; checked in serving
     # extras
     top_k: int = Field(0, ge=-1)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)

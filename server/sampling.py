@@ -29,6 +29,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token and the top k
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     @property
     def greedy(self) -> bool:
@@ -55,12 +56,16 @@ class SequenceSampler:
         self.seen = np.zeros(vocab_size, dtype=bool) if params.repetition_penalty != 1.0 else None
         if self.seen is not None:
             self.seen[np.minimum(np.asarray(prompt_ids, dtype=np.int64), vocab_size - 1)] = True
+        known = {t: b for t, b in params.logit_bias.items() if t < vocab_size}  # ids past the logits: no row
+        self.bias_ids = np.fromiter(known, dtype=np.int64) if known else None
+        self.bias = np.fromiter(known.values(), dtype=np.float32) if known else None
 
     @property
     def plain_greedy(self) -> bool:
         """Greedy with nothing else to compute: the token is the row's argmax, which the scheduler
         takes for the whole batch at once, where the logits are."""
-        return self.params.greedy and not self.params.penalised and self.params.logprobs is None
+        p = self.params
+        return p.greedy and not p.penalised and not p.logit_bias and p.logprobs is None
 
     def accept(self, token: int) -> None:
         """Record a token picked outside `sample` (a plain-greedy batch argmax)."""
@@ -73,6 +78,9 @@ class SequenceSampler:
         p = self.params
         raw = np.asarray(logits, dtype=np.float32)
         scores = self._penalise(raw) if p.penalised else raw
+        if self.bias_ids is not None:  # OpenAI's logit_bias: added before temperature and top-k/p
+            scores = scores.copy() if scores is raw else scores
+            scores[self.bias_ids] += self.bias
         if p.greedy:
             token = int(np.argmax(scores))
         else:

@@ -89,8 +89,6 @@ def check_model(state: ServerState, name: str) -> None:
 def refuse_unsupported(req: _SamplingFields) -> None:
     """OpenAI fields this server does not implement get a 400 naming them, never a reply that
     quietly ignored them (a client that asked for JSON or a tool call would get free text)."""
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")
     if getattr(req, "tools", None) or getattr(req, "functions", None):
         param = "tools" if getattr(req, "tools", None) else "functions"
         raise APIError(400, "tools / function calling is not supported by this server", param=param)
@@ -102,6 +100,23 @@ def refuse_unsupported(req: _SamplingFields) -> None:
     if fmt is not None and kind != "text":
         raise APIError(400, f"response_format {kind!r} is not supported by this server (only 'text')",
                        param="response_format")
+
+
+def logit_bias(bias: dict[str, float] | None, vocab: int) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids (as JSON keys) -> a bias in [-100, 100] added to the logit."""
+    out = {}
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise APIError(400, f"logit_bias keys are token ids, not {key[:40]!r}", param="logit_bias") from None
+        if not 0 <= token < vocab:
+            raise APIError(400, f"logit_bias token ids must be in [0, {vocab}) (got {token})", param="logit_bias")
+        if not -100 <= value <= 100:
+            raise APIError(400, f"logit_bias values must be in [-100, 100] (got {value} for token {token})",
+                           param="logit_bias")
+        out[token] = value
+    return out
 
 
 def sampling_params(state: ServerState, req: _SamplingFields, prompt_len: int, max_tokens: int | None,
@@ -125,7 +140,8 @@ def sampling_params(state: ServerState, req: _SamplingFields, prompt_len: int, m
         max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
         seed=None if req.seed is None else req.seed + choice_index,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        repetition_penalty=req.repetition_penalty, logprobs=logprobs, ignore_eos=req.ignore_eos)
+        repetition_penalty=req.repetition_penalty, logprobs=logprobs, ignore_eos=req.ignore_eos,
+        logit_bias=logit_bias(req.logit_bias, state.engine.tokenizer.vocab_size))
 
 
 def start_job(state: ServerState, req: _SamplingFields, prompts: list[list[int]], max_tokens: int | None,

@@ -183,18 +183,25 @@ def _cases() -> list[Case]:
           Case("suffix", body=completion(suffix="x"), param="suffix")]
     # ---- OpenAI features this server does not implement: refused by name, never quietly ignored
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    c += [Case("logit_bias", body=completion(logit_bias={"5": 100}), param="logit_bias"),
-          Case("chat logit_bias", "/v1/chat/completions", chat(logit_bias={"5": -100}), param="logit_bias"),
-          Case("logit_bias NaN", body=completion(logit_bias={"5": float("nan")}), param="logit_bias"),
-          Case("tools", "/v1/chat/completions", chat(tools=[tool]), param="tools"),
+    c += [Case("tools", "/v1/chat/completions", chat(tools=[tool]), param="tools"),
           Case("legacy functions", "/v1/chat/completions", chat(functions=[tool["function"]]), param="functions"),
           Case("tool_choice required", "/v1/chat/completions", chat(tool_choice="required"), param="tool_choice"),
           Case("response_format json_object", "/v1/chat/completions", chat(response_format={"type": "json_object"}),
                param="response_format"),
           Case("response_format json_schema", "/v1/chat/completions",
                chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), param="response_format"),
-          Case("empty logit_bias, tool_choice none, response_format text", "/v1/chat/completions",
-               chat(logit_bias={}, tool_choice="none", response_format={"type": "text"}), expect=200)]
+          Case("tool_choice none, response_format text", "/v1/chat/completions",
+               chat(tool_choice="none", response_format={"type": "text"}), expect=200)]
+    # ---- logit_bias: token ids as keys, biases in [-100, 100]
+    c += [Case("logit_bias", body=completion(logit_bias={"5": 100, "7": -100}), expect=200),
+          Case("chat logit_bias", "/v1/chat/completions", chat(logit_bias={"5": -3.5}), expect=200),
+          Case("logit_bias {}", body=completion(logit_bias={}), expect=200),
+          Case("logit_bias id past the vocabulary", body=completion(logit_bias={str(VOCAB): 1}), param="logit_bias"),
+          Case("logit_bias negative id", body=completion(logit_bias={"-1": 1}), param="logit_bias"),
+          Case("logit_bias word key", body=completion(logit_bias={"hello": 1}), param="logit_bias"),
+          Case("logit_bias 101", body=completion(logit_bias={"5": 101}), param="logit_bias"),
+          Case("logit_bias NaN", body=completion(logit_bias={"5": float("nan")}), param="logit_bias"),
+          Case("logit_bias a list", body=completion(logit_bias=[5, 100]), param="logit_bias")]
     # ---- token ids
     for ids in ([VOCAB], [2**31], [2**64], [-1], [[1, 2], [-5]], [[1, VOCAB + 5]], [1.5]):
         c.append(Case(f"prompt token ids {ids}", body=completion(prompt=ids), param="prompt"))

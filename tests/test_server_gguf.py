@@ -182,6 +182,23 @@ def test_32_concurrent_streams_are_correct_and_batched(server, reference):
     assert rows / steps >= 8
 
 
+def test_logit_bias_steers_the_gguf_engine(server, reference):
+    """llama.cpp's logits go through the same sampler: +100 on one token makes it every pick, at
+    temperature 0 and at 1 with top-p; -100 on the greedy token moves the first pick."""
+    token = reference.llm.tokenize(b" q", add_bos=False, special=False)[-1]
+    client = server.client()
+    for kw in (dict(temperature=0), dict(temperature=1.0, top_p=0.9, seed=3)):
+        r = client.completions.create(model="tiny-gguf", prompt="Repeat: a b", max_tokens=4,
+                                      logit_bias={str(token): 100}, extra_body={"ignore_eos": True}, **kw)
+        assert r.choices[0].text == reference.llm.detokenize([token] * 4).decode(), kw
+    plain = client.completions.create(model="tiny-gguf", prompt="Repeat: a b", max_tokens=1, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    first = reference.llm.tokenize(plain.choices[0].text.encode(), add_bos=False, special=False)[-1]
+    banned = client.completions.create(model="tiny-gguf", prompt="Repeat: a b", max_tokens=1, temperature=0,
+                                       logit_bias={str(first): -100}, extra_body={"ignore_eos": True})
+    assert banned.choices[0].text != plain.choices[0].text
+
+
 def test_q8_0_file_serves_llama_cpp_greedy_output(gguf_dirs, default_model):
     ref = LlamaReference(gguf_dirs["q8_0"] / "model.gguf", default_model)
     srv = ServerProcess(gguf_dirs["q8_0"], "--max-batch", "4", name="q8")

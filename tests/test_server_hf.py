@@ -200,6 +200,34 @@ def test_32_concurrent_streams_are_correct_and_batched(server, reference):
     assert rows / steps >= 8, f"continuous batching did not batch: mean decode batch {rows / steps:.1f}"
 
 
+def test_logit_bias_equals_transformers_sequence_bias(server, default_model):
+    """logit_bias adds to the logits before the pick, as transformers' `sequence_bias` does for
+    one-token sequences: banning the greedy first token, and nudging another, give its output."""
+    import torch
+
+    from quantserve.modeling import load_model, load_tokenizer
+
+    model, tok = load_model(default_model), load_tokenizer(default_model)
+    user = PROMPTS[0]
+    prompt = tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tok(prompt, add_special_tokens=False).input_ids])
+
+    def generate(bias: dict[int, float]) -> str:
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                             sequence_bias={(t,): float(b) for t, b in bias.items()} or None,
+                             pad_token_id=tok.pad_token_id)
+        return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+    plain_first = int(model(ids).logits[0, -1].argmax())
+    nudged = tok(" b", add_special_tokens=False).input_ids[-1]
+    for bias in ({plain_first: -100}, {plain_first: -100, nudged: 4}):
+        r = server.client().chat.completions.create(
+            model=server.model_name, messages=[{"role": "user", "content": user}], temperature=0, max_tokens=12,
+            logit_bias={str(t): b for t, b in bias.items()})
+        assert r.choices[0].message.content == generate(bias), bias
+    assert generate({plain_first: -100}) != generate({})  # the ban changed the answer
+
+
 def test_greedy_sampled_and_logprob_requests_share_a_batch(server):
     """Plain greedy rows take one batched argmax; seeded sampling and greedy-with-logprobs rows are
     sampled row by row.  Mixed in one batch, each request answers what it answers alone."""
