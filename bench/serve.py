@@ -269,7 +269,7 @@ def main(argv=None) -> int:
         print(f"wrote {args.out}")
     failed = sum(r["failed"] for r in result["runs"])
     if failed:  # the figures above leave those requests out: not a clean measurement
-        first = next(e for r in result["runs"] for e in r["errors"])
+        first = next((e for r in result["runs"] for e in r["errors"]), "no message")
         print(f"error: {failed} of {sum(r['num_prompts'] for r in result['runs'])} requests failed, "
               f"e.g. {first}", file=sys.stderr)
         return 1
