@@ -287,7 +287,7 @@ def main(argv=None) -> int:
     device = torch.device(caps.device)
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     compile = device.type == "cuda" and not args.no_compile
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = int_list(args.batches)
     cap = Cap(caps)
     torch.set_grad_enabled(False)
     cap.set(False)
@@ -307,7 +307,7 @@ def main(argv=None) -> int:
         cfg = llama_config(shape)
         fp16_bytes = _fp16_weight_bytes(cfg)
         fp16_fits = not cap.active or fp16_bytes / 2**30 < caps.memory_budget_gib - 1
-        for b in [int(x) for x in args.generate_batches.split(",") if x]:
+        for b in int_list(args.generate_batches):
             row = {"model": shape, "engine": "generate", "quant": "none", "batch": b, "capped": cap.active and fp16_fits}
             try:
                 cap.set(fp16_fits)

@@ -110,6 +110,13 @@ class ServerProcess:
                 return m
             time.sleep(0.05)
 
+    def decode_steps_and_rows(self, before: dict[str, float]) -> tuple[float, float]:
+        """Decode steps run and rows they advanced since the `before` reading, once idle; rows /
+        steps is the mean decode batch."""
+        after = self.wait_idle()
+        return tuple(after[f"quantserve:engine_decode_{k}_total"] - before[f"quantserve:engine_decode_{k}_total"]
+                     for k in ("steps", "rows"))
+
     def metrics(self) -> dict[str, float]:
         """The unlabelled samples of /metrics, name -> value."""
         out = {}
