@@ -52,15 +52,18 @@ def info(gpu_profile: Optional[str] = ProfileOpt,
 
 
 @app.command("default-model")
-def default_model(force: bool = typer.Option(False, help="Rebuild even when cached."),
+def default_model(rebuild: bool = typer.Option(False, "--rebuild", help="Build it from scratch into the cache "
+                                               "(minutes on a CPU) instead of using the shipped copy."),
+                  force: bool = typer.Option(False, help="With --rebuild: rebuild even when cached."),
                   quiet: bool = typer.Option(False, help="No progress bar.")) -> None:
-    """Build (or find in the cache) the embedded default model and print its folder."""
-    from quantserve.default_model import build_default_model
+    """Print the embedded default model's folder (shipped with the package; --rebuild builds one)."""
+    from quantserve.default_model import build_default_model, default_model_path
 
-    path = build_default_model(force=force, progress=not quiet)
+    path = build_default_model(force=force, progress=not quiet) if rebuild else default_model_path(not quiet)
     build = json.loads((path / "build.json").read_text())
     print(f"{path}  ({build['parameters'] / 1e6:.2f} M params, final loss {build['losses'][-1]:.3f}, "
-          f"built in {build['seconds']} s; loss curve: {path / 'loss.png'})")
+          f"{build['steps']} steps in {build['seconds']} s on {build['machine']}; "
+          f"loss curve: {path / 'loss.png'})")
 
 
 @app.command()

@@ -1,13 +1,17 @@
-"""The embedded default model: built, pretrained and cached by the project itself, offline.
+"""The embedded default model: built and pretrained by the project itself, offline, and shipped.
 
-A tiny `LlamaForCausalLM` (~3.7 M parameters) pretrained on the default corpus on a CPU in a few
-minutes.  Widths are multiples of 256 (hidden 256, feed-forward 768) so llama.cpp's k-quants
-(256-wide super-blocks) really apply to every matrix; 2 KV heads of 4 make it grouped-query, so
-converters must get the K permutation right.
+A tiny `LlamaForCausalLM` (~3.7 M parameters) pretrained on the default corpus on a CPU.  Widths
+are multiples of 256 (hidden 256, feed-forward 768) so llama.cpp's k-quants (256-wide
+super-blocks) really apply to every matrix; 2 KV heads of 4 make it grouped-query, so converters
+must get the K permutation right.
 
-The result is a plain Hugging Face checkpoint (safetensors + config + tokenizer) under the cache
-folder, keyed by a hash of the build settings, so a second call returns at once.  The same seed
-gives the same loss curve: the build is single-process, seeded and uses a fixed thread count.
+The built checkpoint ships in the package (`quantserve/assets/default-model/`, ~15 MB), so a
+fresh machine serves and fine-tunes it at once, and every machine starts from the same weights:
+floating-point kernels differ between CPUs (vendor, thread count), and a tiny model's training
+follows them down different paths.  The build stays a command (`quantserve default-model
+--rebuild`): it writes a plain Hugging Face checkpoint under the cache folder, keyed by a hash of
+the build settings.  The same seed on the same machine gives the same loss curve; across
+machines the skill gate below keeps the result's skills above their bars (bounded, logged).
 """
 
 from __future__ import annotations
@@ -25,7 +29,12 @@ from pathlib import Path
 from quantserve import corpus
 from quantserve.settings import UserError, cache_dir
 
-BUILD_VERSION = 4  # bump when the recipe below changes, so old caches are not reused
+BUILD_VERSION = 5  # bump when the recipe below changes, so old caches are not reused
+SHIPPED_DIR = Path(__file__).resolve().parent / "assets" / "default-model"
+
+# What the base model must be able to do (skill, split, bar); the task skill it must not.
+GATED_SKILLS = (("count", "heldout"), ("capital", "train"), ("next_letter", "train"))
+SKILL_BAR = 0.9
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,12 @@ class DefaultModelConfig:
     warmup_steps: int = 30
     seed: int = 0
     threads: int = 2
+    # the skill gate: after `steps`, train on in chunks at the final learning rate until every
+    # gated skill scores >= gate_bar on prompts the tests never use (bounded by gate_max_steps)
+    gate_bar: float = 0.975
+    gate_chunk: int = 100
+    gate_max_steps: int = 600
+    init_noise: float = 0.0  # relative noise on the initial weights: the robustness sweep's knob
 
     def key(self) -> str:
         blob = json.dumps({"v": BUILD_VERSION, **asdict(self)}, sort_keys=True).encode()
@@ -58,6 +73,19 @@ def default_model_dir(cfg: DefaultModelConfig = DefaultModelConfig(), root: Path
 
 def is_built(path: Path) -> bool:
     return (path / "model.safetensors").is_file() and (path / "build.json").is_file()
+
+
+def shipped_model() -> Path | None:
+    """The checkpoint shipped in the package, when it was built by the current recipe."""
+    if not is_built(SHIPPED_DIR):
+        return None
+    key = json.loads((SHIPPED_DIR / "build.json").read_text()).get("key")
+    return SHIPPED_DIR if key == DefaultModelConfig().key() else None
+
+
+def default_model_path(progress: bool = True) -> Path:
+    """The default model's folder: the shipped build, else one built (once) into the cache."""
+    return shipped_model() or build_default_model(progress=progress)
 
 
 def build_default_model(cfg: DefaultModelConfig = DefaultModelConfig(), root: Path | None = None,
@@ -125,40 +153,98 @@ def _build_into(out: Path, cfg: DefaultModelConfig, progress: bool) -> None:
         pad_token_id=tokenizer.pad_token_id,
     )
     model = LlamaForCausalLM(model_cfg)
+    if cfg.init_noise:
+        noise = torch.Generator().manual_seed(cfg.seed + 1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1 + cfg.init_noise * torch.randn(p.shape, generator=noise))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg))
     gen = torch.Generator().manual_seed(cfg.seed)
-
     losses: list[float] = []
-    bar = _progress(cfg.steps, progress)
-    model.train()
-    torch.set_grad_enabled(True)  # whatever a caller (an evaluation, a benchmark) left switched off
-    for step in range(cfg.steps):
-        batch = data[torch.randint(0, n_blocks, (cfg.batch_size,), generator=gen)]
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(round(loss.item(), 6))
-        bar(step, losses[-1])
-    bar(None, None)
 
-    out.mkdir(parents=True)
-    model.eval()
+    def train_steps(n: int, bar) -> None:
+        model.train()
+        torch.set_grad_enabled(True)  # whatever a caller (an evaluation, a benchmark) left off
+        for _ in range(n):
+            batch = data[torch.randint(0, n_blocks, (cfg.batch_size,), generator=gen)]
+            loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(round(loss.item(), 6))
+            bar(len(losses) - 1, losses[-1])
+
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id
+    padding_side = tokenizer.padding_side  # the gate's generation pads on the left
+    bar = _progress(cfg.steps, progress)
+    train_steps(cfg.steps, bar)
+    bar(None, None)
+    gate = [{"step": len(losses), "scores": skill_scores(model.eval(), tokenizer, GATE_EVAL_SEED)}]
+    while min(gate[-1]["scores"].values()) < cfg.gate_bar and len(losses) < cfg.steps + cfg.gate_max_steps:
+        _say(f"skill gate at step {len(losses)}: {gate[-1]['scores']} (bar {cfg.gate_bar}); "
+             f"training {cfg.gate_chunk} more steps", progress)
+        train_steps(cfg.gate_chunk, lambda step, loss: None)
+        gate.append({"step": len(losses), "scores": skill_scores(model.eval(), tokenizer, GATE_EVAL_SEED)})
+    passed = min(gate[-1]["scores"].values()) >= cfg.gate_bar
+    if not passed:
+        _say(f"warning: after {len(losses)} steps the skill gate still fails: {gate[-1]['scores']}", True)
+
+    tokenizer.padding_side = padding_side
+    out.mkdir(parents=True)
+    model.eval()
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     n_params = sum(p.numel() for p in model.parameters())
     (out / "build.json").write_text(json.dumps({
         "config": asdict(cfg), "key": cfg.key(), "parameters": n_params,
-        "tokens_seen": cfg.steps * cfg.batch_size * cfg.seq_len, "seconds": round(time.time() - t0, 1),
-        "losses": losses, "torch": torch.__version__,
+        "steps": len(losses), "tokens_seen": len(losses) * cfg.batch_size * cfg.seq_len,
+        "seconds": round(time.time() - t0, 1), "gate": gate, "gate_passed": passed,
+        "losses": losses, "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "machine": _machine(),
     }, indent=1))
     save_loss_plot(losses, out / "loss.png", f"default model pretraining ({n_params / 1e6:.1f} M params)")
+
+
+# The gate scores prompts drawn with its own seed; tests score with others.
+GATE_EVAL_SEED = 11
+
+
+def skill_scores(model, tokenizer, seed: int, n: int = 40) -> dict[str, float]:
+    """Greedy exact match on each gated skill, `n` prompts each."""
+    from quantserve.modeling import generate_chat
+
+    scores = {}
+    for skill, split in GATED_SKILLS:
+        exs = corpus.examples([skill], n, seed=seed, split=split)
+        answers = generate_chat(model, tokenizer, [e.prompt for e in exs], max_new_tokens=8)
+        scores[skill] = corpus.exact_match(answers, [e.answer for e in exs])
+    return scores
+
+
+def _machine() -> str:
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores"
+
+
+def _say(msg: str, enabled: bool) -> None:
+    if enabled:
+        import sys
+
+        print(msg, file=sys.stderr, flush=True)
 
 
 def corpus_text(ex: corpus.Example) -> str:
@@ -168,7 +254,8 @@ def corpus_text(ex: corpus.Example) -> str:
 def _lr_factor(step: int, cfg: DefaultModelConfig) -> float:
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    # past `steps` (the skill gate's extra chunks) the rate stays at its final value
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
@@ -214,5 +301,5 @@ def resolve_model(model: str | Path | None, progress: bool = True) -> Path:
     from quantserve.settings import require_checkpoint
 
     if model is None or str(model) == "default":
-        return build_default_model(progress=progress)
+        return default_model_path(progress=progress)
     return require_checkpoint(Path(model))

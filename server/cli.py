@@ -93,9 +93,9 @@ def serve(
     if log_level.lower() not in ("debug", "info", "warning", "error"):
         raise UserError(f"unknown --log-level {log_level!r}: choose debug, info, warning or error")
     if model == "default":
-        from quantserve.default_model import build_default_model
+        from quantserve.default_model import default_model_path
 
-        model = str(build_default_model(progress=False))
+        model = str(default_model_path(progress=False))
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if engine not in ("auto", "hf", "fast", "gguf"):
         raise UserError(f"unknown --engine {engine!r}: choose auto, hf, fast or gguf")

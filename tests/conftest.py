@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def default_model() -> Path:
-    """Folder of the embedded default checkpoint (built on first use, then reused)."""
-    from quantserve.default_model import build_default_model
+    """Folder of the embedded default checkpoint (the shipped build)."""
+    from quantserve.default_model import default_model_path
 
-    return build_default_model(progress=False)
+    return default_model_path(progress=False)

@@ -13,7 +13,7 @@ from quantserve.settings import UserError
 # Small enough to build twice in a few seconds; big enough for the loss to move.
 TINY = DefaultModelConfig(hidden_size=64, intermediate_size=256, num_layers=2, num_heads=2,
                           num_kv_heads=1, examples=2000, steps=12, batch_size=4, seq_len=64,
-                          vocab_target=400, warmup_steps=2)
+                          vocab_target=400, warmup_steps=2, gate_max_steps=0)
 
 
 def test_same_seed_gives_the_same_loss_curve_and_weights(tmp_path):

@@ -189,21 +189,43 @@ def test_gguf_metadata(outputs, default_model):
     assert q8["tensor_types"] == {"F32": 9, "Q8_0": 30}
 
 
+# Greedy decoding along transformers' path, scored where transformers is decisive.  A quantized
+# model may flip a near-tie (and which way depends on the CPU's arithmetic: on one machine Q4_K_M
+# wrote 'b f i j', on another 'b f g i'), so a step counts only where transformers' top-2 logit
+# gap exceeds DECISIVE[fmt]; there the top tokens must agree, and over all steps at least
+# AGREEMENT[fmt] of them.
+DECISIVE = {"gguf-f16": 0.05, "gguf-q8_0": 0.25, "gguf-q4_k_m": 1.0}
+AGREEMENT = {"gguf-f16": 0.95, "gguf-q8_0": 0.9, "gguf-q4_k_m": 0.75}
+GREEDY_PROMPTS = ["What is 12 + 30?", "How many letters?\nd a c b", "What is the capital of Zafira?",
+                  "Sort: d a c b", "Repeat: k l m", "What comes after q?"]
+
+
 @pytest.mark.parametrize("fmt", ["gguf-f16", "gguf-q8_0", "gguf-q4_k_m"])
 def test_gguf_generates_like_transformers(fmt, outputs, hf):
-    """Greedy answers from llama.cpp equal transformers' on easy prompts."""
-    from quantserve.modeling import generate_chat
+    """llama.cpp's next token equals transformers' at every decisive step of its greedy answers."""
+    import torch
 
     model, tok = hf
-    prompts = ["What is 12 + 30?", "Sort: d a c b", "Repeat: k l m"]
-    expected = generate_chat(model, tok, prompts, max_new_tokens=12)
-    llm = llamacpp.load(outputs[fmt] / "model.gguf", n_ctx=128, logits_all=False)
+    llm = llamacpp.load(outputs[fmt] / "model.gguf", n_ctx=128)
+    steps = agree = 0
     try:
-        got = [tok.decode(llamacpp.greedy(llm, chat_ids(tok, p), 12), skip_special_tokens=True).strip()
-               for p in prompts]
+        for prompt in GREEDY_PROMPTS:
+            ids = chat_ids(tok, prompt)
+            with torch.no_grad():
+                out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                                     pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+            path = out[0].tolist()
+            ref, got = hf_logits(model, path), llamacpp.logits(llm, path)
+            for pos in range(len(ids) - 1, len(path) - 1):
+                top2 = np.sort(ref[pos])[-2:]
+                same = int(got[pos].argmax()) == int(ref[pos].argmax())
+                steps, agree = steps + 1, agree + same
+                if top2[1] - top2[0] > DECISIVE[fmt]:
+                    assert same, (prompt, tok.decode(path[len(ids):pos + 1]), float(top2[1] - top2[0]))
     finally:
         llm.close()
-    assert got == expected
+    print(f"{fmt}: top-1 agreement {agree}/{steps} along transformers' greedy path")
+    assert agree / steps >= AGREEMENT[fmt]
 
 
 def test_kquant_really_uses_k_blocks(outputs):
