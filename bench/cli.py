@@ -22,7 +22,7 @@ def _forward(main, ctx: typer.Context) -> None:
 @app.command(context_settings=PASS)
 def decode(ctx: typer.Context) -> None:
     """Decode tok/s of the fast core vs plain generate, with roofline % (see --help)."""
-    from bench.decode import main
+    from quantserve.bench.decode import main
 
     _forward(main, ctx)
 
@@ -30,7 +30,7 @@ def decode(ctx: typer.Context) -> None:
 @app.command(context_settings=PASS)
 def serve(ctx: typer.Context) -> None:
     """Load an OpenAI-compatible server: TTFT/TPOT/ITL and throughput vs concurrency (see --help)."""
-    from bench.serve import main
+    from quantserve.bench.serve import main
 
     _forward(main, ctx)
 
@@ -38,6 +38,6 @@ def serve(ctx: typer.Context) -> None:
 @app.command(context_settings=PASS)
 def plot(ctx: typer.Context) -> None:
     """Plot throughput and p99 TPOT vs concurrency for several bench serve JSONs (see --help)."""
-    from bench.plot import main
+    from quantserve.bench.plot import main
 
     _forward(main, ctx)

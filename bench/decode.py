@@ -26,7 +26,7 @@ import time
 import traceback
 from pathlib import Path
 
-from bench.args import Parser, choice_list, int_list, positive_int
+from quantserve.bench.args import Parser, choice_list, int_list, positive_int
 
 SHAPES = {
     # name: (hidden, ffn, layers, heads, kv_heads, vocab, rope_theta)
@@ -162,7 +162,7 @@ def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], p
     `new_tokens` steps feeding the argmax back on the device (no host sync inside the loop)."""
     import torch
 
-    from server.fastcore import FastCore
+    from quantserve.server.fastcore import FastCore
 
     t0 = time.perf_counter()
     max_seq = -(-(prompt_len + new_tokens + 8) // 256) * 256
@@ -224,7 +224,7 @@ def fit_check(cfg, device, caps, quant: str, kernel: str, slots: int = 8, seq: i
     """Under the cap: weights + a KV cache of `slots` x `seq`, every slot filled to ~seq, one step."""
     import torch
 
-    from server.fastcore import FastCore
+    from quantserve.server.fastcore import FastCore
 
     core = FastCore(None, random_config=cfg, max_slots=slots, max_seq=seq, device=device,
                     weight_quant=quant, quant_kernel=kernel, compile=False, profile=caps.profile)

@@ -31,7 +31,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-from bench.args import Parser
+from quantserve.bench.args import Parser
 
 TASK_BAR = 0.90  # what the pipeline promises over HTTP, and the fine-tune test asks
 
@@ -63,10 +63,10 @@ def perturbed_copy(src: Path, dst: Path, noise: float, seed: int) -> Path:
 
 def finetune_score(base: Path, work: Path, seed: int, threads: int) -> dict:
     """The pipeline's fine-tune (training defaults) from `base`; held-out task exact match."""
-    from quantserve.corpus import read_examples, write_default_data
+    from quantserve.demo.corpus import read_examples, write_default_data
     from quantserve.modeling import load_model, load_tokenizer, task_accuracy
-    from training.config import TrainConfig
-    from training.train import train
+    from quantserve.training.config import TrainConfig
+    from quantserve.training.train import train
 
     files = write_default_data(work / "data")
     t0 = time.time()
@@ -85,8 +85,8 @@ def one_run(stage: str, seed: int, threads: int, noise: float, keep: Path | None
     with tempfile.TemporaryDirectory(prefix="qs-sweep-") as tmp:
         work = Path(tmp)
         if stage == "pretrain":
-            from quantserve import corpus
-            from quantserve.default_model import DefaultModelConfig, build_default_model, skill_scores
+            from quantserve.demo import corpus
+            from quantserve.demo.default_model import DefaultModelConfig, build_default_model, skill_scores
             from quantserve.modeling import load_model, load_tokenizer, task_accuracy
 
             cfg = DefaultModelConfig(seed=seed, threads=threads, init_noise=noise)
@@ -98,7 +98,7 @@ def one_run(stage: str, seed: int, threads: int, noise: float, keep: Path | None
                        skills=skill_scores(model, tok, seed=7),  # the tests' prompts
                        task_before=task_accuracy(model, tok, corpus.task_examples(60, "heldout")))
         else:
-            from quantserve.default_model import shipped_model
+            from quantserve.demo.default_model import shipped_model
 
             shipped = shipped_model()
             if shipped is None:

@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     import torch
     import triton.testing
 
-    from server.fastcore.quant import make_linear
+    from quantserve.server.fastcore.quant import make_linear
 
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     torch.manual_seed(0)
@@ -88,7 +88,7 @@ def gpu_time(fn) -> float:
 
 def tuner_timings() -> dict:
     """Each Triton autotuner's latest {config: [median, p20, p80] ms}: the object changes when it tunes."""
-    from server.fastcore import triton_gemv, triton_mm
+    from quantserve.server.fastcore import triton_gemv, triton_mm
 
     tuners = {"tiled int8": triton_mm.int8_kernel, "tiled int4": triton_mm.int4_kernel,
               "gemv int8": triton_gemv.int8_gemv_kernel, "gemv int4": triton_gemv.int4_gemv_kernel}
@@ -99,7 +99,7 @@ def triton_details(weights: str, mod, x, tuned: dict) -> dict:
     """Which kernel and config the launcher kept, every config's time the autotuners measured for
     this shape, and the kept one re-timed with Triton's plain int -> float conversion instead of
     the bit-pattern one (triton_dequant.py): the same-run baseline for that choice."""
-    from server.fastcore import triton_mm
+    from quantserve.server.fastcore import triton_mm
 
     M, K = x.shape
     N = mod.weight.shape[0]

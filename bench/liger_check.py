@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from training.loading import apply_liger
+from quantserve.training.loading import apply_liger
 
 
 def peak_step(liger: bool) -> float:

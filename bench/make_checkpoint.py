@@ -35,11 +35,11 @@ def main() -> None:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     if args.tokenizer is None:
-        from quantserve.default_model import build_default_model
+        from quantserve.demo.default_model import default_model_path
 
-        args.tokenizer = build_default_model(progress=False)
+        args.tokenizer = default_model_path(progress=False)
     tok = AutoTokenizer.from_pretrained(str(args.tokenizer))
-    from training.plan import SHAPES as PUBLIC_SHAPES
+    from quantserve.training.plan import SHAPES as PUBLIC_SHAPES
 
     public = PUBLIC_SHAPES[args.shape]
     vocab, tied = (public["vocab_size"], public["tie_word_embeddings"]) if args.shape_vocab else (len(tok), False)

@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.args import Parser, existing_file
+from quantserve.bench.args import Parser, existing_file
 
 
 def load_result(path: str) -> dict:

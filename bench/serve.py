@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench.args import Parser, existing_file, int_list, non_negative_int, positive_int
+from quantserve.bench.args import Parser, existing_file, int_list, non_negative_int, positive_int
 
 WORDS = ("the of and to in is was for on that with as by at from it his an were are which this be "
          "also or had first one their its new after who they two her she been other when there all "

@@ -149,8 +149,8 @@ def gqa_probe(device: str) -> str:
 def row_hf(args, caps, name: str, ckpt: bool, liger: bool) -> Result:
     import torch
 
-    from training.loading import apply_liger, enable_checkpointing
-    from training.plan import SHAPES, Shape, setup_row
+    from quantserve.training.loading import apply_liger, enable_checkpointing
+    from quantserve.training.plan import SHAPES, Shape, setup_row
     from transformers import LlamaConfig
 
     res = Result(name)
@@ -185,10 +185,10 @@ def row_zero2(args, caps, offload: str) -> Result:
     import torch
     from transformers import LlamaConfig
 
-    from training import distributed
-    from training.ds_config import build
-    from training.loading import apply_liger, enable_checkpointing
-    from training.plan import SHAPES, Shape, setup_row
+    from quantserve.training import distributed
+    from quantserve.training.ds_config import build
+    from quantserve.training.loading import apply_liger, enable_checkpointing
+    from quantserve.training.plan import SHAPES, Shape, setup_row
 
     name = "ZeRO-2" + (" + optimizer offload" if offload != "none" else "")
     res = Result(name)
@@ -254,9 +254,9 @@ def rows_qlora(args, caps) -> list[Result]:
     from transformers import LlamaConfig
 
     from quantserve.capabilities import apply_profile, detect
-    from training.config import TrainConfig
-    from training.loading import apply_liger, enable_checkpointing, wrap_lora
-    from training.plan import SHAPES, Shape, setup_row
+    from quantserve.training.config import TrainConfig
+    from quantserve.training.loading import apply_liger, enable_checkpointing, wrap_lora
+    from quantserve.training.plan import SHAPES, Shape, setup_row
 
     dev = caps.device
     shape = TINY if args.quick else SHAPES["llama-3.1-8b"]

@@ -72,7 +72,7 @@ def run_train(args, zero: int, nproc: int, data: Path, out: Path) -> dict:
 
 def plan_figures(args, model_config, row: dict) -> dict:
     """`quantserve plan`'s prediction for this run's setup, in GiB per GPU."""
-    from training.plan import plan_for_config
+    from quantserve.training.plan import plan_for_config
 
     accumulate = args.global_batch > args.micro_batch * row["nproc"]
     report = plan_for_config(model_config, seq_len=args.seq_len, micro_batch=args.micro_batch,
@@ -143,9 +143,10 @@ def main() -> None:
 
     from transformers import AutoConfig
 
-    from quantserve.default_model import resolve_model
+    import quantserve.demo  # noqa: F401  (registers "default")
+    from quantserve.settings import resolve_checkpoint
 
-    args.model = resolve_model(args.model, progress=False)
+    args.model = resolve_checkpoint(args.model, progress=False)
     model_config = AutoConfig.from_pretrained(str(args.model))
     args.out.mkdir(parents=True, exist_ok=True)
     data = args.out / "data.jsonl"

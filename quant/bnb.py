@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from quant.source import Checkpoint, require_causal_lm
+from quantserve.quant.source import Checkpoint, require_causal_lm
 from quantserve.settings import UserError
 
 BNB_FORMATS = ("bnb-int8", "bnb-nf4", "bnb-fp4")

@@ -21,9 +21,9 @@ DEFAULT_TABLE_FORMATS = "gguf-f16,gguf-q8_0,bnb-int8,gguf-q6_k,gguf-q5_k_m,gguf-
 
 
 def _source(src: str) -> Path:
-    from quantserve.default_model import resolve_model
+    from quantserve.settings import resolve_checkpoint
 
-    return resolve_model(None if src == "default" else src)
+    return resolve_checkpoint(src)
 
 
 @app.command()
@@ -38,9 +38,9 @@ def convert(src: str = typer.Argument(..., help="Checkpoint folder (or LoRA adap
                                                   "manifest's serving-memory estimate (default: the model's)."),
             quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars.")) -> None:
     """Convert SRC to one quantized format in a new folder with a manifest.json."""
-    from quant.convert import check_format
-    from quant.convert import convert as do_convert
-    from quant.manifest import read_manifest
+    from quantserve.quant.convert import check_format
+    from quantserve.quant.convert import convert as do_convert
+    from quantserve.quant.manifest import read_manifest
 
     check_format(format)  # before building or loading anything
     path = do_convert(_source(src), format, out, force=force, progress=not quiet, context=context)
@@ -57,7 +57,7 @@ def eval_(src: str = typer.Argument(..., help="The source checkpoint folder ('de
                                               "or plain text (default: the default corpus's held-out split)."),
           as_json: bool = typer.Option(False, "--json", help="Print the row as JSON.")) -> None:
     """Perplexity of both, top-1 agreement and relative logit error; saved into the manifest."""
-    from quant.evaluate import evaluate
+    from quantserve.quant.evaluate import evaluate
 
     row = evaluate(_source(src), quantized, text)
     if as_json:
@@ -71,8 +71,8 @@ def inspect(path: Path = typer.Argument(..., help="A .gguf or .safetensors file,
             tensors: bool = typer.Option(False, "--tensors", help="List every tensor."),
             as_json: bool = typer.Option(False, "--json", help="Print everything as JSON.")) -> None:
     """Print what a file or folder is: format, tensors, metadata."""
-    from quant.inspect import format_report
-    from quant.inspect import inspect as do_inspect
+    from quantserve.quant.inspect import format_report
+    from quantserve.quant.inspect import inspect as do_inspect
 
     info = do_inspect(path)
     print(json.dumps(info, indent=1, default=str) if as_json else format_report(info, tensors))
@@ -81,7 +81,7 @@ def inspect(path: Path = typer.Argument(..., help="A .gguf or .safetensors file,
 @app.command()
 def formats() -> None:
     """List the output formats."""
-    from quant.convert import FORMATS
+    from quantserve.quant.convert import FORMATS
 
     print("\n".join(FORMATS))
 
@@ -93,8 +93,8 @@ def table(src: str = typer.Argument("default", help="Checkpoint folder; 'default
           text: Optional[Path] = typer.Option(None, "--text", help="Held-out text (see `quant eval`)."),
           force: bool = typer.Option(False, "--force", help="Re-convert outputs that exist.")) -> None:
     """Convert SRC to each format and print the quality table (markdown)."""
-    from quant.convert import check_format, convert as do_convert
-    from quant.evaluate import evaluate
+    from quantserve.quant.convert import check_format, convert as do_convert
+    from quantserve.quant.evaluate import evaluate
 
     fmts = [check_format(f) for f in formats.split(",") if f.strip()]
     source = _source(src)

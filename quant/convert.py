@@ -15,10 +15,10 @@ import shutil
 import time
 from pathlib import Path
 
-from quant.bnb import BNB_FORMATS, write_bnb
-from quant.llamacpp import KQUANT_FTYPES
-from quant.manifest import build_manifest, write_manifest
-from quant.source import open_checkpoint, require_causal_lm, require_gguf_architecture
+from quantserve.quant.bnb import BNB_FORMATS, write_bnb
+from quantserve.quant.llamacpp import KQUANT_FTYPES
+from quantserve.quant.manifest import build_manifest, write_manifest
+from quantserve.quant.source import open_checkpoint, require_causal_lm, require_gguf_architecture
 from quantserve.settings import UserError
 
 GGUF_WRITTEN = {"gguf-f32": "f32", "gguf-f16": "f16", "gguf-q8_0": "q8_0"}  # by our own writer
@@ -151,8 +151,8 @@ def convert(src: Path, fmt: str, out: Path, force: bool = False, progress: bool 
     `context` is the context length the manifest's serving-memory estimate assumes (default: the
     model's own maximum).
     """
-    from quant.gguf_export import write_gguf
-    from quant.source import parameter_count
+    from quantserve.quant.gguf_export import write_gguf
+    from quantserve.quant.source import parameter_count
 
     t0 = time.time()
     fmt = check_format(fmt)
@@ -194,9 +194,9 @@ def convert(src: Path, fmt: str, out: Path, force: bool = False, progress: bool 
 
 def _write_kquant(ckpt, tmp: Path, kind: str, progress: bool) -> dict:
     """Our F16 GGUF first, then llama.cpp's quantizer; only the quantized file is kept."""
-    from quant.gguf_export import write_gguf
-    from quant.inspect import gguf_tensor_types
-    from quant.llamacpp_worker import quantize
+    from quantserve.quant.gguf_export import write_gguf
+    from quantserve.quant.inspect import gguf_tensor_types
+    from quantserve.quant.llamacpp_worker import quantize
 
     f16 = tmp / ".model-f16.gguf"
     summary = write_gguf(ckpt, f16, "f16", progress)

@@ -18,8 +18,8 @@ import json
 import tempfile
 from pathlib import Path
 
-from quant.manifest import MANIFEST, read_manifest, write_manifest
-from quant.source import open_checkpoint
+from quantserve.quant.manifest import MANIFEST, read_manifest, write_manifest
+from quantserve.quant.source import open_checkpoint
 from quantserve.settings import UserError
 
 WINDOW = 256  # tokens per scored window; each window starts from an empty context
@@ -32,12 +32,10 @@ def heldout_documents(text_file: Path | None, tokenizer) -> tuple[list[str], str
     `quantserve data` writes as heldout.jsonl).  A .jsonl of {"messages": [...]} records is
     rendered the same way; any other file is plain text, one document per blank-line block.
     """
-    from quantserve import corpus
-    from quantserve.tokenizer_build import render_chat
+    from quantserve.settings import default_eval_text
 
     if text_file is None:
-        exs = corpus.examples(corpus.PRETRAIN_SKILLS + [corpus.TASK_SKILL], 400, 2000, "heldout")
-        return [render_chat(tokenizer, e.messages()) for e in exs], "default corpus held-out split (400 chats)"
+        return default_eval_text(tokenizer)
     path = Path(text_file)
     if not path.is_file():
         raise UserError(f"{path}: no such text file")
@@ -51,7 +49,7 @@ def heldout_documents(text_file: Path | None, tokenizer) -> tuple[list[str], str
             if not line.strip():
                 continue
             try:
-                docs.append(render_chat(tokenizer, json.loads(line)["messages"]))
+                docs.append(tokenizer.apply_chat_template(json.loads(line)["messages"], tokenize=False))
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise UserError(f"{path}:{n}: not a {{\"messages\": [...]}} record") from e
     else:
@@ -88,7 +86,7 @@ def transformers_logits(model, windows: list[list[int]]):
 
 def gguf_logits(path: Path, windows: list[list[int]]):
     """llama.cpp's logits for each window, computed in a worker process (quant/llamacpp_worker.py)."""
-    from quant.llamacpp_worker import LogitsWorker
+    from quantserve.quant.llamacpp_worker import LogitsWorker
 
     with LogitsWorker(path, n_ctx=max(len(w) for w in windows)) as worker:
         return [worker.logits(w) for w in windows]
@@ -177,7 +175,7 @@ def evaluate(src: Path, quantized: Path, text_file: Path | None = None) -> dict:
             q_logits = gguf_logits(target, windows)
             size = target.stat().st_size
         else:
-            from quant.bnb import load_bnb
+            from quantserve.quant.bnb import load_bnb
 
             q_logits = transformers_logits(load_bnb(target), windows)
             size = sum(f.stat().st_size for f in target.glob("*.safetensors"))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from quant.source import Checkpoint, require_gguf_architecture
+from quantserve.quant.source import Checkpoint, require_gguf_architecture
 from quantserve.settings import UserError
 
 # our format name → (gguf file type, the ggml type of 2-D weight matrices)
@@ -86,7 +86,7 @@ def write_gguf(ckpt: Checkpoint, out_file: Path, outtype: str, progress: bool = 
     import gguf
     import numpy as np
 
-    from quant.gguf_vocab import add_tokenizer
+    from quantserve.quant.gguf_vocab import add_tokenizer
 
     if outtype not in OUTTYPES:
         raise UserError(f"unknown GGUF output type {outtype!r} (known: {', '.join(OUTTYPES)})")

@@ -11,8 +11,8 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from quant.manifest import MANIFEST
-from quant.source import check_safetensors, read_json
+from quantserve.quant.manifest import MANIFEST
+from quantserve.quant.source import check_safetensors, read_json
 from quantserve.settings import UserError
 
 GGUF_MAGIC = b"GGUF"

@@ -6,10 +6,10 @@ process where torch had already created a CUDA context, while a fresh process ra
 worker also becomes one clear error instead of killing the caller.  The worker imports numpy and
 llama_cpp only, never torch.
 
-    python -m quant.llamacpp_worker logits FILE.gguf N_CTX
+    python -m quantserve.quant.llamacpp_worker logits FILE.gguf N_CTX
         stdin: one JSON list of token ids per line; stdout, per line: rows and cols as two
         little-endian int32, then rows x cols float32 logits (one row per input position)
-    python -m quant.llamacpp_worker quantize SRC.gguf DST.gguf KIND
+    python -m quantserve.quant.llamacpp_worker quantize SRC.gguf DST.gguf KIND
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class LogitsWorker:
     def __init__(self, path: Path, n_ctx: int):
         self.path = Path(path)
         self._stderr = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "quant.llamacpp_worker", "logits", str(self.path),
+        self.proc = subprocess.Popen([sys.executable, "-m", "quantserve.quant.llamacpp_worker", "logits", str(self.path),
                                       str(n_ctx)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._stderr)
 
@@ -91,14 +91,14 @@ class LogitsWorker:
 
 def quantize(src_gguf: Path, dst_gguf: Path, kind: str) -> None:
     """llamacpp.quantize, run in a worker process."""
-    proc = subprocess.run([sys.executable, "-m", "quant.llamacpp_worker", "quantize", str(src_gguf), str(dst_gguf),
+    proc = subprocess.run([sys.executable, "-m", "quantserve.quant.llamacpp_worker", "quantize", str(src_gguf), str(dst_gguf),
                            kind], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         raise _failure(proc, proc.stderr, f"quantizing {src_gguf} to {kind.upper()}")
 
 
 def _serve_logits(path: str, n_ctx: int) -> None:
-    from quant import llamacpp
+    from quantserve.quant import llamacpp
 
     llm = llamacpp.load(Path(path), n_ctx=n_ctx)
     out = sys.stdout.buffer
@@ -111,7 +111,7 @@ def _serve_logits(path: str, n_ctx: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from quant import llamacpp
+    from quantserve.quant import llamacpp
 
     try:
         if argv[:1] == ["logits"] and len(argv) == 3:

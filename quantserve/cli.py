@@ -12,6 +12,7 @@ from typing import Optional
 
 import typer
 
+import quantserve.demo  # noqa: F401  (registers the name "default" for every command below)
 from quantserve.cli_util import new_app, run
 
 app = new_app("Fine-tune, quantize and serve a language model on one T4-class GPU.")
@@ -57,7 +58,7 @@ def default_model(rebuild: bool = typer.Option(False, "--rebuild", help="Build i
                   force: bool = typer.Option(False, help="With --rebuild: rebuild even when cached."),
                   quiet: bool = typer.Option(False, help="No progress bar.")) -> None:
     """Print the embedded default model's folder (shipped with the package; --rebuild builds one)."""
-    from quantserve.default_model import build_default_model, default_model_path
+    from quantserve.demo.default_model import build_default_model, default_model_path
 
     path = build_default_model(force=force, progress=not quiet) if rebuild else default_model_path(not quiet)
     build = json.loads((path / "build.json").read_text())
@@ -70,7 +71,7 @@ def default_model(rebuild: bool = typer.Option(False, "--rebuild", help="Build i
 def data(out: Path = typer.Option(..., help="Folder to write the default task data into."),
          seed: int = 0) -> None:
     """Write the default corpus's fine-tune task data and held-out text as JSONL."""
-    from quantserve.corpus import write_default_data
+    from quantserve.demo.corpus import write_default_data
 
     for name, path in write_default_data(out, seed).items():
         print(f"{name}: {path}")
@@ -81,10 +82,10 @@ def generate(prompt: str = typer.Argument(..., help="A user message."),
              model: Optional[str] = typer.Option(None, help="Checkpoint folder; default: the embedded model."),
              max_tokens: int = typer.Option(32, min=1, max=4096)) -> None:
     """Answer one chat message greedily with plain transformers (the reference path)."""
-    from quantserve.default_model import resolve_model
+    from quantserve.settings import resolve_checkpoint
     from quantserve.modeling import generate_chat, load_model, load_tokenizer
 
-    path = resolve_model(model)
+    path = resolve_checkpoint(model)
     tok = load_tokenizer(path)
     print(generate_chat(load_model(path), tok, [prompt], max_new_tokens=max_tokens)[0])
 
@@ -118,10 +119,10 @@ def pipeline(
 
 # Subcommands owned by the other packages.  Their cli modules import only typer at module level
 # (torch, transformers, llama_cpp load inside the commands), so `quantserve --help` stays instant.
-from bench.cli import app as _bench_app  # noqa: E402
-from quant import cli as _quant_cli  # noqa: E402
-from server.cli import serve as _serve  # noqa: E402
-from training.cli import plan_command, train_command  # noqa: E402
+from quantserve.bench.cli import app as _bench_app  # noqa: E402
+from quantserve.quant import cli as _quant_cli  # noqa: E402
+from quantserve.server.cli import serve as _serve  # noqa: E402
+from quantserve.training.cli import plan_command, train_command  # noqa: E402
 
 app.command("plan")(plan_command)
 app.command("train")(train_command)
@@ -134,6 +135,11 @@ app.add_typer(_bench_app, name="bench")
 
 def main() -> None:
     run(app, "quantserve")
+
+
+def quant_main() -> None:
+    """The `quant` command: quantserve.quant's own CLI, with the demo's names registered."""
+    _quant_cli.main()
 
 
 if __name__ == "__main__":

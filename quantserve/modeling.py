@@ -142,9 +142,16 @@ def generate_chat(model, tokenizer, prompts: list[str], max_new_tokens: int = 24
     return [a.strip() for a in answers]
 
 
+def exact_match(predictions: list[str], references: list[str]) -> float:
+    """Fraction of predictions equal to their reference after trimming whitespace."""
+    if len(predictions) != len(references):
+        raise ValueError("predictions and references differ in length")
+    if not references:
+        return 0.0
+    return sum(p.strip() == r.strip() for p, r in zip(predictions, references)) / len(references)
+
+
 def task_accuracy(model, tokenizer, examples) -> float:
     """Exact-match accuracy of greedy answers on `corpus.Example`s."""
-    from quantserve.corpus import exact_match
-
     preds = generate_chat(model, tokenizer, [e.prompt for e in examples])
     return exact_match(preds, [e.answer for e in examples])

@@ -121,9 +121,9 @@ def say(msg: str) -> None:
 
 
 def run_pipeline(cfg: PipelineConfig) -> dict:
-    from quant.convert import FORMATS
-    from quantserve import corpus
-    from quantserve.default_model import resolve_model
+    from quantserve.quant.convert import FORMATS
+    from quantserve.demo import corpus
+    from quantserve.demo.default_model import resolve_model
 
     unknown = [f for f in cfg.formats if f not in FORMATS]
     if unknown:
@@ -196,7 +196,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
 
 
 def _print_plan(base: Path, cfg: PipelineConfig) -> None:
-    from training.plan import plan, print_report
+    from quantserve.training.plan import plan, print_report
 
     try:
         print_report(plan(model=str(base), seq_len=256, micro_batch=32, method=cfg.method))
@@ -206,8 +206,8 @@ def _print_plan(base: Path, cfg: PipelineConfig) -> None:
 
 def _train(base: Path, data: Path, out: Path, cfg: PipelineConfig, heldout) -> dict:
     from quantserve.modeling import load_model, load_tokenizer, reference_run, task_accuracy
-    from training.config import TrainConfig
-    from training.train import train
+    from quantserve.training.config import TrainConfig
+    from quantserve.training.train import train
 
     tok = load_tokenizer(base)
     with reference_run(load_model(base)) as model:
@@ -227,8 +227,8 @@ def _train(base: Path, data: Path, out: Path, cfg: PipelineConfig, heldout) -> d
 
 
 def _convert_and_eval(src: Path, fmt: str, out: Path, cfg: PipelineConfig) -> dict:
-    from quant.convert import convert
-    from quant.evaluate import evaluate
+    from quantserve.quant.convert import convert
+    from quantserve.quant.evaluate import evaluate
 
     convert(src, fmt, out, force=True, progress=cfg.progress)
     return evaluate(src, out)
@@ -308,7 +308,7 @@ def _serve_and_score(model: Path, heldout, cfg: PipelineConfig) -> dict:
         with ThreadPoolExecutor(cfg.concurrency) as pool:
             answers = list(pool.map(ask, [e.prompt for e in heldout]))
         wall = time.time() - t0
-    from quantserve.corpus import exact_match
+    from quantserve.demo.corpus import exact_match
 
     accuracy = exact_match([a for a, _ in answers], [e.answer for e in heldout])
     tokens = sum(n for _, n in answers)

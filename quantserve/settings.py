@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
 
 
 class UserError(Exception):
@@ -36,3 +37,37 @@ def require_checkpoint(path: Path) -> Path:
     if not has_weights:
         raise UserError(f"{path}: checkpoint has config.json but no weight files (*.safetensors)")
     return path
+
+
+# Names a user may type instead of a path ("default": the embedded model).  The layers below the
+# CLI (server, quant, training) resolve `--model` here and never import what a name stands for;
+# the CLI layer registers the names it offers (quantserve.demo registers "default").
+_MODEL_NAMES: dict[str, Callable[[bool], Path]] = {}
+# The same for the text `quant eval` scores when it is given none: name -> f(tokenizer) -> documents
+_EVAL_TEXTS: dict[str, Callable[[object], tuple[list[str], str]]] = {}
+
+
+def register_model_name(name: str, resolve: Callable[[bool], Path]) -> None:
+    _MODEL_NAMES[name] = resolve
+
+
+def register_eval_text(name: str, documents: Callable[[object], tuple[list[str], str]]) -> None:
+    _EVAL_TEXTS[name] = documents
+
+
+def resolve_checkpoint(model: str | Path | None, progress: bool = True) -> Path:
+    """A `--model` argument as a checkpoint folder: a registered name (None = "default") or a path."""
+    name = "default" if model is None else str(model)
+    if name in _MODEL_NAMES:
+        return _MODEL_NAMES[name](progress)
+    if model is None or name == "default":
+        raise UserError("no model given, and no default model is registered in this process "
+                        "(the quantserve CLI registers the embedded one: import quantserve.demo)")
+    return require_checkpoint(Path(model))
+
+
+def default_eval_text(tokenizer) -> tuple[list[str], str]:
+    """The documents `quant eval` scores when given no text file, and a label for them."""
+    if "default" not in _EVAL_TEXTS:
+        raise UserError("no text to score: pass --text FILE")
+    return _EVAL_TEXTS["default"](tokenizer)

@@ -16,13 +16,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server import serving_chat, serving_completions
-from server.errors import APIError, error_response, from_api_error
-from server.metrics import Metrics
-from server.middleware import APIKeyMiddleware, BodyLimitMiddleware, JSONBodyMiddleware
-from server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
+from quantserve.server import serving_chat, serving_completions
+from quantserve.server.errors import APIError, error_response, from_api_error
+from quantserve.server.exceptions import ModelLoadError
+from quantserve.server.metrics import Metrics
+from quantserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, JSONBodyMiddleware
+from quantserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
                              ModelList, TokenizeRequest)
-from server.serving import ServerState, check_model
+from quantserve.server.serving import ServerState, check_model
 
 log = logging.getLogger("quantserve.server")
 
@@ -93,10 +94,10 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_body_byt
             try:
                 engine.start(loop)
             except Exception as e:  # reported on /health and by the CLI; the server then stops
-                load_error.append(f"{type(e).__name__}: {e}")
+                load_error.append(str(e) if isinstance(e, ModelLoadError) else f"{type(e).__name__}: {e}")
                 log.error("loading the model failed: %s", load_error[-1])
                 if on_load_error:
-                    loop.call_soon_threadsafe(on_load_error, load_error[-1])
+                    loop.call_soon_threadsafe(on_load_error, e)
 
         loader = loop.run_in_executor(None, load)
         yield

@@ -84,8 +84,8 @@ def serve(
     """Serve a model with an OpenAI-compatible API (completions, chat, models, health, metrics)."""
     import uvicorn
 
-    from server.api_server import create_app
-    from server.engines import EngineOptions, ScheduledEngine
+    from quantserve.server.api_server import create_app
+    from quantserve.server.engines import EngineOptions, ScheduledEngine
 
     _Server = _server_class()
 
@@ -93,16 +93,16 @@ def serve(
     if log_level.lower() not in ("debug", "info", "warning", "error"):
         raise UserError(f"unknown --log-level {log_level!r}: choose debug, info, warning or error")
     if model == "default":
-        from quantserve.default_model import default_model_path
+        from quantserve.settings import resolve_checkpoint
 
-        model = str(default_model_path(progress=False))
+        model = str(resolve_checkpoint("default", progress=False))
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if engine not in ("auto", "hf", "fast", "gguf"):
         raise UserError(f"unknown --engine {engine!r}: choose auto, hf, fast or gguf")
     if weight_quant not in ("none", "int8", "int4"):
         raise UserError(f"unknown --weight-quant {weight_quant!r}: choose none, int8 or int4")
     # fail on a bad path now, with one line, before any socket is opened
-    engine = ScheduledEngine(Path(model), EngineOptions(context=context, max_batch=max_batch,
+    engine = _engine_or_exit(Path(model), EngineOptions(context=context, max_batch=max_batch,
                                                         max_queue=max_queue, gpu_profile=gpu_profile,
                                                         threads=threads, engine=engine,
                                                         weight_quant=weight_quant, trust_pickle=trust_pickle,
@@ -112,8 +112,8 @@ def serve(
     name = served_model_name or (given.stem if given.is_file() else given.name)
     failure: list[str] = []
 
-    def on_load_error(message: str) -> None:
-        failure.append(message)
+    def on_load_error(error: Exception) -> None:
+        failure.append(load_error_message(error))
         server.should_exit = True
 
     app = create_app(engine, name, api_key=api_key, max_body_bytes=max_body_bytes, max_logprobs=max_logprobs,
@@ -132,3 +132,24 @@ def serve(
         raise UserError(f"the model failed to load: {failure[0]}")
     if not server.started and os.environ.get("QUANTSERVE_DEBUG") is None:
         raise UserError(f"could not start the server on {host}:{port} (port in use?)")
+
+
+def load_error_message(error: Exception) -> str:
+    """An engine's load error in the CLI's words: its setting named by the flag that sets it."""
+    from quantserve.server.exceptions import ModelLoadError
+
+    if isinstance(error, ModelLoadError):
+        if error.setting:
+            return f"--{error.setting.replace('_', '-')} {error.value} {error.problem}"
+        return error.problem
+    return f"{type(error).__name__}: {error}"
+
+
+def _engine_or_exit(path: Path, options):
+    from quantserve.server.engines import ScheduledEngine
+    from quantserve.server.exceptions import ModelLoadError
+
+    try:
+        return ScheduledEngine(path, options)
+    except ModelLoadError as e:
+        raise UserError(load_error_message(e)) from e

@@ -13,46 +13,11 @@ import itertools
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
-from server.sampling import SamplingParams
+from quantserve.server.exceptions import (EngineClosedError, EngineError, OutOfMemoryError,  # noqa: F401
+                                          QueueFullError, is_out_of_memory)
+from quantserve.server.sampling import SamplingParams
 
 _ids = itertools.count(1)
-
-
-class QueueFullError(Exception):
-    """The admission queue is full: the API answers 429 with Retry-After."""
-
-
-class EngineClosedError(Exception):
-    """The engine is shutting down and takes no new work: the API answers 503."""
-
-
-class EngineError(Exception):
-    """Why the engine failed a request, with the HTTP status and OpenAI error code the API answers:
-    503 `out_of_memory` when memory ran out (retrying later may work), 500 `engine_error` else."""
-
-    def __init__(self, message: str, status: int = 500, code: str = "engine_error"):
-        super().__init__(message)
-        self.status, self.code = status, code
-
-    @classmethod
-    def from_exception(cls, e: BaseException) -> "EngineError":
-        if is_out_of_memory(e):
-            return cls(f"the server ran out of memory for this request ({e}); retry later, or ask for less "
-                       "(a shorter prompt, fewer choices or tokens)", 503, "out_of_memory")
-        return cls(f"{type(e).__name__}: {e}")
-
-
-def is_out_of_memory(e: BaseException) -> bool:
-    """CUDA raises torch.OutOfMemoryError; torch's CPU allocator raises a plain RuntimeError whose
-    message is the only sign ("DefaultCPUAllocator: can't allocate memory"); Python raises MemoryError."""
-    if isinstance(e, MemoryError):
-        return True
-    import sys
-
-    torch = sys.modules.get("torch")  # never imported just for this check
-    if torch is not None and isinstance(e, torch.OutOfMemoryError):
-        return True
-    return isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
 
 
 @dataclass

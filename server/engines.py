@@ -9,8 +9,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from server.engine import EngineInfo, EngineRequest, EngineStats, TokenStream
-from quantserve.settings import UserError
+from quantserve.server.engine import EngineInfo, EngineRequest, EngineStats, TokenStream
+from quantserve.server.exceptions import ModelLoadError
+from quantserve.server.faults import with_faults
 
 log = logging.getLogger("quantserve.server")
 
@@ -28,27 +29,27 @@ class EngineOptions:
     prefill_chunk: int = 512  # prompt tokens prefilled between two decode steps (chunked prefill)
 
 
-def resolve_model(path: Path, trust_pickle: bool = False) -> tuple[str, Path]:
-    """('gguf' | 'hf', the file or folder to load), or a UserError saying what is wrong."""
+def detect_model_kind(path: Path, trust_pickle: bool = False) -> tuple[str, Path]:
+    """('gguf' | 'hf', the file or folder to load), or a ModelLoadError saying what is wrong."""
     from quantserve.modeling import PICKLE_WEIGHTS, require_safetensors
 
     path = Path(path)
     if not path.exists():
-        raise UserError(f"{path}: no such file or folder")
+        raise ModelLoadError(f"{path}: no such file or folder")
     if path.is_file():
         if path.suffix == ".gguf":
             return "gguf", path
         if any(path.match(pattern) for pattern in PICKLE_WEIGHTS):
-            raise UserError(f"{path}: a pickle weight file; serve a .gguf file or a Hugging Face checkpoint "
+            raise ModelLoadError(f"{path}: a pickle weight file; serve a .gguf file or a Hugging Face checkpoint "
                             "folder (safetensors; pickle weights only with --trust-pickle)")
-        raise UserError(f"{path}: not a model (serve a .gguf file or a Hugging Face checkpoint folder)")
+        raise ModelLoadError(f"{path}: not a model (serve a .gguf file or a Hugging Face checkpoint folder)")
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1 and not (path / "config.json").is_file():
         return "gguf", ggufs[0]
     if len(ggufs) > 1 and not (path / "config.json").is_file():
-        raise UserError(f"{path}: holds {len(ggufs)} .gguf files; name the one to serve")
+        raise ModelLoadError(f"{path}: holds {len(ggufs)} .gguf files; name the one to serve")
     if not (path / "config.json").is_file():
-        raise UserError(f"{path}: not a Hugging Face checkpoint (no config.json) and no .gguf file")
+        raise ModelLoadError(f"{path}: not a Hugging Face checkpoint (no config.json) and no .gguf file")
     require_safetensors(path, trust_pickle, flag="--trust-pickle")
     return "hf", path
 
@@ -65,14 +66,14 @@ class ScheduledEngine:
     """An `Engine`: a backend loaded at start-up, driven by the shared scheduler thread."""
 
     def __init__(self, path: Path, options: EngineOptions):
-        self.kind, self.path = resolve_model(path, options.trust_pickle)
+        self.kind, self.path = detect_model_kind(path, options.trust_pickle)
         self.options = options
         if options.engine not in ("auto", self.kind) and not (options.engine == "fast" and self.kind == "hf"):
-            raise UserError(f"{path} is a {self.kind} model: --engine {options.engine} cannot serve it")
+            raise ModelLoadError(f"cannot serve {path}: it is a {self.kind} model", "engine", options.engine)
         if options.engine == "fast":
             self.kind = "fast"
         if options.weight_quant != "none" and self.kind != "fast":
-            raise UserError("--weight-quant applies to --engine fast only")
+            raise ModelLoadError("applies to the fast engine only", "weight_quant", options.weight_quant)
         self.info: EngineInfo | None = None
         self.tokenizer = None
         self._scheduler = None
@@ -93,13 +94,13 @@ class ScheduledEngine:
         return safetensors_copy(self.path, Path(self._converted.name) / self.path.name)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        from server.scheduler import Scheduler
+        from quantserve.server.scheduler import Scheduler
 
         o = self.options
         self.path = self._safetensors_path()
         if self.kind == "hf":
-            from server.backend import HFBackend
-            from server.hf_engine import load_hf
+            from quantserve.server.backend import HFBackend
+            from quantserve.server.hf_engine import load_hf
 
             if o.threads:
                 import torch
@@ -108,7 +109,7 @@ class ScheduledEngine:
             model, self.tokenizer, info = load_hf(self.path, o.gpu_profile, o.context, o.max_batch, o.max_queue)
             backend = HFBackend(model, o.max_batch, info.context_length)
         elif self.kind == "fast":
-            from server.hf_engine import load_fast
+            from quantserve.server.hf_engine import load_fast
 
             if o.threads:
                 import torch
@@ -117,10 +118,11 @@ class ScheduledEngine:
             backend, self.tokenizer, info = load_fast(self.path, o.gpu_profile, o.context, o.max_batch,
                                                       o.max_queue, o.weight_quant, o.prefill_chunk)
         else:
-            from server.gguf_engine import load_gguf
+            from quantserve.server.gguf_engine import load_gguf
 
             backend, self.tokenizer, info = load_gguf(self.path, o.context, o.max_batch, o.max_queue, o.threads)
         _warm_up(backend)
+        backend = with_faults(backend)  # the reliability tests' injected failures; unset: a no-op
         self._loop = loop
         self._scheduler = Scheduler(backend, self.tokenizer.eos_token_ids, o.max_batch, o.max_queue,
                                     log=log.error, prefill_chunk=o.prefill_chunk)

@@ -4,11 +4,31 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-from server.protocol import ErrorInfo, ErrorResponse
+from quantserve.server.exceptions import (EngineClosedError, EngineError, NoChatTemplateError, OutOfMemoryError,
+                                          QueueFullError)
+from quantserve.server.protocol import ErrorInfo, ErrorResponse
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
           500: "server_error", 503: "service_unavailable"}
+
+
+# The engine's errors by kind -> (HTTP status, OpenAI error code): the one place that decides.
+# First match wins, so subclasses come before EngineError.
+ENGINE_ERRORS: list[tuple[type, int, str]] = [
+    (OutOfMemoryError, 503, "out_of_memory"),  # retrying later may work
+    (QueueFullError, 429, "queue_full"),
+    (EngineClosedError, 503, "shutting_down"),
+    (NoChatTemplateError, 400, "no_chat_template"),
+    (EngineError, 500, "engine_error"),
+]
+
+
+def engine_status(error: BaseException) -> tuple[int, str]:
+    for kind, status, code in ENGINE_ERRORS:
+        if isinstance(error, kind):
+            return status, code
+    return 500, "engine_error"
 
 
 class APIError(Exception):

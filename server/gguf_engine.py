@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from server.engine import EngineInfo
-from quantserve.settings import UserError
+from quantserve.server.engine import EngineInfo
+from quantserve.server.exceptions import ModelLoadError, NoChatTemplateError
 
 _FILE_TYPES = {0: "F32", 1: "F16", 7: "Q8_0", 2: "Q4_0", 3: "Q4_1", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
                12: "Q3_K_M", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K"}
@@ -44,7 +44,7 @@ class LlamaCppTokenizer:
 
     def render_chat(self, messages: list[dict]) -> str:
         if not self._template:
-            raise UserError("this GGUF file has no chat template (tokenizer.chat_template): use /v1/completions")
+            raise NoChatTemplateError("this GGUF file has no chat template (tokenizer.chat_template): use /v1/completions")
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message):
@@ -131,7 +131,7 @@ def load_gguf(path: Path, context: int | None, max_batch: int, max_queue: int, t
         import llama_cpp
         from llama_cpp import _internals
     except ImportError as e:
-        raise UserError("serving GGUF needs llama-cpp-python: pip install 'quantserve[quant]'") from e
+        raise ModelLoadError("serving GGUF needs llama-cpp-python: pip install 'quantserve[quant]'") from e
 
     from llama_cpp import _logger
 
@@ -151,14 +151,14 @@ def load_gguf(path: Path, context: int | None, max_batch: int, max_queue: int, t
     try:
         model = _internals.LlamaModel(path_model=str(path), params=model_params, verbose=False)
     except ValueError as e:
-        raise UserError(f"{path}: llama.cpp cannot load this GGUF file ({e})") from e
+        raise ModelLoadError(f"{path}: llama.cpp cannot load this GGUF file ({e})") from e
     trained = model.n_ctx_train()
     if context and context > trained:
-        raise UserError(f"--context {context} exceeds the model's trained context of {trained} tokens")
+        raise ModelLoadError(f"exceeds the model's trained context of {trained} tokens", "context", context)
     context = context or trained
     if max_batch > llama_cpp.llama_max_parallel_sequences():
-        raise UserError(f"--max-batch {max_batch} exceeds llama.cpp's limit of "
-                        f"{llama_cpp.llama_max_parallel_sequences()} parallel sequences")
+        raise ModelLoadError(f"exceeds llama.cpp's limit of {llama_cpp.llama_max_parallel_sequences()} "
+                             "parallel sequences", "max_batch", max_batch)
     threads = threads or default_threads()
     backend = LlamaCppBackend(model, max_batch, context, threads)
     meta = model.metadata()

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from server.engine import EngineInfo
-from quantserve.settings import UserError
+from quantserve.server.engine import EngineInfo
+from quantserve.server.exceptions import ModelLoadError, NoChatTemplateError
 
 
 class HFTokenizer:
@@ -36,7 +36,7 @@ class HFTokenizer:
 
     def render_chat(self, messages: list[dict]) -> str:
         if not self.tok.chat_template:
-            raise UserError("this model's tokenizer has no chat template: use /v1/completions")
+            raise NoChatTemplateError("this model's tokenizer has no chat template: use /v1/completions")
         return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
@@ -81,7 +81,7 @@ def load_hf(path: Path, gpu_profile: str | None, context: int | None, max_batch:
     caps = detect(gpu_profile)
     apply_profile(caps)
     if not any(path.glob("*.safetensors")):
-        raise UserError(f"{path}: only safetensors checkpoints are served (pickle *.bin files are refused)")
+        raise ModelLoadError(f"{path}: only safetensors checkpoints are served (pickle *.bin files are refused)")
     quant = quantization_of(path)
     # Read the weights into memory rather than mapping the file: a mapped checkpoint that is later
     # overwritten in place (`cp new.safetensors ...`) silently changes the served weights, and one
@@ -99,9 +99,9 @@ def load_hf(path: Path, gpu_profile: str | None, context: int | None, max_batch:
             last_error = e
             continue
         except OSError as e:
-            raise UserError(f"{path}: cannot load checkpoint: {str(e).splitlines()[0]}") from e
+            raise ModelLoadError(f"{path}: cannot load checkpoint: {str(e).splitlines()[0]}") from e
     if model is None:
-        raise UserError(f"{path}: cannot load checkpoint: {last_error}")
+        raise ModelLoadError(f"{path}: cannot load checkpoint: {last_error}")
     if not quant:
         model.to(caps.device)
     model.eval()
@@ -109,7 +109,7 @@ def load_hf(path: Path, gpu_profile: str | None, context: int | None, max_batch:
     tokenizer = HFTokenizer(load_tokenizer(path))
     trained = getattr(model.config, "max_position_embeddings", None) or 2048
     if context and context > trained:
-        raise UserError(f"--context {context} exceeds the model's trained context of {trained} tokens")
+        raise ModelLoadError(f"exceeds the model's trained context of {trained} tokens", "context", context)
     info = EngineInfo(engine="hf", model_path=str(path), context_length=context or trained,
                       max_batch=max_batch, max_queue=max_queue, device=caps.device,
                       dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
@@ -124,25 +124,25 @@ def load_fast(path: Path, gpu_profile: str | None, context: int | None, max_batc
     Returns (FastCoreBackend, HFTokenizer, EngineInfo)."""
     from quantserve.capabilities import apply_profile, detect
     from quantserve.modeling import load_tokenizer
-    from server.fastcore.adapter import FastCoreBackend
+    from quantserve.server.fastcore.adapter import FastCoreBackend
 
     caps = detect(gpu_profile)
     apply_profile(caps)
     if quantization_of(path):
-        raise UserError(f"{path}: a bitsandbytes checkpoint; the fast engine quantizes by itself: serve the "
+        raise ModelLoadError(f"{path}: a bitsandbytes checkpoint; the fast engine quantizes by itself: serve the "
                         "fp16/fp32 checkpoint with --engine fast --weight-quant int8|int4, or use --engine hf")
     if not any(path.glob("*.safetensors")):
-        raise UserError(f"{path}: only safetensors checkpoints are served (pickle *.bin files are refused)")
+        raise ModelLoadError(f"{path}: only safetensors checkpoints are served (pickle *.bin files are refused)")
     trained = json.loads((path / "config.json").read_text()).get("max_position_embeddings") or 2048
     if context and context > trained:
-        raise UserError(f"--context {context} exceeds the model's trained context of {trained} tokens")
+        raise ModelLoadError(f"exceeds the model's trained context of {trained} tokens", "context", context)
     context = context or trained
     try:
         # the core's prompt forwards (and, on a GPU, its recorded prompt widths) match the scheduler's chunk
         backend = FastCoreBackend(str(path), max_batch, context, weight_quant=weight_quant, profile=caps.profile,
                                   prefill_chunk=prefill_chunk)
     except (ValueError, KeyError, NotImplementedError) as e:
-        raise UserError(f"{path}: the fast engine cannot run this model ({e}); use --engine hf") from e
+        raise ModelLoadError(f"cannot run {path} ({e}); use the hf engine", "engine", "fast") from e
     core = backend.core
     info = EngineInfo(engine="fast", model_path=str(path), context_length=context, max_batch=max_batch,
                       max_queue=max_queue, device=str(core.device), dtype=str(core.dtype).replace("torch.", ""),

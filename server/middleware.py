@@ -9,7 +9,7 @@ from __future__ import annotations
 import hmac
 import json
 
-from server.errors import error_body
+from quantserve.server.errors import error_body
 
 # Paths anyone may read: probes and scrapers usually carry no key.
 OPEN_PATHS = ("/health", "/metrics")

@@ -19,15 +19,14 @@ the step is retried without it, so one oversized request does not take the other
 from __future__ import annotations
 
 import collections
-import os
 import threading
 import time
 from dataclasses import dataclass
 
-from server.backend import DecodeBackend
-from server.engine import (EngineClosedError, EngineError, EngineStats, QueueFullError,
+from quantserve.server.backend import DecodeBackend
+from quantserve.server.engine import (EngineClosedError, EngineError, EngineStats, QueueFullError,
                            TokenEvent, TokenStream, TopLogprob)
-from server.sampling import SequenceSampler
+from quantserve.server.sampling import SequenceSampler
 
 
 @dataclass
@@ -45,35 +44,9 @@ class _Running:
         return self.prefilled == len(self.stream.request.prompt_ids)
 
 
-FAULT_ENV = "QUANTSERVE_FAULT_DECODE_STEPS"
-
-
-class _FaultyDecode:
-    """Fault injection for the reliability tests: with QUANTSERVE_FAULT_DECODE_STEPS="3,9" the 3rd
-    and 9th decode steps (counted from 1, failed ones included) raise RuntimeError.
-
-    Running out of memory is tested for real (a server under an address-space limit); nothing
-    else makes a decode step fail on demand, yet the reply path of every other failure (a 500, or
-    an error event in a stream) must be proved too.  Unset, the backend is used as it is."""
-
-    def __init__(self, backend, steps: str):
-        self._backend, self._fail_at, self._step = backend, {int(x) for x in steps.split(",") if x.strip()}, 0
-
-    def __getattr__(self, name):
-        return getattr(self._backend, name)
-
-    def decode(self, slots, tokens):
-        self._step += 1
-        if self._step in self._fail_at:
-            raise RuntimeError(f"injected fault: decode step {self._step} failed")
-        return self._backend.decode(slots, tokens)
-
-
 class Scheduler:
     def __init__(self, backend: DecodeBackend, eos_token_ids: set[int], max_batch: int, max_queue: int,
                  log=None, prefill_chunk: int = 512):
-        if os.environ.get(FAULT_ENV):
-            backend = _FaultyDecode(backend, os.environ[FAULT_ENV])
         self.backend = backend
         self.eos_token_ids = set(eos_token_ids)
         self.max_batch = max_batch

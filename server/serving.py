@@ -15,12 +15,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from server.engine import EngineClosedError, EngineError, EngineRequest, QueueFullError, TokenStream
-from server.errors import APIError, error_body
-from server.metrics import Metrics
-from server.protocol import Usage, _SamplingFields
-from server.sampling import SamplingParams
-from server.textstream import ChoiceText, Delta
+from quantserve.server.engine import EngineClosedError, EngineError, EngineRequest, QueueFullError, TokenStream
+from quantserve.server.errors import APIError, engine_status, error_body
+from quantserve.server.metrics import Metrics
+from quantserve.server.protocol import Usage, _SamplingFields
+from quantserve.server.sampling import SamplingParams
+from quantserve.server.textstream import ChoiceText, Delta
 
 log = logging.getLogger("quantserve.server")
 
@@ -173,11 +173,11 @@ def start_job(state: ServerState, req: _SamplingFields, prompts: list[list[int]]
         for s in streams:
             s.cancel()
         state.metrics.record_outcome("rejected", 0)
+        status, code = engine_status(e)
+        state.metrics.rejected.labels(str(status)).inc()
         if isinstance(e, EngineClosedError):
-            state.metrics.rejected.labels("503").inc()
-            raise APIError(503, str(e), code="shutting_down") from e
-        state.metrics.rejected.labels("429").inc()
-        raise APIError(429, f"Server busy: {e}. Retry later.", code="queue_full",
+            raise APIError(status, str(e), code=code) from e
+        raise APIError(status, f"Server busy: {e}. Retry later.", code=code,
                        headers={"Retry-After": str(state.retry_after_s)}) from e
     state.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
     return Job(streams, choices, prompt_tokens=sum(len(p) for p in prompts), metrics=state.metrics)
@@ -242,8 +242,8 @@ async def collect(state: ServerState, job: Job) -> None:
 
 
 def api_error_of(error) -> APIError:
-    """The error reply for a failed choice: 503 out_of_memory, 500 engine_error."""
-    status, code = getattr(error, "status", 500), getattr(error, "code", "engine_error")
+    """The error reply for a failed choice, status and code from `errors.ENGINE_ERRORS`."""
+    status, code = engine_status(error)
     return APIError(status, f"generation failed: {error}", code=code)
 
 

@@ -4,22 +4,22 @@ from __future__ import annotations
 
 from typing import AsyncIterator
 
-from server.errors import APIError
-from server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
+from quantserve.server.errors import APIError
+from quantserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                              ChatCompletionChunk, ChatCompletionRequest, ChoiceLogprobs, DeltaMessage,
                              TokenLogprobOut, TopLogprobOut)
-from server.serving import (Job, ServerState, check_model, collect, new_id, refuse_unsupported, run_job,
+from quantserve.server.serving import (Job, ServerState, check_model, collect, new_id, refuse_unsupported, run_job,
                             run_to_reply, sse_error, start_job)
-from server.textstream import LogprobEntry
-from quantserve.settings import UserError
+from quantserve.server.textstream import LogprobEntry
+from quantserve.server.exceptions import NoChatTemplateError
 
 
 def render_prompt(state: ServerState, messages) -> list[int]:
     tok = state.engine.tokenizer
     try:
         text = tok.render_chat([{"role": m.role, "content": m.text()} for m in messages])
-    except UserError as e:
-        raise APIError(400, str(e), param="messages") from e
+    except NoChatTemplateError as e:
+        raise APIError(400, str(e), param="messages", code="no_chat_template") from e
     except Exception as e:  # template errors (e.g. roles the template refuses) are the caller's
         raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
     # the rendered text already holds BOS and the special tokens: no second BOS

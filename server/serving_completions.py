@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import AsyncIterator
 
-from server.errors import APIError
-from server.protocol import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
-from server.serving import (Job, ServerState, check_model, collect, new_id, refuse_unsupported, run_job,
+from quantserve.server.errors import APIError
+from quantserve.server.protocol import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
+from quantserve.server.serving import (Job, ServerState, check_model, collect, new_id, refuse_unsupported, run_job,
                             run_to_reply, sse_error, start_job)
-from server.textstream import LogprobEntry
+from quantserve.server.textstream import LogprobEntry
 
 DEFAULT_MAX_TOKENS = 16  # the OpenAI completions default
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from server.engine import ModelTokenizer, TokenEvent
+from quantserve.server.engine import ModelTokenizer, TokenEvent
 
 
 class IncrementalDetokenizer:

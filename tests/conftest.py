@@ -18,6 +18,6 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="session")
 def default_model() -> Path:
     """Folder of the embedded default checkpoint (the shipped build)."""
-    from quantserve.default_model import default_model_path
+    from quantserve.demo.default_model import default_model_path
 
     return default_model_path(progress=False)

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from bench import serve as bs
+from quantserve.bench import serve as bs
 
 
 def _free_port() -> int:
@@ -29,7 +29,7 @@ def llama_server(default_model, tmp_path_factory):
     pytest.importorskip("sse_starlette", reason="llama_cpp.server needs llama-cpp-python[server]")
     import httpx
 
-    from quant.convert import convert
+    from quantserve.quant.convert import convert
 
     out = convert(default_model, "gguf-f16", tmp_path_factory.mktemp("gguf") / "f16", progress=False)
     gguf = next(out.glob("*.gguf"))
@@ -58,7 +58,7 @@ def llama_server(default_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def serve_result(llama_server, tmp_path_factory):
-    from quantserve import corpus
+    from quantserve.demo import corpus
 
     d = tmp_path_factory.mktemp("serve")
     prompts = d / "prompts.jsonl"  # pretraining questions: the default model goes on for a while
@@ -123,7 +123,7 @@ def test_answers_shorter_than_asked_are_counted():
 def test_plot(serve_result, tmp_path):
     from PIL import Image
 
-    from bench.plot import plot
+    from quantserve.bench.plot import plot
 
     a = tmp_path / "a.json"
     a.write_text(json.dumps(serve_result))
@@ -132,7 +132,7 @@ def test_plot(serve_result, tmp_path):
 
 
 def test_decode_quick(tmp_path):
-    from bench.decode import main
+    from quantserve.bench.decode import main
 
     out = tmp_path / "d.json"
     assert main(["--quick", "--out", str(out)]) == 0
@@ -148,7 +148,7 @@ def test_zero_scaling_quick(tmp_path):
     """bench/zero_scaling.py on the CPU: ZeRO-2/3 on 1 and 2 gloo processes with the same global
     batch reach the same weights (fp32: a two-term sum is the same in either order)."""
     out = tmp_path / "zs"
-    subprocess.run([sys.executable, "-m", "bench.zero_scaling", "--quick", "--out", str(out)], check=True,
+    subprocess.run([sys.executable, "-m", "quantserve.bench.zero_scaling", "--quick", "--out", str(out)], check=True,
                    env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     res = json.loads((out / "zero_scaling.json").read_text())
     assert (out / "zero_scaling.png").stat().st_size > 10_000
@@ -161,7 +161,7 @@ def test_zero_scaling_quick(tmp_path):
 
 
 def test_serve_against_nothing_is_one_line_and_exit_1(capsys):
-    from bench.serve import main
+    from quantserve.bench.serve import main
 
     assert main(["--base-url", "http://127.0.0.1:9/v1", "--concurrency", "1"]) == 1
     err = capsys.readouterr().err.strip().splitlines()

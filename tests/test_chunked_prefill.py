@@ -20,8 +20,8 @@ def prompt(default_model):
 
 def _backends(default_model, tmp_path_factory):
     """(name, factory) of each backend on the default model, each factory giving a fresh one."""
-    from server.backend import HFBackend
-    from server.fastcore.adapter import FastCoreBackend
+    from quantserve.server.backend import HFBackend
+    from quantserve.server.fastcore.adapter import FastCoreBackend
 
     def hf():
         from quantserve.modeling import load_model
@@ -32,8 +32,8 @@ def _backends(default_model, tmp_path_factory):
         return FastCoreBackend(default_model, max_batch=4, context_length=512)
 
     def gguf():
-        from quant.convert import convert
-        from server.gguf_engine import load_gguf
+        from quantserve.quant.convert import convert
+        from quantserve.server.gguf_engine import load_gguf
 
         folder = convert(default_model, "gguf-f16", tmp_path_factory.mktemp("gguf") / "f16", progress=False)
         return load_gguf(folder / "model.gguf", 512, 4, 8, threads=1)[0]
@@ -67,10 +67,10 @@ def test_running_stream_keeps_decoding_while_a_long_prompt_is_prefilled(chunk, d
     """With 16-token chunks the 150-token prompt takes ~10 iterations, and the stream already
     running gets a token in each; with one 4096-token chunk it waits for the whole prompt."""
     from quantserve.modeling import load_model, load_tokenizer
-    from server.backend import HFBackend
-    from server.engine import EngineRequest, TokenStream
-    from server.sampling import SamplingParams
-    from server.scheduler import Scheduler
+    from quantserve.server.backend import HFBackend
+    from quantserve.server.engine import EngineRequest, TokenStream
+    from quantserve.server.sampling import SamplingParams
+    from quantserve.server.scheduler import Scheduler
 
     log: list[str] = []
 
@@ -117,10 +117,10 @@ def test_a_prompt_is_not_cut_at_the_end_of_an_iterations_budget(default_model, p
     third now and the rest later (each piece is a forward, a pass over the weights); a prompt
     longer than the budget still goes in budget-sized pieces, each starting an iteration."""
     from quantserve.modeling import load_model, load_tokenizer
-    from server.backend import HFBackend
-    from server.engine import EngineRequest, TokenStream
-    from server.sampling import SamplingParams
-    from server.scheduler import Scheduler
+    from quantserve.server.backend import HFBackend
+    from quantserve.server.engine import EngineRequest, TokenStream
+    from quantserve.server.sampling import SamplingParams
+    from quantserve.server.scheduler import Scheduler
 
     calls: list[tuple[int, int]] = []
 

@@ -80,7 +80,7 @@ def test_model_that_is_not_a_checkpoint(tmp_path):
 def test_unwritable_cache_folder(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    proc = cli("default-model", "--quiet", env={"QUANTSERVE_HOME": str(blocker / "cache")})
+    proc = cli("default-model", "--rebuild", "--quiet", env={"QUANTSERVE_HOME": str(blocker / "cache")})
     assert_one_line_error(proc, 1, "cannot create cache folder")
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from quantserve import corpus
+from quantserve.demo import corpus
 
 
 def test_same_seed_same_examples_other_seed_other_examples():

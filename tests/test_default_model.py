@@ -6,8 +6,8 @@ import stat
 
 import pytest
 
-from quantserve import corpus
-from quantserve.default_model import DefaultModelConfig, build_default_model, is_built
+from quantserve.demo import corpus
+from quantserve.demo.default_model import DefaultModelConfig, build_default_model, is_built
 from quantserve.settings import UserError
 
 # Small enough to build twice in a few seconds; big enough for the loss to move.

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.fastcore import FastCore
-from server.fastcore.quant import Int4Linear, quantize_int4
+from quantserve.server.fastcore import FastCore
+from quantserve.server.fastcore.quant import Int4Linear, quantize_int4
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def hf(default_model):
 
 @pytest.fixture(scope="module")
 def prompts(hf):
-    from quantserve import corpus
+    from quantserve.demo import corpus
     from quantserve.modeling import chat_prompt
 
     _, tok = hf
@@ -168,7 +168,7 @@ def _decode_side_by_side(core_a, core_b, prompts, steps: int = 4):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton int8/int4 kernels run on a CUDA GPU only")
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_triton_weight_kernels_match_torch_ops(mode):
-    from server.fastcore.quant import make_linear
+    from quantserve.server.fastcore.quant import make_linear
 
     torch.manual_seed(0)
     for N, K in ((3072, 2048), (2048, 8192), (1000, 256)):
@@ -185,8 +185,8 @@ def test_triton_weight_kernels_match_torch_ops(mode):
 def test_every_batch1_matrix_vector_config_matches_torch_ops():
     """Each config of the batch-1 matrix-vector kernels, launched directly (the launcher only keeps
     whichever config and kernel kind is fastest, so the others would otherwise go unchecked)."""
-    from server.fastcore import triton_gemv, triton_mm
-    from server.fastcore.quant import make_linear
+    from quantserve.server.fastcore import triton_gemv, triton_mm
+    from quantserve.server.fastcore.quant import make_linear
 
     torch.manual_seed(0)
     N, K = 3072, 4096
@@ -223,8 +223,8 @@ def test_compiled_triton_decode_matches_eager_torch_ops(hf, prompts, mode):
 def test_adapter_matches_server_hf_backend(hf, default_model, prompts):
     """Through the server's decode seam, FastCoreBackend gives HFBackend's logits, including after
     the scheduler frees a slot and reuses it out of order."""
-    from server.backend import HFBackend
-    from server.fastcore.adapter import FastCoreBackend
+    from quantserve.server.backend import HFBackend
+    from quantserve.server.fastcore.adapter import FastCoreBackend
 
     model, _ = hf
     # on the CPU in fp32 like the reference (the GPU path is checked against eager above)
@@ -248,7 +248,7 @@ def test_triton_decode_attention_matches_sdpa():
     prefixes, rows at different positions, a batch starting past cache row 0."""
     import torch.nn.functional as F
 
-    from server.fastcore.triton_attention import decode_attention
+    from quantserve.server.fastcore.triton_attention import decode_attention
 
     torch.manual_seed(0)
     for slots, H, G, D, L, B, row0 in ((4, 8, 4, 64, 256, 1, 0), (64, 8, 4, 128, 2048, 64, 0),
@@ -268,7 +268,7 @@ def test_triton_decode_attention_matches_sdpa():
 def test_int8_torch_fallback_does_not_overflow_fp16():
     """The plain-torch int8 path (CUDA without Triton, and the eager reference of the GPU tests)
     scales the weights before the matmul: fp16 sums of unscaled int8 weights reach inf."""
-    from server.fastcore.quant import int8_linear_torch, quantize_int8
+    from quantserve.server.fastcore.quant import int8_linear_torch, quantize_int8
 
     torch.manual_seed(0)
     w = torch.randn(64, 4096) * 0.05

@@ -170,7 +170,7 @@ def test_killed_conversions_never_leave_a_valid_looking_partial_output(fmt, repl
 # ---- b. training killed ------------------------------------------------------------------------------
 
 def test_training_killed_while_saving_a_checkpoint_resumes(default_model, tmp_path, figures):
-    from quantserve.corpus import task_examples, write_jsonl
+    from quantserve.demo.corpus import task_examples, write_jsonl
 
     data = tmp_path / "task.jsonl"
     write_jsonl(data, task_examples(256, "train"))
@@ -342,7 +342,7 @@ def test_model_file_changed_under_a_running_server(engine, default_model, tmp_pa
         served = shutil.copytree(default_model, tmp_path / "model")
         weights = served / "model.safetensors"
     else:
-        from quant.convert import convert
+        from quantserve.quant.convert import convert
 
         served = convert(default_model, "gguf-q8_0", tmp_path / "model", progress=False) / "model.gguf"
         weights = served

@@ -57,8 +57,8 @@ def server(default_model):
 @pytest.fixture(scope="module")
 def schema(default_model):
     """The served app's own OpenAPI document (the app serves none: built here from its routes)."""
-    from server.api_server import create_app
-    from server.engines import EngineOptions, ScheduledEngine
+    from quantserve.server.api_server import create_app
+    from quantserve.server.engines import EngineOptions, ScheduledEngine
 
     app = create_app(ScheduledEngine(default_model, EngineOptions()), MODEL)  # nothing loads until start-up
     return schemathesis.openapi.from_dict(app.openapi())
@@ -127,7 +127,7 @@ def _check(label: str, kind: str, response: httpx.Response, elapsed: float, body
 
 
 def _check_success(label: str, r: httpx.Response, body) -> None:
-    from server.protocol import (ChatCompletion, ChatCompletionChunk, Completion, ModelCard, ModelList)
+    from quantserve.server.protocol import (ChatCompletion, ChatCompletionChunk, Completion, ModelCard, ModelList)
 
     if label == "GET /metrics":
         assert "quantserve:num_requests_running" in r.text

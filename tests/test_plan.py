@@ -10,7 +10,7 @@ import pytest
 from transformers import LlamaConfig
 
 from quantserve.settings import UserError
-from training.plan import GIB, SHAPES, Shape, plan, plan_for_config, setup_row
+from quantserve.training.plan import GIB, SHAPES, Shape, plan, plan_for_config, setup_row
 
 
 def shape(name="llama-3.1-8b") -> Shape:

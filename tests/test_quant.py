@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from quant import llamacpp
-from quant.convert import FORMATS, convert
-from quant.manifest import kv_cache_bytes
-from quant.source import sha256_file
+from quantserve.quant import llamacpp
+from quantserve.quant.convert import FORMATS, convert
+from quantserve.quant.manifest import kv_cache_bytes
+from quantserve.quant.source import sha256_file
 
 # Relative logit error ‖L_gguf − L_hf‖ / ‖L_hf‖ allowed per prompt (llama.cpp vs transformers
 # fp32).  Measured on the trained default model: F32 ~1.3e-4, F16 ~1.8e-4, Q8_0 ~3.7e-3; a
@@ -106,7 +106,7 @@ def test_gguf_logits_match_transformers(fmt, outputs, hf):
 
 def test_worker_process_gives_the_in_process_logits(outputs):
     """`quant eval` scores GGUF files in a llama.cpp worker process that never imports torch."""
-    from quant.llamacpp_worker import LogitsWorker
+    from quantserve.quant.llamacpp_worker import LogitsWorker
 
     gguf_file = outputs["gguf-q8_0"] / "model.gguf"
     windows = [list(range(1, 40)), list(range(5, 130))]
@@ -118,14 +118,14 @@ def test_worker_process_gives_the_in_process_logits(outputs):
     with LogitsWorker(gguf_file, n_ctx=128) as worker:
         for w, want in zip(windows, expected):
             np.testing.assert_array_equal(worker.logits(w), want)
-    probe = "import sys, quant.llamacpp_worker; print('torch' in sys.modules)"
+    probe = "import sys, quantserve.quant.llamacpp_worker; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "False"
 
 
 def test_worker_crash_and_bad_file_are_one_clear_error(outputs, tmp_path):
     import signal
 
-    from quant.llamacpp_worker import LogitsWorker, quantize
+    from quantserve.quant.llamacpp_worker import LogitsWorker, quantize
     from quantserve.settings import UserError
 
     with LogitsWorker(outputs["gguf-q8_0"] / "model.gguf", n_ctx=64) as worker:
@@ -143,8 +143,7 @@ def test_worker_crash_and_bad_file_are_one_clear_error(outputs, tmp_path):
 @pytest.mark.parametrize("breakage", ["no Q/K permutation", "wrong rope base"])
 def test_logit_check_catches_a_broken_converter(breakage, default_model, hf, tmp_path, monkeypatch):
     """Negative control: the F16 tolerance is tight enough to fail a subtly wrong GGUF."""
-    import quant.gguf_export as gx
-
+    import quantserve.quant.gguf_export as gx
     if breakage == "no Q/K permutation":
         monkeypatch.setattr(gx, "permute_rotary", lambda w, n_head: w)
     else:
@@ -171,7 +170,7 @@ def test_gguf_tokenizer_matches_hugging_face(outputs, hf):
 
 
 def test_gguf_metadata(outputs, default_model):
-    from quant.inspect import inspect
+    from quantserve.quant.inspect import inspect
 
     info = inspect(outputs["gguf-f16"] / "model.gguf")
     md = info["metadata"]
@@ -229,7 +228,7 @@ def test_gguf_generates_like_transformers(fmt, outputs, hf):
 
 
 def test_kquant_really_uses_k_blocks(outputs):
-    from quant.inspect import gguf_tensor_types
+    from quantserve.quant.inspect import gguf_tensor_types
 
     manifest = json.loads((outputs["gguf-q4_k_m"] / "manifest.json").read_text())
     types = gguf_tensor_types(outputs["gguf-q4_k_m"] / "model.gguf")
@@ -264,7 +263,7 @@ def test_gguf_config_variants(arch, default_model, tmp_path):
     model.save_pretrained(tmp_path / arch)
     tok.save_pretrained(tmp_path / arch)
     out = convert(tmp_path / arch, "gguf-f32", tmp_path / "out", progress=False)
-    from quant.inspect import inspect
+    from quantserve.quant.inspect import inspect
     assert inspect(out / "model.gguf")["architecture"] == ("qwen2" if arch == "qwen2" else "llama")
     err = worst_relative_error(out / "model.gguf", model, fresh_prompts(tok)[:3])
     print(f"{arch}: relative logit error {err:.2e}")
@@ -279,7 +278,7 @@ def test_bnb_round_trip_and_generate(fmt, outputs, hf, default_model):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from quant.bnb import load_bnb, quantization_config
+    from quantserve.quant.bnb import load_bnb, quantization_config
     from quantserve.modeling import generate_chat
 
     model, tok = hf
@@ -319,7 +318,7 @@ def test_manifest(outputs, default_model):
 @pytest.fixture(scope="module")
 def small_heldout(tmp_path_factory):
     """24 held-out chats (~700 tokens): stable enough, and fast on bnb's slow CPU int8 kernels."""
-    from quantserve import corpus
+    from quantserve.demo import corpus
 
     path = tmp_path_factory.mktemp("text") / "heldout.jsonl"
     corpus.write_jsonl(path, corpus.examples(corpus.PRETRAIN_SKILLS + [corpus.TASK_SKILL], 24, 2000, "heldout"))
@@ -327,7 +326,7 @@ def small_heldout(tmp_path_factory):
 
 
 def test_eval_quality_ordering(outputs, default_model, small_heldout):
-    from quant.evaluate import evaluate
+    from quantserve.quant.evaluate import evaluate
 
     rows = {fmt: evaluate(default_model, outputs[fmt], small_heldout)
             for fmt in ("gguf-f16", "gguf-q8_0", "bnb-int8", "gguf-q4_k_m", "bnb-nf4")}
@@ -346,7 +345,7 @@ def test_eval_quality_ordering(outputs, default_model, small_heldout):
 
 
 def test_eval_rejects_a_foreign_model(outputs, tmp_path, small_heldout):
-    from quant.evaluate import evaluate
+    from quantserve.quant.evaluate import evaluate
     from quantserve.settings import UserError
 
     with pytest.raises(UserError, match="no such file"):
@@ -392,7 +391,7 @@ def test_lora_adapter_is_merged_first(default_model, hf, tmp_path):
 
 def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
     """Run `quant ARGS` in-process through the real entry point (one-line errors, exit codes)."""
-    from quant.cli import main
+    from quantserve.quant.cli import main
 
     monkeypatch.setattr(sys, "argv", ["quant", *args])
     with pytest.raises(SystemExit) as exc:

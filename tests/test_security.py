@@ -102,7 +102,7 @@ def test_api_key_comparison_is_constant_time():
     # hmac.compare_digest over bytes, not ==
     import inspect
 
-    from server.middleware import APIKeyMiddleware
+    from quantserve.server.middleware import APIKeyMiddleware
 
     source = inspect.getsource(APIKeyMiddleware.__call__)
     assert "hmac.compare_digest(" in source and "==" not in source
@@ -206,7 +206,7 @@ def test_pickle_checkpoints_are_refused_with_one_line(pickle_checkpoint, tmp_pat
         assert_one_line_error(cli("serve", str(other), "--port", "1"), 1, "pickle", name)
         assert_one_line_error(cli("serve", str(other / name), "--port", "1"), 1, "pickle")
         refused += 2
-    quant = "import sys; from quant.cli import main; sys.argv[0] = 'quant'; main()"
+    quant = "import sys; from quantserve.quant.cli import main; sys.argv[0] = 'quant'; main()"
     proc = subprocess.run([sys.executable, "-c", quant, "convert", str(pickle_checkpoint), "--format", "gguf-f16",
                            "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
     assert_one_line_error(proc, 1, "pickle")

@@ -10,7 +10,7 @@ from test_server_support import MAX_TOKENS, PROMPTS, ServerProcess, hf_reference
 
 @pytest.mark.parametrize("fmt, label", [("bnb-int8", "int8"), ("bnb-nf4", "nf4")])
 def test_bitsandbytes_output_serves_its_own_greedy_text(default_model, tmp_path, fmt, label):
-    from quant.convert import convert
+    from quantserve.quant.convert import convert
 
     folder = convert(default_model, fmt, tmp_path / fmt, progress=False)
     reference = hf_reference(folder)

@@ -16,7 +16,7 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def gguf_dirs(default_model, tmp_path_factory):
-    from quant.convert import convert
+    from quantserve.quant.convert import convert
 
     root = tmp_path_factory.mktemp("gguf")
     return {fmt: convert(default_model, f"gguf-{fmt}", root / fmt, progress=False) for fmt in ("f16", "q8_0")}
@@ -215,8 +215,8 @@ TORCH_FREE_SCRIPT = """
 import json, sys
 from pathlib import Path
 from starlette.testclient import TestClient
-from server.api_server import create_app
-from server.engines import EngineOptions, ScheduledEngine
+from quantserve.server.api_server import create_app
+from quantserve.server.engines import EngineOptions, ScheduledEngine
 
 engine = ScheduledEngine(Path(sys.argv[1]), EngineOptions(max_batch=4))
 with TestClient(create_app(engine, "m", max_logprobs=8)) as client:

@@ -177,8 +177,8 @@ def test_a_closed_event_loop_does_not_cost_other_loops_their_events():
     (its server gone) loses its own events only, and the count comes back for the log."""
     import asyncio
 
-    from server.engine import EngineRequest, TokenEvent, TokenStream
-    from server.sampling import SamplingParams
+    from quantserve.server.engine import EngineRequest, TokenEvent, TokenStream
+    from quantserve.server.sampling import SamplingParams
 
     closed, alive = asyncio.new_event_loop(), asyncio.new_event_loop()
     closed.close()

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from server.engine import TokenEvent
-from server.hf_engine import HFTokenizer
-from server.textstream import ChoiceText, StopMatcher
+from quantserve.server.engine import TokenEvent
+from quantserve.server.hf_engine import HFTokenizer
+from quantserve.server.textstream import ChoiceText, StopMatcher
 
 
 @pytest.fixture(scope="module")

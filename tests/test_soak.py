@@ -15,7 +15,7 @@ from __future__ import annotations
 import psutil
 import pytest
 
-from bench.soak import ABORT_TOKENS, SoakConfig, rss_tolerance, run_soak, summary
+from quantserve.bench.soak import ABORT_TOKENS, SoakConfig, rss_tolerance, run_soak, summary
 from reliability import FULL, SIZE, Figures
 from test_server_support import ServerProcess
 
@@ -35,7 +35,7 @@ def figures():
 
 @pytest.fixture(scope="module")
 def gguf_model(default_model, tmp_path_factory):
-    from quant.convert import convert
+    from quantserve.quant.convert import convert
 
     out = convert(default_model, "gguf-q8_0", tmp_path_factory.mktemp("soak") / "q8", progress=False)
     return out / "model.gguf"

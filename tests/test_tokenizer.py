@@ -2,9 +2,9 @@
 
 import pytest
 
-from quantserve import corpus
-from quantserve.default_model import corpus_text
-from quantserve.tokenizer_build import BOS, EOS, IM_START, PAD, SPECIAL_TOKENS, render_chat, train_tokenizer
+from quantserve.demo import corpus
+from quantserve.demo.default_model import corpus_text
+from quantserve.demo.tokenizer import BOS, EOS, IM_START, PAD, SPECIAL_TOKENS, render_chat, train_tokenizer
 
 TRICKY = [
     "Sort: d a c b", "  two  leading spaces", "tabs\tand\nnewlines\n\n", "digits 1234567890 3.14",

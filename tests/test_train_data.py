@@ -7,7 +7,7 @@ import json
 import pytest
 
 from quantserve.settings import UserError
-from training import data as D
+from quantserve.training import data as D
 
 
 @pytest.fixture(scope="module")

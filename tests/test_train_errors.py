@@ -12,7 +12,7 @@ import pytest
 
 from quantserve.capabilities import Capabilities
 from quantserve.settings import UserError
-from training.config import TrainConfig
+from quantserve.training.config import TrainConfig
 
 CHAT = json.dumps({"messages": [{"role": "user", "content": "Reverse: [a,b,c,d]"},
                                 {"role": "assistant", "content": "[d,c,b,a]"}]})
@@ -54,7 +54,7 @@ def test_impossible_setup_via_cli(good, tmp_path):
 
 def train_error(cfg: TrainConfig) -> str:
     """train() must refuse `cfg` with a UserError before creating the output folder."""
-    from training.train import train
+    from quantserve.training.train import train
 
     with pytest.raises(UserError) as e:
         train(cfg)
@@ -111,7 +111,7 @@ def t4(**kw) -> Capabilities:
 def test_bf16_on_a_t4_is_refused(good, tmp_path):
     from transformers import LlamaConfig
 
-    from training.train import resolve
+    from quantserve.training.train import resolve
 
     cfg = TrainConfig(data=good, out=tmp_path / "o", dtype="bf16")
     with pytest.raises(UserError, match="bf16 is not supported on Tesla T4"):
@@ -129,7 +129,7 @@ def test_liger_on_cpu_falls_back_and_says_so(good, tmp_path):
     from transformers import LlamaConfig
 
     from quantserve.capabilities import detect
-    from training.train import resolve
+    from quantserve.training.train import resolve
 
     caps = detect()
     if caps.device != "cpu":
@@ -148,7 +148,7 @@ def test_liger_module_patches_are_undone_after_training():
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama import modeling_llama
 
-    from training.loading import apply_liger, undo_liger_globals
+    from quantserve.training.loading import apply_liger, undo_liger_globals
 
     names = ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")
     before = [getattr(modeling_llama, n) for n in names] + [F.cross_entropy]

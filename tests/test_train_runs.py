@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def small_data(tmp_path_factory, default_model) -> Path:
-    from quantserve.corpus import task_examples, write_jsonl
+    from quantserve.demo.corpus import task_examples, write_jsonl
 
     path = tmp_path_factory.mktemp("data") / "task.jsonl"
     write_jsonl(path, task_examples(256, "train"))

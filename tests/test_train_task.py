@@ -14,10 +14,10 @@ pytestmark = pytest.mark.slow
 
 
 def test_full_finetune_lifts_heldout_exact_match(default_model, tmp_path):
-    from quantserve.corpus import read_examples, write_default_data
+    from quantserve.demo.corpus import read_examples, write_default_data
     from quantserve.modeling import load_model, load_tokenizer, task_accuracy
-    from training.config import TrainConfig
-    from training.train import train
+    from quantserve.training.config import TrainConfig
+    from quantserve.training.train import train
 
     files = write_default_data(tmp_path / "data")
     heldout = read_examples(files["task_heldout"])

@@ -108,7 +108,7 @@ class MemoryCallback(TrainerCallback):
         """This rank's figures in GiB (None where not measured)."""
         import torch
 
-        from training import distributed
+        from quantserve.training import distributed
 
         cuda = torch.cuda.is_available()
         gib = 2**30
@@ -125,7 +125,7 @@ def write_log(out: Path, log_history: list[dict], summary: dict) -> Path:
     path = out / "train_log.json"
     path.write_text(json.dumps({**summary, "steps": steps}, indent=1))
     if steps:
-        from quantserve.default_model import save_loss_plot
+        from quantserve.plots import save_loss_plot
 
         title = f"fine-tune: {summary.get('method')} / ZeRO {summary.get('zero')} x{summary.get('world_size')}"
         save_loss_plot([e["loss"] for e in steps], out / "loss.png", title)

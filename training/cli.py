@@ -53,8 +53,8 @@ def train_command(
     local_rank: Optional[int] = typer.Option(None, "--local_rank", hidden=True, help="Set by the deepspeed launcher."),
 ) -> None:
     """Fine-tune a model (full, LoRA or QLoRA; optionally DeepSpeed ZeRO) into a Hugging Face checkpoint."""
-    from training import distributed
-    from training.config import TrainConfig
+    from quantserve.training import distributed
+    from quantserve.training.config import TrainConfig
 
     cfg = TrainConfig(
         data=data, out=out, model=model, method=method, zero=zero, offload=offload, liger=liger,
@@ -75,7 +75,7 @@ def train_command(
                             "see the messages above")
         print(out)
         return
-    from training.train import train
+    from quantserve.training.train import train
 
     path = train(cfg)
     if distributed.world()[1] == 0 and not os.environ.get("QUANTSERVE_LAUNCHED"):
@@ -111,7 +111,7 @@ def plan_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """Memory arithmetic per setup (ZeRO 0-3, offload, LoRA/QLoRA, checkpointing) and the one that fits."""
-    from training.plan import plan, print_report
+    from quantserve.training.plan import plan, print_report
 
     report = plan(model=model, seq_len=seq_len, micro_batch=micro_batch, gpu=gpu, gpu_mem_gib=gpu_mem,
                   gpus=gpus, method=method, liger=liger, accumulate=accumulate)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from training.config import Resolved, TrainConfig
+from quantserve.training.config import Resolved, TrainConfig
 
 
 def enable_checkpointing(model) -> None:

@@ -252,9 +252,9 @@ def load_shape(model: str) -> tuple[str, object]:
     if model.lower() in SHAPES:
         return model.lower(), LlamaConfig(**SHAPES[model.lower()])
     if model == "default":
-        from quantserve.default_model import resolve_model
+        from quantserve.settings import resolve_checkpoint
 
-        return "default", AutoConfig.from_pretrained(str(resolve_model(None, progress=False)))
+        return "default", AutoConfig.from_pretrained(str(resolve_checkpoint("default", progress=False)))
     p = Path(model)
     if p.is_file() and p.suffix == ".json":
         return model, AutoConfig.for_model(**json.loads(p.read_text()))

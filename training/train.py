@@ -24,8 +24,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from quantserve.settings import UserError
-from training import distributed
-from training.config import ATTN_IMPL, Resolved, TrainConfig
+from quantserve.training import distributed
+from quantserve.training.config import ATTN_IMPL, Resolved, TrainConfig
 
 PROBE_PROMPT = "Reverse: a b c d"
 MAX_DEFAULT_SEQ = 2048
@@ -101,7 +101,7 @@ def training_args(cfg: TrainConfig, res: Resolved):
 
     ds = None
     if cfg.zero is not None:
-        from training.ds_config import build
+        from quantserve.training.ds_config import build
 
         ds = build(cfg.zero, cfg.offload, res.dtype, t4=res.device == "cuda" and cfg_profile(cfg) == "t4")
     return TrainingArguments(
@@ -158,15 +158,15 @@ def train(cfg: TrainConfig) -> Path:
     from transformers import AutoConfig, PrinterCallback, Trainer, set_seed
 
     from quantserve.capabilities import apply_profile, detect
-    from quantserve.default_model import resolve_model
     from quantserve.modeling import load_tokenizer
-    from training import data as data_mod
-    from training.callbacks import MemoryCallback, ProgressCallback, StepLogCallback, write_log
-    from training.loading import load_for_training, trainable_summary, undo_liger_globals
+    from quantserve.settings import resolve_checkpoint
+    from quantserve.training import data as data_mod
+    from quantserve.training.callbacks import MemoryCallback, ProgressCallback, StepLogCallback, write_log
+    from quantserve.training.loading import load_for_training, trainable_summary, undo_liger_globals
 
     caps = detect(cfg.gpu_profile)
     set_threads(cfg, caps, ws)
-    model_path = resolve_model(cfg.model, progress=cfg.progress and rank == 0)
+    model_path = resolve_checkpoint(cfg.model, progress=cfg.progress and rank == 0)
     model_config = AutoConfig.from_pretrained(str(model_path))
     if cfg.plan == "auto":
         cfg = apply_auto_plan(cfg, model_config, caps, ws)
@@ -319,7 +319,7 @@ def merge_adapter(base_path: Path, adapter: Path, out: Path, res: Resolved) -> N
 
 def apply_auto_plan(cfg: TrainConfig, model_config, caps, world_size: int) -> TrainConfig:
     """`--plan auto`: take ZeRO stage, offload, checkpointing and micro-batch from the planner."""
-    from training.plan import plan_for_config
+    from quantserve.training.plan import plan_for_config
 
     if caps.memory_budget_gib is None:
         raise UserError("--plan auto sizes the setup to a GPU's memory and this run has no GPU: "

@@ -8,6 +8,6 @@ core.py      FastCore: slots, prefill, batched decode at per-slot positions, com
 adapter.py   FastCore behind the server's decode seam (sampling is the server's, per request)
 """
 
-from server.fastcore.core import FastCore
+from quantserve.server.fastcore.core import FastCore
 
 __all__ = ["FastCore"]

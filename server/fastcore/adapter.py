@@ -7,7 +7,7 @@ maps each scheduler slot to the lowest free FastCore slot at prefill time.
 
 from __future__ import annotations
 
-from server.fastcore.core import FastCore
+from quantserve.server.fastcore.core import FastCore
 
 
 class FastCoreBackend:

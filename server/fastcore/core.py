@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from server.fastcore.model import ModelArgs, Transformer
-from server.fastcore.quant import default_kernel, int4_tinygemm_supported, linear_weight_bytes, make_linear
+from quantserve.server.fastcore.model import ModelArgs, Transformer
+from quantserve.server.fastcore.quant import default_kernel, int4_tinygemm_supported, linear_weight_bytes, make_linear
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 KV_BUCKET = 256
@@ -108,7 +108,7 @@ class FastCore:
         self.model = self._build(get, has, a, weight_quant, quant_kernel, group_size)
         self.attention = _decode_attention_choice(attention, device)
         if self.attention == "triton":
-            from server.fastcore.triton_attention import decode_attention
+            from quantserve.server.fastcore.triton_attention import decode_attention
 
             for layer in self.model.layers:
                 layer.attention.decode_kernel = decode_attention
@@ -448,7 +448,7 @@ def _decode_attention_choice(choice: str, device: torch.device) -> str:
     if choice not in ("auto", "triton", "sdpa"):
         raise ValueError(f"unknown attention {choice!r} (auto, triton or sdpa)")
     if choice == "auto":
-        from server.fastcore.quant import triton_ops
+        from quantserve.server.fastcore.quant import triton_ops
 
         return "triton" if device.type == "cuda" and triton_ops() is not None else "sdpa"
     if choice == "triton" and device.type != "cuda":

@@ -67,7 +67,7 @@ def triton_ops():
     if not torch.cuda.is_available():
         return None
     try:
-        from server.fastcore import triton_mm
+        from quantserve.server.fastcore import triton_mm
     except ImportError:
         return None
     return triton_mm

@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from server.fastcore.triton_dequant import int8_to, nibble_to
+from quantserve.server.fastcore.triton_dequant import int8_to, nibble_to
 
 
 def _configs():

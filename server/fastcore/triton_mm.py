@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from server.fastcore.triton_dequant import int8_to, nibble_to
-from server.fastcore.triton_gemv import int4_gemv_kernel, int8_gemv_kernel
+from quantserve.server.fastcore.triton_dequant import int8_to, nibble_to
+from quantserve.server.fastcore.triton_gemv import int4_gemv_kernel, int8_gemv_kernel
 
 
 def _configs():

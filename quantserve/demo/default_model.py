@@ -26,7 +26,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from quantserve import corpus
+from quantserve.demo import corpus
+from quantserve.plots import save_loss_plot
 from quantserve.settings import UserError, cache_dir
 
 BUILD_VERSION = 5  # bump when the recipe below changes, so old caches are not reused
@@ -120,7 +121,7 @@ def _build_into(out: Path, cfg: DefaultModelConfig, progress: bool) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from quantserve.tokenizer_build import train_tokenizer
+    from quantserve.demo.tokenizer import train_tokenizer
 
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)
@@ -279,27 +280,8 @@ def _progress(total: int, enabled: bool):
     return update
 
 
-def save_loss_plot(losses: list[float], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(1, len(losses) + 1), losses, lw=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy loss")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def resolve_model(model: str | Path | None, progress: bool = True) -> Path:
     """A user's `--model` argument as a checkpoint folder; none means the default model."""
-    from quantserve.settings import require_checkpoint
+    from quantserve.settings import resolve_checkpoint
 
-    if model is None or str(model) == "default":
-        return default_model_path(progress=progress)
-    return require_checkpoint(Path(model))
+    return resolve_checkpoint(model, progress)

@@ -1,0 +1,132 @@
+"""The layering rules (README, "Architecture"), read from the source: who may import whom.
+
+Every `import` and `from ... import` in the product's folders is parsed (function-level imports
+included: lazy imports are imports too) and checked against the rules below.  A deliberately
+broken file is checked the same way, so the test can fail.  Then a real `pip install` of the
+project into a fresh virtualenv proves that nothing but `quantserve` lands at the top level.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+# folder -> the module prefix it installs as (pyproject.toml's package-dir)
+FOLDERS = {"quantserve": "quantserve", "server": "quantserve.server", "quant": "quantserve.quant",
+           "training": "quantserve.training", "bench": "quantserve.bench"}
+
+GROUND = ("quantserve.settings", "quantserve.capabilities", "quantserve.modeling", "quantserve.plots")
+HTTP = ("quantserve.server.api_server", "quantserve.server.serving", "quantserve.server.serving_chat",
+        "quantserve.server.serving_completions", "quantserve.server.protocol", "quantserve.server.errors",
+        "quantserve.server.middleware", "quantserve.server.metrics", "quantserve.server.cli")
+ENGINE = ("quantserve.server.engine", "quantserve.server.engines", "quantserve.server.scheduler",
+          "quantserve.server.exceptions", "quantserve.server.faults", "quantserve.server.sampling",
+          "quantserve.server.textstream", "quantserve.server.backend", "quantserve.server.hf_engine",
+          "quantserve.server.gguf_engine", "quantserve.server.fastcore")
+BACKENDS = ("quantserve.server.backend", "quantserve.server.hf_engine", "quantserve.server.gguf_engine",
+            "quantserve.server.fastcore")
+LIBRARY = ("quantserve.server", "quantserve.quant", "quantserve.training")
+CLI_ONLY = ("quantserve.cli", "quantserve.cli_util", "quantserve.pipeline")
+
+
+def under(name: str, prefixes) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(REPO)
+    parts = [FOLDERS[rel.parts[0]], *rel.with_suffix("").parts[1:]]
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports(source: str, module: str) -> list[tuple[str, list[str]]]:
+    """(imported module, names taken from it) for every import statement in `source`."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [(a.name, []) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against the importing module's package
+                pkg = module.split(".")[: len(module.split(".")) - node.level + (1 if module.endswith("__init__") else 0)]
+                base = ".".join(pkg + ([base] if base else []))
+            out.append((base, [a.name for a in node.names]))
+    return out
+
+
+def violations(module: str, source: str) -> list[str]:
+    bad = []
+    for target, names in imports(source, module):
+        top = target.split(".")[0]
+        if top in ("server", "quant", "training", "bench"):
+            bad.append(f"{module} imports bare '{target}' (use quantserve.{target})")
+        if under(module, GROUND) and target.startswith("quantserve") and not under(target, GROUND):
+            bad.append(f"ground {module} imports {target}")
+        if under(module, ENGINE) and (under(target, HTTP) or under(target, CLI_ONLY)):
+            bad.append(f"engine {module} imports the HTTP/CLI layer {target}")
+        if under(module, ENGINE) and target == "quantserve.settings" and "UserError" in names:
+            bad.append(f"engine {module} raises the CLI's UserError (raise a server.exceptions kind)")
+        if under(module, BACKENDS) and under(target, ("quantserve.server.engines", "quantserve.server.scheduler")):
+            bad.append(f"backend {module} imports the engine {target}")
+        if under(module, LIBRARY) and under(target, ("quantserve.demo",)):
+            bad.append(f"{module} imports the demo {target} (resolve names through quantserve.settings)")
+    return bad
+
+
+def product_files() -> list[Path]:
+    return sorted(p for folder in FOLDERS for p in (REPO / folder).rglob("*.py"))
+
+
+def test_every_import_follows_the_layering_rules():
+    files = product_files()
+    assert len(files) > 60
+    bad = [v for f in files for v in violations(module_name(f), f.read_text())]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("module, source, needle", [
+    ("quantserve.settings", "from quantserve.server.engine import EngineError", "ground"),
+    ("quantserve.server.scheduler", "def f():\n    from quantserve.server.errors import APIError", "HTTP/CLI"),
+    ("quantserve.server.hf_engine", "from quantserve.settings import UserError", "UserError"),
+    ("quantserve.server.gguf_engine", "from quantserve.server.scheduler import Scheduler", "backend"),
+    ("quantserve.training.train", "from quantserve.demo.default_model import resolve_model", "demo"),
+    ("quantserve.quant.convert", "from server.engine import EngineError", "bare"),
+])
+def test_a_broken_import_is_caught(module, source, needle):
+    found = violations(module, source)
+    assert found and needle in found[0], found
+
+
+@pytest.mark.slow
+def test_a_real_install_puts_only_quantserve_on_the_path(tmp_path):
+    """`pip install .` (not editable) into a new virtualenv that sees the installed torch et al."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    proc = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                           str(REPO)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    top = sorted(p.name for p in Path(site).iterdir() if not p.name.endswith((".dist-info", ".pth")))
+    assert "quantserve" in top
+    assert not {"server", "quant", "training", "bench", "tests"} & set(top), top
+    # outside the repo, where no folder of it is on sys.path: the namespace imports, bare names do not
+    probe = ("import importlib.util, quantserve.server.engine, quantserve.quant.cli, quantserve.training.config, "
+             "quantserve.bench.args, quantserve.demo; from quantserve.demo.default_model import shipped_model; "
+             "assert shipped_model() is not None, 'the default model is not in the wheel'; "
+             "print([m for m in ('server', 'quant', 'training', 'bench') if importlib.util.find_spec(m)])")
+    out = subprocess.run([str(py), "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+    help_ = subprocess.run([str(venv / "bin" / "quantserve"), "--help"], capture_output=True, text=True,
+                           cwd=tmp_path, timeout=120)
+    assert help_.returncode == 0 and "serve" in help_.stdout
