@@ -122,6 +122,9 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main() -> None:
+    from quantserve.quiet import quiet_libraries
+
+    quiet_libraries()
     run(app, "quant")
 
 

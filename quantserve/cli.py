@@ -14,6 +14,7 @@ import typer
 
 import quantserve.demo  # noqa: F401  (registers the name "default" for every command below)
 from quantserve.cli_util import new_app, run
+from quantserve.quiet import quiet_libraries
 
 app = new_app("Fine-tune, quantize and serve a language model on one T4-class GPU.")
 
@@ -134,6 +135,7 @@ app.add_typer(_bench_app, name="bench")
 
 
 def main() -> None:
+    quiet_libraries()
     run(app, "quantserve")
 
 

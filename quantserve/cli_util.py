@@ -11,7 +11,7 @@ import sys
 
 import typer
 
-from quantserve.settings import UserError
+from quantserve.settings import UsageError, UserError
 
 try:  # typer >= 0.29 carries its own copy of click, and raises that copy's exceptions
     from typer._click import exceptions as click_exceptions
@@ -32,9 +32,19 @@ def fail(message: str, code: int = 1) -> None:
 def run(app: typer.Typer, prog: str) -> None:
     """Entry point wrapper: usage errors exit 2, user errors 1, interrupts 130."""
     try:
+        _run(app, prog)
+    except BrokenPipeError:  # `quantserve ... | head`: the reader left; no traceback for that
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(0) from None
+
+
+def _run(app: typer.Typer, prog: str) -> None:
+    try:
         code = app(prog_name=prog, standalone_mode=False)
     except click_exceptions.NoArgsIsHelpError as e:
-        # typer/click already printed the help text; nothing was asked for
+        # nothing was asked for: the help, as `--help` prints it (click leaves that to its
+        # standalone mode, which this wrapper turns off)
+        print(e.ctx.get_help() if e.ctx else e.format_message())
         raise SystemExit(0) from e
     except click_exceptions.UsageError as e:
         where = f" (see '{prog} {e.ctx.command_path.split(' ', 1)[1]} --help')" if e.ctx and " " in e.ctx.command_path else f" (see '{prog} --help')"
@@ -47,6 +57,8 @@ def run(app: typer.Typer, prog: str) -> None:
         raise SystemExit(e.exit_code) from None
     except click_exceptions.ClickException as e:
         fail(e.format_message(), e.exit_code or 1)
+    except UsageError as e:
+        fail(str(e), 2)
     except UserError as e:
         fail(str(e), 1)
     except (PermissionError, FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:

@@ -134,6 +134,13 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     for path in (cfg.data, cfg.eval_data):
         if path is not None and not Path(path).is_file():
             raise UserError(f"{path}: no such data file")
+    if cfg.serve:
+        from quantserve.server.cli import port_is_free
+
+        # the run ends by serving there: a busy port is found now, not after minutes of work
+        if not port_is_free(cfg.host, cfg.port):
+            raise UserError(f"port {cfg.port} on {cfg.host} is in use: the pipeline ends by serving there "
+                            "(pass --port N, or --no-serve)")
     if cfg.gpu_profile:
         from quantserve.capabilities import apply_profile, detect
 

@@ -8,7 +8,12 @@ from typing import Callable
 
 
 class UserError(Exception):
-    """A problem with what the user asked for. The CLIs print it as one line and exit non-zero."""
+    """A problem with what the user asked for. The CLIs print it as one line and exit 1."""
+
+
+class UsageError(UserError):
+    """An option's value is not one it can take (an unknown choice, a number out of range): exit 2,
+    like a malformed command line."""
 
 
 def cache_dir() -> Path:

@@ -10,7 +10,8 @@ from typing import Optional
 
 import typer
 
-from quantserve.settings import UserError
+from quantserve.server.config import EngineOptions as _D  # the one source of defaults
+from quantserve.settings import UsageError, UserError
 
 
 def _server_class():
@@ -57,15 +58,15 @@ def serve(
     port: int = typer.Option(8000, min=0, max=65535),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="QUANTSERVE_API_KEY", show_default=False,
                                           help="Require 'Authorization: Bearer KEY' (or set $QUANTSERVE_API_KEY)."),
-    max_queue: int = typer.Option(64, min=0, help="Requests allowed to wait; more get 429 + Retry-After."),
-    max_batch: int = typer.Option(32, min=1, max=512, help="Sequences decoded together (continuous batching)."),
-    prefill_chunk: int = typer.Option(512, min=16, help="Prompt tokens prefilled between two decode steps: "
+    max_queue: int = typer.Option(_D.max_queue, min=1, help="Requests allowed to wait; more get 429 + Retry-After."),
+    max_batch: int = typer.Option(_D.max_batch, min=1, max=512, help="Sequences decoded together (continuous batching)."),
+    prefill_chunk: int = typer.Option(_D.prefill_chunk, min=16, help="Prompt tokens prefilled between two decode steps: "
                                       "a long prompt is taken in chunks so running streams keep going."),
     context: Optional[int] = typer.Option(None, min=16, help="Context length; default: the model's own."),
     gpu_profile: Optional[str] = typer.Option(None, "--gpu-profile", help="'t4' makes a bigger GPU behave like a T4."),
-    engine: str = typer.Option("auto", help="auto (by the path), hf (transformers), fast (static KV cache, "
+    engine: str = typer.Option(_D.engine, help="auto (by the path), hf (transformers), fast (static KV cache, "
                                "CUDA graphs on a GPU; Llama-family) or gguf (llama.cpp)."),
-    weight_quant: str = typer.Option("none", help="--engine fast only: none, int8 or int4 weight-only."),
+    weight_quant: str = typer.Option(_D.weight_quant, help="--engine fast only: none, int8 or int4 weight-only."),
     threads: Optional[int] = typer.Option(None, min=1, help="CPU threads for the model (default: torch's "
                                           "choice; llama.cpp: half the cores)."),
     served_model_name: Optional[str] = typer.Option(None, help="Name clients use; default: the model's folder or file name."),
@@ -91,22 +92,26 @@ def serve(
 
     # uvicorn's 'trace' level logs whole ASGI scopes, Authorization header (the API key) included
     if log_level.lower() not in ("debug", "info", "warning", "error"):
-        raise UserError(f"unknown --log-level {log_level!r}: choose debug, info, warning or error")
+        raise UsageError(f"unknown --log-level {log_level!r}: choose debug, info, warning or error")
     if model == "default":
         from quantserve.settings import resolve_checkpoint
 
         model = str(resolve_checkpoint("default", progress=False))
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if engine not in ("auto", "hf", "fast", "gguf"):
-        raise UserError(f"unknown --engine {engine!r}: choose auto, hf, fast or gguf")
+    from quantserve.server.engines import ENGINE_CHOICES
+
+    if engine not in ENGINE_CHOICES:
+        raise UsageError(f"unknown --engine {engine!r}: choose {', '.join(ENGINE_CHOICES)}")
     if weight_quant not in ("none", "int8", "int4"):
-        raise UserError(f"unknown --weight-quant {weight_quant!r}: choose none, int8 or int4")
+        raise UsageError(f"unknown --weight-quant {weight_quant!r}: choose none, int8 or int4")
     # fail on a bad path now, with one line, before any socket is opened
     engine = _engine_or_exit(Path(model), EngineOptions(context=context, max_batch=max_batch,
                                                         max_queue=max_queue, gpu_profile=gpu_profile,
                                                         threads=threads, engine=engine,
                                                         weight_quant=weight_quant, trust_pickle=trust_pickle,
                                                         prefill_chunk=prefill_chunk))
+    # The port is taken before the model loads (minutes, for a big one): a busy port is one line now.
+    sock = bind_port(host, port)
     # a folder is known by its name, a file by its name without the extension
     given = Path(model).resolve()
     name = served_model_name or (given.stem if given.is_file() else given.name)
@@ -118,7 +123,7 @@ def serve(
 
     app = create_app(engine, name, api_key=api_key, max_body_bytes=max_body_bytes, max_logprobs=max_logprobs,
                      shutdown_grace_s=shutdown_grace, on_load_error=on_load_error, cors_origins=cors_origin)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
+    config = uvicorn.Config(app, host=host, port=sock.getsockname()[1], log_level=log_level.lower(),
                             timeout_graceful_shutdown=shutdown_grace, access_log=log_level == "debug")
     logging.getLogger("uvicorn.access").addFilter(_NoQueryStrings())  # after Config set up uvicorn's logging
     server = _Server(config)
@@ -126,8 +131,9 @@ def serve(
     # asks for it and, at Python's default 5 ms switch interval, may stand still that long while
     # the loop streams tokens: longer than a whole decode step.
     sys.setswitchinterval(0.001)
-    print(f"serving {name!r} from {engine.path} ({engine.kind} engine) on http://{host}:{port}/v1", flush=True)
-    server.run()
+    print(f"serving {name!r} from {engine.path} ({engine.kind} engine) on "
+          f"http://{host}:{sock.getsockname()[1]}/v1", flush=True)
+    server.run(sockets=[sock])
     if failure:
         raise UserError(f"the model failed to load: {failure[0]}")
     if not server.started and os.environ.get("QUANTSERVE_DEBUG") is None:
@@ -153,3 +159,30 @@ def _engine_or_exit(path: Path, options):
         return ScheduledEngine(path, options)
     except ModelLoadError as e:
         raise UserError(load_error_message(e)) from e
+
+
+def bind_port(host: str, port: int):
+    """A listening socket on host:port (uvicorn serves on it), or one line saying why not."""
+    import errno
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: restarts reuse the port
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        why = "port in use" if e.errno == errno.EADDRINUSE else e.strerror
+        raise UserError(f"cannot serve on {host}:{port}: {why}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def port_is_free(host: str, port: int) -> bool:
+    try:
+        bind_port(host, port).close()
+        return True
+    except UserError:
+        return False

@@ -6,27 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
+from quantserve.server.config import EngineOptions  # noqa: F401  (its users import it from here too)
 from quantserve.server.engine import EngineInfo, EngineRequest, EngineStats, TokenStream
 from quantserve.server.exceptions import ModelLoadError
 from quantserve.server.faults import with_faults
 
 log = logging.getLogger("quantserve.server")
-
-
-@dataclass
-class EngineOptions:
-    context: int | None = None  # default: the model's trained context
-    max_batch: int = 32
-    max_queue: int = 64
-    gpu_profile: str | None = None
-    engine: str = "auto"  # auto (by the path), hf, fast (server/fastcore) or gguf
-    weight_quant: str = "none"  # fast engine only: none, int8 or int4 weight-only
-    threads: int | None = None  # CPU threads for the model; default: torch's own / half the cores for llama.cpp
-    trust_pickle: bool = False  # serve a checkpoint whose weights are only pickles (rewritten as safetensors)
-    prefill_chunk: int = 512  # prompt tokens prefilled between two decode steps (chunked prefill)
 
 
 def detect_model_kind(path: Path, trust_pickle: bool = False) -> tuple[str, Path]:
@@ -52,6 +39,41 @@ def detect_model_kind(path: Path, trust_pickle: bool = False) -> tuple[str, Path
         raise ModelLoadError(f"{path}: not a Hugging Face checkpoint (no config.json) and no .gguf file")
     require_safetensors(path, trust_pickle, flag="--trust-pickle")
     return "hf", path
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def _load_hf(path: Path, o: EngineOptions):
+    from quantserve.server.backend import HFBackend
+    from quantserve.server.hf_engine import load_hf
+
+    _set_threads(o.threads)
+    model, tokenizer, info = load_hf(path, o.gpu_profile, o.context, o.max_batch, o.max_queue)
+    return HFBackend(model, o.max_batch, info.context_length), tokenizer, info
+
+
+def _load_fast(path: Path, o: EngineOptions):
+    from quantserve.server.hf_engine import load_fast
+
+    _set_threads(o.threads)
+    return load_fast(path, o.gpu_profile, o.context, o.max_batch, o.max_queue, o.weight_quant, o.prefill_chunk)
+
+
+def _load_gguf(path: Path, o: EngineOptions):
+    from quantserve.server.gguf_engine import load_gguf
+
+    return load_gguf(path, o.context, o.max_batch, o.max_queue, o.threads)
+
+
+# The engines, by kind: load(path, options) -> (DecodeBackend, ModelTokenizer, EngineInfo).  A new
+# engine is one loader here; the scheduler, the API and the CLI's --engine choices follow.
+ENGINES = {"hf": _load_hf, "fast": _load_fast, "gguf": _load_gguf}
+ENGINE_CHOICES = ("auto", *ENGINES)
 
 
 def _warm_up(backend) -> None:
@@ -98,29 +120,7 @@ class ScheduledEngine:
 
         o = self.options
         self.path = self._safetensors_path()
-        if self.kind == "hf":
-            from quantserve.server.backend import HFBackend
-            from quantserve.server.hf_engine import load_hf
-
-            if o.threads:
-                import torch
-
-                torch.set_num_threads(o.threads)
-            model, self.tokenizer, info = load_hf(self.path, o.gpu_profile, o.context, o.max_batch, o.max_queue)
-            backend = HFBackend(model, o.max_batch, info.context_length)
-        elif self.kind == "fast":
-            from quantserve.server.hf_engine import load_fast
-
-            if o.threads:
-                import torch
-
-                torch.set_num_threads(o.threads)
-            backend, self.tokenizer, info = load_fast(self.path, o.gpu_profile, o.context, o.max_batch,
-                                                      o.max_queue, o.weight_quant, o.prefill_chunk)
-        else:
-            from quantserve.server.gguf_engine import load_gguf
-
-            backend, self.tokenizer, info = load_gguf(self.path, o.context, o.max_batch, o.max_queue, o.threads)
+        backend, self.tokenizer, info = ENGINES[self.kind](self.path, o)
         _warm_up(backend)
         backend = with_faults(backend)  # the reliability tests' injected failures; unset: a no-op
         self._loop = loop

@@ -21,7 +21,8 @@ from conftest import REPO
 FOLDERS = {"quantserve": "quantserve", "server": "quantserve.server", "quant": "quantserve.quant",
            "training": "quantserve.training", "bench": "quantserve.bench"}
 
-GROUND = ("quantserve.settings", "quantserve.capabilities", "quantserve.modeling", "quantserve.plots")
+GROUND = ("quantserve.settings", "quantserve.capabilities", "quantserve.modeling", "quantserve.plots",
+          "quantserve.quiet")
 HTTP = ("quantserve.server.api_server", "quantserve.server.serving", "quantserve.server.serving_chat",
         "quantserve.server.serving_completions", "quantserve.server.protocol", "quantserve.server.errors",
         "quantserve.server.middleware", "quantserve.server.metrics", "quantserve.server.cli")

@@ -104,3 +104,37 @@ def test_bench_commands_refuse_bad_input_in_one_line(tmp_path):
     not_a_result.write_text('{"rows": []}')
     assert_one_line_error(cli("bench", "plot", str(not_a_result)), 1, "not a `bench serve` result")
     assert_one_line_error(cli("bench", "plot", str(tmp_path / "missing.json")), 2, "no such file")
+
+
+@pytest.mark.parametrize("args", [
+    ("serve", "default", "--engine", "bogus"), ("serve", "default", "--weight-quant", "int3"),
+    ("serve", "default", "--log-level", "loud"), ("serve", "default", "--max-queue", "0"),
+    ("train", "--data", "x.jsonl", "--out", "o", "--method", "dora"),
+    ("plan", "--seq-len", "128", "--gpu", "tpu"),
+])
+def test_a_value_an_option_cannot_take_exits_2(args):
+    proc = cli(*args)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("args", [(), ("bench",)])
+def test_an_empty_command_line_prints_the_help(args):
+    proc = cli(*args)
+    assert proc.returncode == 0 and proc.stdout.startswith("Usage: quantserve") and "Commands:" in proc.stdout
+
+
+def test_a_busy_port_is_refused_before_the_model_loads():
+    import socket
+    import time
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        proc = cli("serve", "default", "--port", str(port))
+        assert_one_line_error(proc, 1, "port in use")
+        assert "loaded" not in proc.stdout + proc.stderr and time.monotonic() - t0 < 30
+        proc = cli("pipeline", "--out", "/nonexistent/never-written", "--port", str(port))
+        assert_one_line_error(proc, 1, "in use")

@@ -90,10 +90,18 @@ def test_bad_requests():
 
 
 def test_plan_cli_table_and_json(default_model):
-    r = subprocess.run([sys.executable, "-m", "quantserve", "plan", "--model", "llama-3.2-1b", "--seq-len", "4096",
-                        "--gpu", "t4"], capture_output=True, text=True, timeout=300)
+    import os
+
+    cmd = [sys.executable, "-m", "quantserve", "plan", "--model", "llama-3.1-8b", "--seq-len", "4096", "--gpu", "t4"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "140"})
     assert r.returncode == 0, r.stderr
     assert "recommended:" in r.stdout and "full/zero2" in r.stdout and "DS est" in r.stdout
+    # piped at 80 columns: every setup name and mark whole, the answer whole, nothing cut with '…'
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "80"})
+    assert r.returncode == 0 and "…" not in r.stdout, r.stdout
+    assert max(len(line) for line in r.stdout.splitlines()) <= 80
+    assert "BEST" in r.stdout and "recommended: qlora/ckpt/liger (peak" in r.stdout
+    assert "accelerator" not in r.stdout + r.stderr  # DeepSpeed's import-time line stays out (quiet.py)
     r = subprocess.run([sys.executable, "-m", "quantserve", "plan", "--seq-len", "128", "--gpu-mem", "2", "--json"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

@@ -117,3 +117,24 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(small_data, tmp_path):
     assert log["global_step"] == ref_log["global_step"] == 12
     assert len(losses(out)) == len(losses(ref)) == 12  # the log covers the whole run
     assert abs(losses(out)[-1] - losses(ref)[-1]) <= 0.02 * losses(ref)[-1] + 1e-3
+
+
+def test_rerun_of_a_finished_train_is_a_no_op_and_force_retrains(small_data, tmp_path):
+    """Rerunning a finished command must not resume from its last checkpoint, train one step more
+    and overwrite the model; --force trains again from the start."""
+    out = tmp_path / "ft"
+    args = ("--data", str(small_data), "--out", str(out), "--max-steps", "4", "--save-steps", "2",
+            "--micro-batch", "4")
+    run_train(*args)
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    again = run_train(*args)
+    assert "already trained" in again.stderr and "4 steps" in again.stderr, again.stderr[-1000:]
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp
+    assert json.loads((out / "train_log.json").read_text())["global_step"] == 4
+    # another config (or other data) in the same folder is a new run, not a no-op
+    changed = small_data.with_name("changed.jsonl")
+    changed.write_text(small_data.read_text().replace("last", "final", 1))
+    other = run_train("--data", str(changed), *args[2:], "--force")
+    assert "already trained" not in other.stderr
+    log = json.loads((out / "train_log.json").read_text())
+    assert log["global_step"] == 4 and log["resumed_from"] is None

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Optional
 
-from quantserve.settings import UserError
+from quantserve.settings import UsageError, UserError
 
 METHODS = ("full", "lora", "qlora")
 OFFLOADS = ("none", "optimizer", "all")
@@ -56,6 +56,7 @@ class TrainConfig:
     # Bookkeeping
     skip_bad_lines: bool = False
     resume: bool = True  # continue from the last checkpoint in `out` if one is there
+    force: bool = False  # retrain even when `out` holds a finished run of this same config
     save_steps: int = 50
     save_total_limit: int = 2
     logging_steps: int = 1
@@ -86,9 +87,9 @@ class TrainConfig:
         _choice("--attn", self.attn, ATTENTIONS)
         _choice("--dtype", self.dtype, DTYPES)
         if self.zero is not None and self.zero not in (0, 1, 2, 3):
-            raise UserError(f"--zero must be 0, 1, 2 or 3, not {self.zero}")
+            raise UsageError(f"--zero must be 0, 1, 2 or 3, not {self.zero}")
         if self.plan not in (None, "auto"):
-            raise UserError(f"--plan must be 'auto', not {self.plan!r}")
+            raise UsageError(f"--plan must be 'auto', not {self.plan!r}")
         if self.method == "qlora" and self.zero == 3:
             raise UserError("QLoRA does not combine with ZeRO-3 (4-bit weights cannot be partitioned): "
                             "use --zero 2 (or none)")
@@ -133,7 +134,7 @@ class TrainConfig:
 
 def _choice(flag: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
-        raise UserError(f"{flag} must be one of {', '.join(allowed)}, not {value!r}")
+        raise UsageError(f"{flag} must be one of {', '.join(allowed)}, not {value!r}")
 
 
 @dataclass

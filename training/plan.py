@@ -34,7 +34,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from quantserve.settings import UserError
+from quantserve.settings import UsageError, UserError
 
 GIB = 2**30
 # Usable memory (GiB) of common GPUs: total minus CUDA context and allocator slack.
@@ -280,7 +280,7 @@ def _budget(gpu: str | None, gpu_mem_gib: float | None) -> float | None:
         raise UserError("give --gpu or --gpu-mem, not both")
     if gpu:
         if gpu.lower() not in GPUS:
-            raise UserError(f"unknown --gpu {gpu!r}; known: {', '.join(GPUS)} (or use --gpu-mem GB)")
+            raise UsageError(f"unknown --gpu {gpu!r}; known: {', '.join(GPUS)} (or use --gpu-mem GB)")
         return GPUS[gpu.lower()]
     if gpu_mem_gib is not None and gpu_mem_gib <= 0:
         raise UserError("--gpu-mem must be positive")
@@ -293,7 +293,7 @@ def plan_for_config(config, seq_len: int, micro_batch: int = 1, gpus: int = 1, g
     if seq_len < 1 or micro_batch < 1 or gpus < 1:
         raise UserError("--seq-len, --micro-batch and --gpus must be at least 1")
     if method not in (None, "full", "lora", "qlora"):
-        raise UserError(f"--method must be full, lora or qlora, not {method!r}")
+        raise UsageError(f"--method must be full, lora or qlora, not {method!r}")
     s = Shape.from_config(config)
     if s.max_positions and seq_len > s.max_positions:
         raise UserError(f"--seq-len {seq_len} is over the model's limit of {s.max_positions} positions")
@@ -340,23 +340,34 @@ def host_ram_gib() -> float:
 
 
 def print_report(report: Report) -> None:
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
+    con = Console()  # the terminal's width (80 when piped): the notes wrap, the table folds
+    # Never an ellipsis: at 80 columns (or piped) DeepSpeed's estimate and CPU memory make way for
+    # the setup names (--json has everything); numbers and marks are never cut.
+    wide = con.width >= 110
     g = lambda b: f"{b / GIB:.2f}"
     budget = f"{report.budget_gib:.1f} GiB per GPU" if report.budget_gib else "no budget given (--gpu / --gpu-mem)"
     table = Table(title=f"{report.model}: {report.params / 1e9:.3f} B params, {report.micro_batch} x {report.seq_len} "
-                        f"tokens per GPU, {report.gpus} GPU(s), {budget}")
-    for col in ("setup", "weights", "grads", "optim", "activ", "logits", "peak", "DS est", "CPU", "fits"):
-        table.add_column(col, justify="left" if col == "setup" else "right", no_wrap=True)
+                        f"tokens per GPU, {report.gpus} GPU(s), {budget}", box=box.SIMPLE_HEAD, padding=(0, 1))
+    table.add_column("setup", overflow="fold", min_width=16)
+    numbers = ["weights", "grads", "optim", "activ", "logits", "peak"] + (["DS est", "CPU"] if wide else [])
+    for col in numbers:
+        table.add_column(col, justify="right", no_wrap=True)
+    table.add_column("fits", no_wrap=True, min_width=4)
     for r in report.rows:
         mark = "" if report.budget_gib is None else ("yes" if r.fits else "no")
         if report.best is r:
             mark = "BEST"
-        table.add_row(r.name, g(r.weights), g(r.grads), g(r.optimizer), g(r.activations), g(r.logits),
-                      g(r.peak), g(r.ds_estimate) if r.ds_estimate is not None else "-", g(r.cpu), mark)
-    con = Console(width=max(Console().width, 118))
+        cells = [g(r.weights), g(r.grads), g(r.optimizer), g(r.activations), g(r.logits), g(r.peak)]
+        if wide:
+            cells += [g(r.ds_estimate) if r.ds_estimate is not None else "-", g(r.cpu)]
+        table.add_row(r.name, *cells, mark)
     con.print(table)
+    if not wide:
+        con.print("(DeepSpeed's estimate and CPU memory: a wider terminal, or --json)")
     con.print("GiB per GPU. 'DS est.' is DeepSpeed's own model-states estimate (no activations). "
               "Offload trades GPU memory for steps several times slower: a last resort.")
     if report.best:

@@ -147,6 +147,14 @@ def cfg_profile(cfg: TrainConfig) -> str:
 def train(cfg: TrainConfig) -> Path:
     """Fine-tune `cfg.model` on `cfg.data`; return `cfg.out`, a loadable Hugging Face checkpoint."""
     cfg.validate()
+    done = finished_run(cfg)
+    if done is not None:
+        log(f"already trained: {cfg.out} holds a finished run of this config ({done} steps); "
+            "nothing to do (--force retrains)")
+        return cfg.out
+    if cfg.force and cfg.out.is_dir():
+        for old in cfg.out.glob("checkpoint-*"):
+            shutil.rmtree(old, ignore_errors=True)  # a forced run starts over, never resumes
     t_start = time.time()
     import torch
 
@@ -220,7 +228,8 @@ def train(cfg: TrainConfig) -> Path:
         (cfg.out / "data_audit" / f"rank{rank}.json").write_text(json.dumps(collator.seen))
     if trainer.is_world_process_zero():
         summary = {
-            "config": cfg.as_dict(), "resolved": res.__dict__, "model_path": str(model_path),
+            "config": cfg.as_dict(), "data_fingerprint": data_fingerprint(cfg.data),
+            "resolved": res.__dict__, "model_path": str(model_path),
             "world_size": ws, "method": cfg.method, "zero": cfg.zero,
             "global_step": trainer.state.global_step, "resumed_from": last,
             "train_loss": result.training_loss, "tokens_seen": int(trainer.state.num_input_tokens_seen),
@@ -237,6 +246,41 @@ def train(cfg: TrainConfig) -> Path:
             log(f"GPU memory: peak {' / '.join(f'{p:.2f}' for p in peaks)} GiB per rank")
     distributed.barrier()
     return cfg.out
+
+
+# Settings that do not change what a run computes: a rerun differing only in them is the same run.
+_BOOKKEEPING = ("progress", "resume", "force", "threads", "save_steps", "save_total_limit", "logging_steps")
+
+
+def finished_run(cfg: TrainConfig) -> int | None:
+    """The step count of a finished run of this same config in `cfg.out` (its train_log.json and
+    weights are there), or None.  A rerun of a finished command must not train on: resuming from
+    its last checkpoint would add a step and overwrite the model."""
+    log_file = cfg.out / "train_log.json"
+    if cfg.force or not log_file.is_file():
+        return None
+    try:
+        record = json.loads(log_file.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    same = {k: v for k, v in record.get("config", {}).items() if k not in _BOOKKEEPING} == \
+        {k: v for k, v in cfg.as_dict().items() if k not in _BOOKKEEPING}
+    same = same and record.get("data_fingerprint") == data_fingerprint(cfg.data)
+    weights = any(cfg.out.glob("*.safetensors")) or (cfg.out / "adapter_config.json").is_file()
+    return record.get("global_step") if same and weights else None
+
+
+def data_fingerprint(path: Path) -> str | None:
+    """The data file's content hash (size and mtime above 256 MiB, where hashing would be slow)."""
+    import hashlib
+
+    try:
+        st = Path(path).stat()
+        if st.st_size > 256 << 20:
+            return f"{st.st_size}:{st.st_mtime_ns}"
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+    except OSError:
+        return None
 
 
 def last_complete_checkpoint(out: Path) -> str | None:

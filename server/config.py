@@ -1,0 +1,22 @@
+"""`EngineOptions`: every setting of a served engine, and the one home of their defaults.
+
+`quantserve serve`'s options take their defaults from here (server/cli.py), and the engines read
+nothing else.  Only the standard library is imported, so `--help` stays instant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineOptions:
+    context: int | None = None  # default: the model's trained context
+    max_batch: int = 32
+    max_queue: int = 64
+    gpu_profile: str | None = None
+    engine: str = "auto"  # auto (by the path), hf, fast (server/fastcore) or gguf
+    weight_quant: str = "none"  # fast engine only: none, int8 or int4 weight-only
+    threads: int | None = None  # CPU threads for the model; default: torch's own / half the cores for llama.cpp
+    trust_pickle: bool = False  # serve a checkpoint whose weights are only pickles (rewritten as safetensors)
+    prefill_chunk: int = 512  # prompt tokens prefilled between two decode steps (chunked prefill)
