@@ -78,7 +78,10 @@ def finetune_score(base: Path, work: Path, seed: int, threads: int, overrides: d
     steps = json.loads((out / "train_log.json").read_text())["steps"]
     # The task is learnt in a late drop of the loss (from a plateau at ~0.47, where the answer's
     # template is known but not the letter): how early it comes is the recipe's margin.
-    learnt = next((s["step"] for s in steps if s["loss"] < LEARNT_LOSS), None)
+    losses = [s["loss"] for s in steps]
+    window = 25  # one step's loss is one batch's: the mean of 25 shows the trend
+    learnt = next((steps[i + window - 1]["step"] for i in range(len(losses) - window + 1)
+                   if sum(losses[i:i + window]) / window < LEARNT_LOSS), None)
     return {"task_after": acc, "finetune_s": round(seconds, 1), "learnt_at_step": learnt,
             "steps": len(steps)}
 

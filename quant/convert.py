@@ -19,7 +19,7 @@ from quantserve.quant.bnb import BNB_FORMATS, write_bnb
 from quantserve.quant.llamacpp import KQUANT_FTYPES
 from quantserve.quant.manifest import build_manifest, write_manifest
 from quantserve.quant.source import open_checkpoint, require_causal_lm, require_gguf_architecture
-from quantserve.settings import UserError
+from quantserve.settings import UserError, make_readable
 
 GGUF_WRITTEN = {"gguf-f32": "f32", "gguf-f16": "f16", "gguf-q8_0": "q8_0"}  # by our own writer
 GGUF_KQUANTS = {f"gguf-{k}": k for k in KQUANT_FTYPES}                     # by llama.cpp from F16
@@ -106,6 +106,7 @@ def staging(out: Path, force: bool):
         raise _disk_error(e, out) from e
     try:
         yield tmp
+        make_readable(tmp)
         if out.exists() or out.is_symlink():
             if not force:  # appeared while we worked
                 raise UserError(f"{out} already exists (use --force to replace it)")

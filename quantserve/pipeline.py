@@ -343,14 +343,17 @@ def print_summary(summary: dict) -> None:
 
 
 def ready_requests(url: str, model_name: str, prompt: str) -> tuple[str, str]:
-    """A curl and a Python one-liner (shell-quoted) that ask `prompt` of the served model."""
-    body = json.dumps({"model": model_name, "messages": [{"role": "user", "content": prompt}]})
-    curl = f"curl {url}/chat/completions -H 'Content-Type: application/json' -d {shlex.quote(body)}"
+    """A curl and a Python one-liner (shell-quoted, greedy) that ask `prompt` of the served model.
+
+    The Python line names this virtualenv's interpreter, which has `openai`, so it works pasted
+    into any shell."""
+    body = json.dumps({"model": model_name, "temperature": 0, "messages": [{"role": "user", "content": prompt}]})
+    curl = f"curl -s {url}/chat/completions -H 'Content-Type: application/json' -d {shlex.quote(body)}"
     q = json.dumps  # a JSON string is a Python string literal too, in double quotes
     python = (f"from openai import OpenAI; c = OpenAI(base_url={q(url)}, api_key=\"none\"); "
-              f"print(c.chat.completions.create(model={q(model_name)}, messages=[{{\"role\": \"user\", "
+              f"print(c.chat.completions.create(model={q(model_name)}, temperature=0, messages=[{{\"role\": \"user\", "
               f"\"content\": {q(prompt)}}}]).choices[0].message.content)")
-    return curl, f"python -c {shlex.quote(python)}"
+    return curl, f"{shlex.quote(sys.executable)} -c {shlex.quote(python)}"
 
 
 def _serve_forever(model: Path, cfg: PipelineConfig, example) -> None:

@@ -24,6 +24,18 @@ def cache_dir() -> Path:
     return Path(base) / "quantserve"
 
 
+def make_readable(folder: Path) -> None:
+    """Give every file in `folder` the mode the umask allows (0644 by default).
+
+    safetensors writes its files 0600: a model trained or converted as one user (root in a build
+    step, say) would be unreadable by the server's user (the container's uid 1000)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in [Path(folder), *Path(folder).rglob("*")]:
+        if not p.is_symlink():
+            os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
+
+
 def require_checkpoint(path: Path) -> Path:
     """Check that `path` is a Hugging Face checkpoint folder (config.json + weights), or raise.
 

@@ -529,3 +529,15 @@ def test_target_on_a_full_or_read_only_disk(disk, default_model, tmp_path):
 def test_formats_cover_the_issue():
     for fmt in ("bnb-int8", "bnb-nf4", "bnb-fp4", "gguf-f16", "gguf-q8_0", "gguf-q4_k_m"):
         assert fmt in FORMATS
+
+
+@pytest.mark.parametrize("fmt", ["bnb-int8", "gguf-q8_0"])
+def test_outputs_are_readable_by_other_users(fmt, outputs):
+    """safetensors writes 0600; a server running as another user (a container's uid) must read them."""
+    import os
+    import stat
+
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in outputs[fmt].iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask, (f.name, oct(f.stat().st_mode))

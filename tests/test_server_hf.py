@@ -299,7 +299,9 @@ def test_make_run_ready_requests_work_as_printed(server):
 
     prompt = "Last letter?\nit's a b c"
     curl, python = ready_requests(server.base_url + "/v1", server.model_name, prompt)
-    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+    # a shell without the virtualenv on PATH: the printed line names its interpreter itself
+    venv_bin = os.path.dirname(sys.executable)
+    env = {**os.environ, "PATH": os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if p != venv_bin)}
     out = subprocess.run(python, shell=True, capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0 and out.stdout.strip(), out.stderr[-2000:]
     if shutil.which("curl"):

@@ -126,6 +126,7 @@ def test_rerun_of_a_finished_train_is_a_no_op_and_force_retrains(small_data, tmp
     args = ("--data", str(small_data), "--out", str(out), "--max-steps", "4", "--save-steps", "2",
             "--micro-batch", "4")
     run_train(*args)
+    assert (out / "model.safetensors").stat().st_mode & 0o044  # readable by others (safetensors writes 0600)
     stamp = (out / "model.safetensors").stat().st_mtime_ns
     again = run_train(*args)
     assert "already trained" in again.stderr and "4 steps" in again.stderr, again.stderr[-1000:]

@@ -23,7 +23,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from quantserve.settings import UserError
+from quantserve.settings import UserError, make_readable
 from quantserve.training import distributed
 from quantserve.training.config import ATTN_IMPL, Resolved, TrainConfig
 
@@ -339,6 +339,7 @@ def save(trainer, tok, cfg: TrainConfig, res: Resolved, base_path: Path) -> None
             merge_adapter(base_path, adapter, cfg.out, res)
     if trainer.is_world_process_zero():
         tok.save_pretrained(str(cfg.out))
+        make_readable(cfg.out)
     distributed.barrier()
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from quantserve.demo import corpus
 from quantserve.plots import save_loss_plot
-from quantserve.settings import UserError, cache_dir
+from quantserve.settings import UserError, cache_dir, make_readable
 
 BUILD_VERSION = 5  # bump when the recipe below changes, so old caches are not reused
 SHIPPED_DIR = Path(__file__).resolve().parent / "assets" / "default-model"
@@ -110,6 +110,7 @@ def build_default_model(cfg: DefaultModelConfig = DefaultModelConfig(), root: Pa
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             _build_into(tmp, cfg, progress)
+            make_readable(tmp)
             shutil.rmtree(out, ignore_errors=True)
             tmp.rename(out)  # atomic: a half-built model never looks built
         finally:
