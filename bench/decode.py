@@ -241,7 +241,7 @@ def fit_check(cfg, device, caps, quant: str, kernel: str, slots: int = 8, seq: i
 
 
 def main(argv=None) -> int:
-    ap = Parser(description=__doc__.split("\n")[0])
+    ap = Parser(prog="quantserve bench decode", description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="1b,8b", help="comma list of 1b, 8b, tiny")
     ap.add_argument("--quants", default="none,int8,int4", help="comma list of none, int8, int4")
     ap.add_argument("--kernels", default="auto",
@@ -283,6 +283,11 @@ def main(argv=None) -> int:
         args.models, args.batches, args.prompt_len, args.new_tokens = "tiny", "1,4", 16, 12
         args.generate_tokens, args.no_fit_check = 32, True  # enough steps to stand above timing noise
     caps = detect(args.gpu_profile)
+    if caps.device != "cuda" and not args.quick and args.models != "tiny":
+        # the 1B/8B shapes at fp32 on a CPU would grind for hours and measure nothing useful
+        print("error: bench decode measures the 1B/8B shapes on a CUDA GPU; on a CPU use --quick",
+              file=sys.stderr)
+        return 2
     apply_profile(caps)
     device = torch.device(caps.device)
     dtype = torch.float16 if device.type == "cuda" else torch.float32

@@ -209,7 +209,7 @@ def print_table(result: dict) -> None:
 
 
 def main(argv=None) -> int:
-    ap = Parser(description=__doc__.split("\n")[0])
+    ap = Parser(prog="quantserve bench serve", description=__doc__.split("\n")[0])
     ap.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
     ap.add_argument("--model", default=None, help="model id; default: the first of /v1/models")
     ap.add_argument("--label", default=None, help="name in tables and plots (default: the model id)")

@@ -175,3 +175,21 @@ def test_failed_requests_make_the_run_exit_1(llama_server, capsys):
                     "--output-len", "4", "--no-warmup"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and err[-1].startswith("error: 2 of 2 requests failed, e.g. "), err
+
+
+@pytest.mark.parametrize("name", ["decode", "serve", "plot"])
+def test_bench_help_names_its_command(name):
+    proc = subprocess.run([sys.executable, "-m", "quantserve", "bench", name, "--help"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.startswith(f"usage: quantserve bench {name}"), proc.stdout[:200]
+
+
+def test_gpu_bench_refuses_a_cpu_in_one_line():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the benchmark would run")
+    proc = subprocess.run([sys.executable, "-m", "quantserve", "bench", "decode"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: bench decode measures the 1B/8B shapes on a CUDA GPU; on a CPU use --quick"]
