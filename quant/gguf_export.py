@@ -125,8 +125,9 @@ def write_gguf(ckpt: Checkpoint, out_file: Path, outtype: str, progress: bool = 
     count = 0
     tensors = _read_tensors(ckpt.weight_files)
     if progress:
-        from tqdm import tqdm
-        tensors = tqdm(tensors, desc=f"converting to GGUF {outtype.upper()}", unit="tensor")
+        from quantserve.progress import track
+
+        tensors = track(tensors, f"converting to GGUF {outtype.upper()}", "tensor")
     for hf_name, data in tensors:
         if hf_name.endswith("rotary_emb.inv_freq"):
             continue  # recomputed by llama.cpp from rope.freq_base

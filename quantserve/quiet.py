@@ -2,6 +2,7 @@
 
 - bitsandbytes logs "MatMul8bitLt: inputs will be cast ..." on every int8 matmul of an fp32 input
   (thousands of lines for a few requests): shown once per process, then dropped.
+- transformers' and the hub's progress bars, off when stderr is not a terminal.
 - DeepSpeed, imported by transformers whenever it is installed, prints "Setting accelerator to
   CPU" on *stdout* (inside tables other programs read) on every machine without a GPU: telling it
   the accelerator up front (`DS_ACCELERATOR=cpu`, its own switch) makes it choose silently.
@@ -38,6 +39,12 @@ def has_gpu_device() -> bool:
 
 
 def quiet_libraries() -> None:
+    import sys
+
+    if not sys.stderr.isatty():
+        # transformers' and the hub's own bars ("Loading weights", "Writing model shards") are
+        # carriage-return spam in a log; ours print status lines there instead (progress.py)
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if not has_gpu_device():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     logging.getLogger("bitsandbytes.autograd._functions").addFilter(OncePerMessage(("MatMul8bitLt:",)))

@@ -29,10 +29,9 @@ class ProgressCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kw):
         if not (self.enabled and state.is_world_process_zero):
             return
-        from tqdm.auto import tqdm
+        from quantserve.progress import Progress
 
-        self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train", unit="step",
-                        dynamic_ncols=True, file=sys.stderr)
+        self.bar = Progress(state.max_steps, "train", "step", initial=state.global_step)
         self.t0, self.tokens0, self.step0 = time.time(), state.num_input_tokens_seen, state.global_step
 
     def on_log(self, args, state, control, logs=None, **kw):
@@ -46,9 +45,8 @@ class ProgressCallback(TrainerCallback):
         tok_s = (state.num_input_tokens_seen - self.tokens0) / dt
         done = state.global_step - self.step0
         eta = (state.max_steps - state.global_step) * dt / max(done, 1)
-        self.bar.update(state.global_step - self.bar.n)
         loss = f"{self.last_loss:.4f}" if self.last_loss is not None else "-"
-        self.bar.set_postfix_str(f"loss {loss}  {tok_s:,.0f} tok/s  ETA {_fmt(eta)}")
+        self.bar.update(state.global_step, f"loss {loss}  {tok_s:,.0f} tok/s  ETA {_fmt(eta)}")
 
     def on_train_end(self, args, state, control, **kw):
         if self.bar is not None:

@@ -262,22 +262,16 @@ def _lr_factor(step: int, cfg: DefaultModelConfig) -> float:
 
 
 def _progress(total: int, enabled: bool):
-    """A rich progress bar showing the loss; a no-op when disabled (tests, pipes)."""
-    if not enabled:
-        return lambda step, loss: None
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+    """A bar (a status line every ~30 s when not on a terminal) showing the loss."""
+    from quantserve.progress import Progress
 
-    prog = Progress(TextColumn("pretraining default model"), BarColumn(),
-                    TextColumn("{task.completed}/{task.total} loss {task.fields[loss]}"),
-                    TimeRemainingColumn())
-    task = prog.add_task("build", total=total, loss="-")
-    prog.start()
+    prog = Progress(total, "pretraining default model", "step", enabled)
 
     def update(step, loss):
         if step is None:
-            prog.stop()
+            prog.close()
         else:
-            prog.update(task, completed=step + 1, loss=f"{loss:.3f}")
+            prog.update(step + 1, f"loss {loss:.3f}")
     return update
 
 

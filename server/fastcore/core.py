@@ -221,13 +221,11 @@ class FastCore:
         length) and every prompt shape now, so that no request waits on torch.compile, Triton
         autotuning or a CUDA-graph recording later.  Returns the seconds it took (the bars on stderr
         say how far it is)."""
-        from tqdm.auto import tqdm
+        from quantserve.progress import track
 
         t0 = time.perf_counter()
         shapes = self.decode_shapes()
-        bar = tqdm(shapes, desc="compiling decode shapes (batch x KV length)", unit="shape",
-                   disable=not progress, file=sys.stderr)
-        for batch, length in bar:
+        for batch, length in track(shapes, "compiling decode shapes (batch x KV length)", "shape", enabled=progress):
             tok = torch.zeros(batch, dtype=torch.long, device=self.device)
             pos = torch.full((batch,), self.max_seq, dtype=torch.long, device=self.device)  # the trash row
             self.decode_padded(tok, pos, self._kv_idx[:length])
@@ -247,12 +245,12 @@ class FastCore:
     def _warm_up_prompts(self, progress: bool) -> None:
         """Compile the prompt graph, let the weight kernels pick their prompt-sized path, and on a
         GPU record every (chunk width, KV length) prompt graph."""
-        from tqdm.auto import tqdm
+        from quantserve.progress import track
 
         if self.compile_prefill and self._graph_pool is not None:
             shapes = self.prefill_shapes()
-            for width, length in tqdm(shapes, desc="recording prompt shapes (width x KV length)", unit="shape",
-                                      disable=not progress, file=sys.stderr):
+            for width, length in track(shapes, "recording prompt shapes (width x KV length)", "shape",
+                                       enabled=progress):
                 self._prefill_graph(width, length)
         else:  # one full chunk (slot 0 is reset afterwards)
             self.prefill(0, torch.zeros(min(self.prefill_chunk, self.max_seq), dtype=torch.long))
