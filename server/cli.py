@@ -24,6 +24,15 @@ def _server_class():
         """uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, so the process would die by
         the signal; a clean shutdown here exits 0 instead."""
 
+        def handle_exit(self, sig, frame):
+            if self.should_exit and sig == signal.SIGINT:
+                # A second Ctrl-C: the user will not wait for in-flight requests.  Letting uvicorn
+                # cancel them prints a traceback per stream (and, with daemon threads still
+                # writing, can abort the interpreter); leave at once instead.
+                os.write(2, b"\nsecond interrupt: stopped without waiting for requests in flight\n")
+                os._exit(130)
+            super().handle_exit(sig, frame)
+
         @contextlib.contextmanager
         def capture_signals(self):
             previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}

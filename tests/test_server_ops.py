@@ -192,3 +192,35 @@ def test_a_closed_event_loop_does_not_cost_other_loops_their_events():
         assert [a._queue.get_nowait().token_id, b._queue.get_nowait().token_id] == [8, 9]
     finally:
         alive.close()
+
+
+def test_a_second_ctrl_c_during_streams_exits_at_once_without_tracebacks(default_model):
+    """The first SIGINT waits for requests in flight; a second one means "now": exit 130, one line."""
+    import signal
+    import threading
+
+    srv = ServerProcess(default_model, "--log-level", "info")
+    url = srv.base_url + "/v1/completions"
+
+    def stream():
+        try:
+            with httpx.stream("POST", url, json={"model": srv.model_name, "prompt": "a b c", "max_tokens": 400,
+                                                 "stream": True, "ignore_eos": True}, timeout=60) as r:
+                for _ in r.iter_lines():
+                    pass
+        except httpx.HTTPError:
+            pass  # the server went away mid-stream: that is the point
+
+    clients = [threading.Thread(target=stream) for _ in range(4)]
+    for c in clients:
+        c.start()
+    time.sleep(1.0)
+    srv.proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    srv.proc.send_signal(signal.SIGINT)
+    code = srv.proc.wait(timeout=20)
+    for c in clients:
+        c.join(timeout=30)
+    log = srv.log()
+    assert code == 130, log
+    assert "Traceback" not in log and "second interrupt" in log, log
