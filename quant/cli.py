@@ -79,11 +79,20 @@ def inspect(path: Path = typer.Argument(..., help="A .gguf or .safetensors file,
 
 
 @app.command()
-def formats() -> None:
-    """List the output formats."""
-    from quantserve.quant.convert import FORMATS
+def formats(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:
+    """List the output formats: bits per weight, the engine that serves each, what it is."""
+    from quantserve.quant.convert import FORMAT_INFO, FORMATS
 
-    print("\n".join(FORMATS))
+    rows = [{"format": f, "bits_per_weight": FORMAT_INFO[f][0], "engine": FORMAT_INFO[f][1],
+             "description": FORMAT_INFO[f][2]} for f in FORMATS]
+    if as_json:
+        import json
+
+        print(json.dumps(rows, indent=1))
+        return
+    print(f"{'format':<13} {'bits/w':>6}  {'engine':<6}  description")
+    for r in rows:
+        print(f"{r['format']:<13} {r['bits_per_weight']:>6.2f}  {r['engine']:<6}  {r['description']}")
 
 
 @app.command()

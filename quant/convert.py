@@ -26,6 +26,26 @@ GGUF_KQUANTS = {f"gguf-{k}": k for k in KQUANT_FTYPES}                     # by 
 FORMATS: tuple[str, ...] = (*BNB_FORMATS, *GGUF_WRITTEN, *GGUF_KQUANTS)
 GGUF_FILE = "model.gguf"
 
+# What each format is: approximate bits per weight of its quantized matrices (llama.cpp's own
+# figures for Llama-shaped models; bitsandbytes' block scales included), the engine that serves it.
+FORMAT_INFO: dict[str, tuple[float, str, str]] = {
+    "bnb-int8": (8.0, "hf", "LLM.int8: int8 rows, fp16 outlier columns (threshold 6)"),
+    "bnb-nf4": (4.13, "hf", "NF4, double-quantized block scales (QLoRA's format)"),
+    "bnb-fp4": (4.13, "hf", "FP4, double-quantized block scales"),
+    "gguf-f32": (32.0, "gguf", "float32, no quantization"),
+    "gguf-f16": (16.0, "gguf", "float16, no quantization"),
+    "gguf-q8_0": (8.5, "gguf", "8-bit, one scale per 32 weights"),
+    "gguf-q6_k": (6.56, "gguf", "6-bit k-quant"),
+    "gguf-q5_k_m": (5.69, "gguf", "5-bit k-quant, some tensors 6-bit"),
+    "gguf-q5_k_s": (5.54, "gguf", "5-bit k-quant"),
+    "gguf-q5_0": (5.5, "gguf", "5-bit, one scale per 32 weights"),
+    "gguf-q4_k_m": (4.85, "gguf", "4-bit k-quant, some tensors 6-bit: the usual 4-bit choice"),
+    "gguf-q4_k_s": (4.58, "gguf", "4-bit k-quant"),
+    "gguf-q4_0": (4.5, "gguf", "4-bit, one scale per 32 weights"),
+    "gguf-q3_k_m": (3.91, "gguf", "3-bit k-quant, some tensors 4/5-bit"),
+    "gguf-q2_k": (2.96, "gguf", "2-bit k-quant: large quality loss"),
+}
+
 # Output bytes per parameter, to refuse up front when the disk obviously cannot take it.
 # k-quants also hold the intermediate F16 file while llama.cpp quantizes it.
 _BYTES_PER_PARAM = {"bnb-int8": 1.1, "bnb-nf4": 0.6, "bnb-fp4": 0.6, "gguf-f32": 4.0,

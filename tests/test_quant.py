@@ -541,3 +541,13 @@ def test_outputs_are_readable_by_other_users(fmt, outputs):
     os.umask(umask)
     for f in outputs[fmt].iterdir():
         assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask, (f.name, oct(f.stat().st_mode))
+
+
+def test_quant_formats_says_bits_and_engine_for_every_format():
+    proc = subprocess.run([sys.executable, "-m", "quantserve", "convert", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0
+    proc = subprocess.run([sys.executable, "-c", "from quantserve.quant.cli import main; main()", "formats", "--json"],
+                          capture_output=True, text=True, timeout=60)
+    rows = json.loads(proc.stdout)
+    assert [r["format"] for r in rows] == list(FORMATS)
+    assert all(r["engine"] in ("hf", "gguf") and 2 < r["bits_per_weight"] <= 32 and r["description"] for r in rows)
