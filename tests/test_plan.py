@@ -107,3 +107,13 @@ def test_plan_cli_table_and_json(default_model):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["model"] == "default" and out["best"]["fits"] and out["best"]["peak"] < 2 * GIB
+
+
+def test_a_bad_model_path_is_refused_at_once(tmp_path):
+    import time
+
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "quantserve", "plan", "--model", str(tmp_path / "nope"), "--seq-len", "128"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "not a shape" in r.stderr
+    assert time.monotonic() - t0 < 3  # before transformers (and DeepSpeed through it) is imported

@@ -247,6 +247,11 @@ def _ds_estimate(s: Shape, zero: int, offload: str, n: int) -> float | None:
 
 def load_shape(model: str) -> tuple[str, object]:
     """A shape name, a checkpoint folder or a config.json → (label, transformers config)."""
+    p = Path(model)
+    known = model.lower() in SHAPES or model == "default" or (p.is_file() and p.suffix == ".json") or \
+        (p.is_dir() and (p / "config.json").is_file())
+    if not known:  # said before transformers is imported (seconds)
+        raise UserError(f"--model {model!r}: not a shape ({', '.join(SHAPES)}), a checkpoint folder or a config.json")
     from transformers import AutoConfig, LlamaConfig
 
     if model.lower() in SHAPES:
@@ -255,7 +260,6 @@ def load_shape(model: str) -> tuple[str, object]:
         from quantserve.settings import resolve_checkpoint
 
         return "default", AutoConfig.from_pretrained(str(resolve_checkpoint("default", progress=False)))
-    p = Path(model)
     if p.is_file() and p.suffix == ".json":
         return model, AutoConfig.for_model(**json.loads(p.read_text()))
     if p.is_dir() and (p / "config.json").is_file():
