@@ -149,9 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=2, help="runs at once (each a process)")
     p.add_argument("--out", type=Path, default=Path("bench/results/default-model-sweep.json"))
     p.add_argument("--keep", type=Path, default=None, help="pretrain: keep the built models here")
-    p.add_argument("--train", type=json.loads, default={}, help='fine-tune overrides of TrainConfig, as JSON '
+    p.add_argument("--train", type=json.loads, default=None, help='fine-tune overrides of TrainConfig, as JSON '
                    '(e.g. \'{"lr": 5e-4}\'); default: the pipeline\'s own settings')
     args = p.parse_args(argv)
+    if args.train is None:  # what the pipeline runs: the default task's own recipe
+        from quantserve.demo.corpus import TASK_FINETUNE
+
+        args.train = dict(TASK_FINETUNE)
     threads = [int(t) for t in args.threads.split(",")]
     noises = [float(n) for n in args.noise.split(",")]
     runs = [(args.stage, s, t, n) for n in noises for t in threads for s in args.seeds]

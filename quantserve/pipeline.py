@@ -37,7 +37,7 @@ class PipelineConfig:
     eval_data: Path | None = None  # held-out chat JSONL scored by exact match; default: the task's
     method: str = "full"
     formats: tuple[str, ...] = DEFAULT_FORMATS
-    train_epochs: float | None = None  # None: training's own default
+    train_epochs: float | None = None  # None: the default task's recipe, or training's own default
     n_eval: int = 100  # held-out prompts sent through the API per format
     max_tokens: int = 32
     concurrency: int = 16
@@ -221,7 +221,12 @@ def _train(base: Path, data: Path, out: Path, cfg: PipelineConfig, heldout) -> d
         base_acc = task_accuracy(model, tok, heldout)
     del model
     say(f"[train] base model held-out exact match: {base_acc:.1%}")
-    extra = {"epochs": cfg.train_epochs} if cfg.train_epochs else {}
+    from quantserve.demo.corpus import TASK_FINETUNE
+
+    if cfg.train_epochs:
+        extra = {"epochs": cfg.train_epochs}
+    else:  # the default task has its own measured recipe; other data gets training's defaults
+        extra = dict(TASK_FINETUNE) if cfg.data is None else {}
     t0 = time.time()
     train(TrainConfig(data=data, out=out, model=str(base), method=cfg.method,
                       merge=cfg.method != "full", gpu_profile=cfg.gpu_profile, progress=cfg.progress,

@@ -1,6 +1,6 @@
 """The fine-tune does its job: held-out exact match on the default task from ~0 % to >= 90 %.
 
-Uses `train()` exactly as the pipeline does, with the default hyper-parameters.
+Uses `train()` exactly as the pipeline does, with the default task's recipe (`corpus.TASK_FINETUNE`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_full_finetune_lifts_heldout_exact_match(default_model, tmp_path):
-    from quantserve.demo.corpus import read_examples, write_default_data
+    from quantserve.demo.corpus import TASK_FINETUNE, read_examples, write_default_data
     from quantserve.modeling import load_model, load_tokenizer, task_accuracy
     from quantserve.training.config import TrainConfig
     from quantserve.training.train import train
@@ -25,7 +25,7 @@ def test_full_finetune_lifts_heldout_exact_match(default_model, tmp_path):
     before = task_accuracy(load_model(default_model), tok, heldout)
 
     t0 = time.time()
-    out = train(TrainConfig(data=files["task_train"], out=tmp_path / "ft", progress=False))
+    out = train(TrainConfig(data=files["task_train"], out=tmp_path / "ft", progress=False, **TASK_FINETUNE))
     seconds = time.time() - t0
     after = task_accuracy(load_model(out), load_tokenizer(out), heldout)
     log = json.loads((out / "train_log.json").read_text())
