@@ -108,16 +108,24 @@ def test_a_broken_import_is_caught(module, source, needle):
 
 @pytest.mark.slow
 def test_a_real_install_puts_only_quantserve_on_the_path(tmp_path):
-    """`pip install .` (not editable) into a new virtualenv that sees the installed torch et al."""
+    """`pip install .` (not editable) into a new virtualenv that sees this one's packages (torch,
+    typer, setuptools ...) through a .pth line, and nothing of the repository."""
+    import sysconfig
+
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     py = venv / "bin" / "python"
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    # a path line only: the .pth files over there (our editable install's finder) are not run
+    (Path(site) / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # the new venv's bundled setuptools is older than the one this project builds with
+    subprocess.run([str(py), "-m", "pip", "uninstall", "-q", "-y", "setuptools"], capture_output=True)
     proc = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                            str(REPO)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    top = sorted(p.name for p in Path(site).iterdir() if not p.name.endswith((".dist-info", ".pth")))
+    top = sorted(p.name for p in Path(site).iterdir() if not p.name.endswith((".dist-info", ".pth"))
+                 and p.name not in ("pip", "setuptools", "_distutils_hack", "pkg_resources", "__pycache__"))
     assert "quantserve" in top
     assert not {"server", "quant", "training", "bench", "tests"} & set(top), top
     # outside the repo, where no folder of it is on sys.path: the namespace imports, bare names do not
