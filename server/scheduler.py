@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 
 from quantserve.server.backend import DecodeBackend
-from quantserve.server.engine import (EngineClosedError, EngineError, EngineStats, QueueFullError,
+from quantserve.server.engine import (EngineClosedError, EngineError, EngineStats, OutOfMemoryError, QueueFullError,
                            TokenEvent, TokenStream, TopLogprob)
 from quantserve.server.sampling import SequenceSampler
 
@@ -227,7 +227,7 @@ class Scheduler:
                 self._log(f"decode step of {len(batch)} sequences failed: {type(e).__name__}: {e}")
                 error = EngineError.from_exception(e)
             # (outside the except clause: the traceback, which holds the failed step's tensors, is gone)
-            if error.code != "out_of_memory" or len(batch) == 1:
+            if not isinstance(error, OutOfMemoryError) or len(batch) == 1:
                 for seq in batch:
                     self._fail(seq, error)
                 return

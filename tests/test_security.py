@@ -112,7 +112,7 @@ def test_key_is_not_shown_by_help_and_trace_logging_is_refused():
     proc = cli("serve", "--help", env={"QUANTSERVE_API_KEY": KEY})
     assert proc.returncode == 0 and "--api-key" in proc.stdout and KEY not in proc.stdout + proc.stderr
     # uvicorn's trace level would log the Authorization header
-    assert_one_line_error(cli("serve", "default", "--log-level", "trace"), 1, "--log-level")
+    assert_one_line_error(cli("serve", "default", "--log-level", "trace"), 2, "--log-level")
 
 
 # ---- (b) body size limit ---------------------------------------------------------------------------
