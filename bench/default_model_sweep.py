@@ -16,6 +16,8 @@ Stages:
 
     python -m bench.default_model_sweep --stage finetune --seeds 0-4 --threads 1,2 --noise 0,1e-4
     python -m bench.default_model_sweep --stage pretrain --seeds 0-4 --threads 2 --jobs 1
+    ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 DNNL_MAX_CPU_ISA=AVX2 \
+        python -m bench.default_model_sweep --threads 2 --noise 0   # a CPU without AVX-512
 
 Each run is a process of its own (its thread count set before torch does any work); `--jobs`
 runs that many at once.  Rows go to `--out` (JSON, appended run by run, so a stopped sweep keeps
@@ -25,6 +27,7 @@ what it measured) and a markdown table with the worst case is printed at the end
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import time
@@ -86,11 +89,21 @@ def finetune_score(base: Path, work: Path, seed: int, threads: int, overrides: d
             "steps": len(steps)}
 
 
+def cpu_isa() -> str:
+    """The vector ISA torch's kernels use: the CPU's best, or a cap set by ATEN_CPU_CAPABILITY
+    (with MKL_ENABLE_INSTRUCTIONS / DNNL_MAX_CPU_ISA for the BLAS): AVX2 is what a CPU without
+    AVX-512 (many AMD EPYCs) runs, so a capped run is another vendor's arithmetic, here."""
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
+
+
 def one_run(stage: str, seed: int, threads: int, noise: float, keep: Path | None, overrides: dict) -> dict:
     import torch
 
     torch.set_num_threads(threads)
-    row: dict = {"stage": stage, "seed": seed, "threads": threads, "noise": noise, "train": overrides}
+    row: dict = {"stage": stage, "seed": seed, "threads": threads, "noise": noise, "train": overrides,
+                 "isa": cpu_isa()}
     with tempfile.TemporaryDirectory(prefix="qs-sweep-") as tmp:
         work = Path(tmp)
         if stage == "pretrain":
@@ -159,12 +172,15 @@ def main(argv: list[str] | None = None) -> int:
     threads = [int(t) for t in args.threads.split(",")]
     noises = [float(n) for n in args.noise.split(",")]
     runs = [(args.stage, s, t, n) for n in noises for t in threads for s in args.seeds]
-    tag = json.dumps(args.train, sort_keys=True)
+    tag = json.dumps(args.train, sort_keys=True) + os.environ.get("ATEN_CPU_CAPABILITY", "")
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     rows = json.loads(args.out.read_text()) if args.out.is_file() else []
-    done = {(r["stage"], r["seed"], r["threads"], r["noise"]) for r in rows
-            if json.dumps(r.get("train", {}), sort_keys=True) == tag}
+    def tag_of(r: dict) -> str:
+        isa = r.get("isa", "").lower() if os.environ.get("ATEN_CPU_CAPABILITY") else ""
+        return json.dumps(r.get("train", {}), sort_keys=True) + isa
+
+    done = {(r["stage"], r["seed"], r["threads"], r["noise"]) for r in rows if tag_of(r) == tag}
     todo = [r for r in runs if r not in done]
     print(f"{len(todo)} runs to do ({len(runs) - len(todo)} already in {args.out})", file=sys.stderr)
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
@@ -175,8 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             args.out.write_text(json.dumps(rows, indent=1))
             print(f"done {futures[fut]}: task {row['task_after']:.1%} {row.get('skills', '')}",
                   file=sys.stderr, flush=True)
-    wanted = [r for r in rows if (r["stage"], r["seed"], r["threads"], r["noise"]) in set(runs)
-              and json.dumps(r.get("train", {}), sort_keys=True) == tag]
+    wanted = [r for r in rows if (r["stage"], r["seed"], r["threads"], r["noise"]) in set(runs) and tag_of(r) == tag]
     print(markdown(sorted(wanted, key=lambda r: (r["stage"], r["noise"], r["threads"], r["seed"]))))
     return 0
 

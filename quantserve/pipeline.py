@@ -337,12 +337,15 @@ def print_summary(summary: dict) -> None:
     def fmt(v, spec):
         return "-" if v is None else format(v, spec)
 
+    from rich import box
+
+    # fits 80 columns (a piped `make run` log): short headers, simple box, names never cut
     table = Table(title=f"pipeline summary (task: held-out exact match over HTTP, n={summary['n_eval']}; "
-                        f"base model {summary['base_task_accuracy']:.0%})")
-    for col in ("format", "size MiB", "perplexity", "Δ ppl", "top-1 agree", "task acc", "tokens/s"):
-        table.add_column(col, justify="left" if col == "format" else "right")
+                        f"base model {summary['base_task_accuracy']:.0%})", box=box.SIMPLE_HEAD, padding=(0, 1))
+    for col in ("format", "MiB", "ppl", "Δ ppl", "top-1", "task", "tok/s"):
+        table.add_column(col, justify="left" if col == "format" else "right", no_wrap=True)
     for r in summary["formats"]:
-        table.add_row(r["format"], fmt(r["size_mib"], ".2f"), fmt(r["ppl"], ".4f"), fmt(r["ppl_delta"], "+.4f"),
+        table.add_row(r["format"], fmt(r["size_mib"], ".2f"), fmt(r["ppl"], ".3f"), fmt(r["ppl_delta"], "+.3f"),
                       fmt(r["top1_agreement"], ".1%"), fmt(r["task_accuracy"], ".1%"), fmt(r["tokens_per_s"], ".1f"))
     Console().print(table)
 

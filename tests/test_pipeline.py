@@ -21,6 +21,7 @@ def run_dir(tmp_path_factory, default_model):
     out = tmp_path_factory.mktemp("pipeline")
     proc = pipeline(out, "--formats", FORMATS)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "…" not in proc.stdout and "gguf-q4_k_m" in proc.stdout  # the piped summary is never cut
     return out
 
 
