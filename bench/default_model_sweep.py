@@ -67,18 +67,20 @@ def perturbed_copy(src: Path, dst: Path, noise: float, seed: int) -> Path:
 
 def finetune_score(base: Path, work: Path, seed: int, threads: int, overrides: dict) -> dict:
     """The pipeline's fine-tune (training defaults) from `base`; held-out task exact match."""
-    from quantserve.demo.corpus import read_examples, write_default_data
+    from quantserve.demo.corpus import read_examples, task_finetune, write_default_data
     from quantserve.modeling import load_model, load_tokenizer, task_accuracy
     from quantserve.training.config import TrainConfig
     from quantserve.training.train import train
 
     files = write_default_data(work / "data")
     t0 = time.time()
+    recipe = {**task_finetune(files), **overrides}
     out = train(TrainConfig(data=files["task_train"], out=work / "ft", model=str(base), seed=seed,
-                            threads=threads, progress=False, **overrides))
+                            threads=threads, progress=False, **recipe))
     seconds = time.time() - t0
     acc = task_accuracy(load_model(out), load_tokenizer(out), read_examples(files["task_heldout"]))
-    steps = json.loads((out / "train_log.json").read_text())["steps"]
+    record = json.loads((out / "train_log.json").read_text())
+    steps = record["steps"]
     # The task is learnt in a late drop of the loss (from a plateau at ~0.47, where the answer's
     # template is known but not the letter): how early it comes is the recipe's margin.
     losses = [s["loss"] for s in steps]
@@ -86,7 +88,7 @@ def finetune_score(base: Path, work: Path, seed: int, threads: int, overrides: d
     learnt = next((steps[i + window - 1]["step"] for i in range(len(losses) - window + 1)
                    if sum(losses[i:i + window]) / window < LEARNT_LOSS), None)
     return {"task_after": acc, "finetune_s": round(seconds, 1), "learnt_at_step": learnt,
-            "steps": len(steps)}
+            "steps": len(steps), "gate": [(e["step"], e["eval_exact_match"]) for e in record.get("eval", [])]}
 
 
 def cpu_isa() -> str:
@@ -165,10 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train", type=json.loads, default=None, help='fine-tune overrides of TrainConfig, as JSON '
                    '(e.g. \'{"lr": 5e-4}\'); default: the pipeline\'s own settings')
     args = p.parse_args(argv)
-    if args.train is None:  # what the pipeline runs: the default task's own recipe
-        from quantserve.demo.corpus import TASK_FINETUNE
-
-        args.train = dict(TASK_FINETUNE)
+    if args.train is None:
+        args.train = {}  # what the pipeline runs: the default task's own gated recipe
     threads = [int(t) for t in args.threads.split(",")]
     noises = [float(n) for n in args.noise.split(",")]
     runs = [(args.stage, s, t, n) for n in noises for t in threads for s in args.seeds]

@@ -151,7 +151,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
 
     # 1. data
     data_dir = out / "data"
-    files = Stage("data", data_dir, fingerprint(cfg.data, cfg.eval_data, corpus.__name__), cfg.force).run(
+    files = Stage("data", data_dir, fingerprint(cfg.data, cfg.eval_data, corpus.__name__, corpus.CORPUS_VERSION), cfg.force).run(
         lambda: {k: str(v) for k, v in corpus.write_default_data(data_dir).items()})
     train_data = Path(cfg.data or files["task_train"])
     eval_data = Path(cfg.eval_data or files["task_heldout"])
@@ -167,7 +167,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     train_dir = out / "train"
     train_inputs = fingerprint(base, train_data, cfg.method, cfg.train_epochs)
     train_result = Stage("train", train_dir, train_inputs, cfg.force).run(
-        lambda: _train(base, train_data, train_dir, cfg, heldout))
+        lambda: _train(base, train_data, train_dir, cfg, heldout, files))
 
     # 4. quantize + evaluate each format
     results: dict[str, FormatResult] = {}
@@ -211,7 +211,8 @@ def _print_plan(base: Path, cfg: PipelineConfig) -> None:
         say(f"[plan] {e}")
 
 
-def _train(base: Path, data: Path, out: Path, cfg: PipelineConfig, heldout) -> dict:
+def _train(base: Path, data: Path, out: Path, cfg: PipelineConfig, heldout, files: dict) -> dict:
+    from quantserve.demo import corpus
     from quantserve.modeling import load_model, load_tokenizer, reference_run, task_accuracy
     from quantserve.training.config import TrainConfig
     from quantserve.training.train import train
@@ -221,12 +222,12 @@ def _train(base: Path, data: Path, out: Path, cfg: PipelineConfig, heldout) -> d
         base_acc = task_accuracy(model, tok, heldout)
     del model
     say(f"[train] base model held-out exact match: {base_acc:.1%}")
-    from quantserve.demo.corpus import TASK_FINETUNE
-
     if cfg.train_epochs:
         extra = {"epochs": cfg.train_epochs}
-    else:  # the default task has its own measured recipe; other data gets training's defaults
-        extra = dict(TASK_FINETUNE) if cfg.data is None else {}
+    elif cfg.data is None:  # the default task has its own measured, gated recipe
+        extra = corpus.task_finetune({name: Path(path) for name, path in files.items()})
+    else:  # other data gets training's defaults
+        extra = {}
     t0 = time.time()
     train(TrainConfig(data=data, out=out, model=str(base), method=cfg.method,
                       merge=cfg.method != "full", gpu_profile=cfg.gpu_profile, progress=cfg.progress,

@@ -91,8 +91,12 @@ class ModelTokenizer(Protocol):
 
     def token_bytes(self, token_id: int) -> bytes: ...
 
-    def render_chat(self, messages: list[dict]) -> str:
-        """The chat template applied with the generation prompt; its text already holds BOS."""
+    def render_chat(self, messages: list[dict], **template_kwargs) -> str:
+        """The chat template applied with the generation prompt (and the request's extra template
+        variables); its text already holds BOS."""
+
+    def grammar_tokenizer(self, n_vocab: int):
+        """The vocabulary as llguidance sees it, for structured output (server/structured.py)."""
 
 
 class TokenStream:

@@ -98,6 +98,7 @@ class ScheduledEngine:
             raise ModelLoadError("applies to the fast engine only", "weight_quant", options.weight_quant)
         self.info: EngineInfo | None = None
         self.tokenizer = None
+        self.grammars = None  # structured.GrammarCompiler, once the tokenizer is loaded
         self._scheduler = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._converted = None  # temporary safetensors copy of a trusted pickle checkpoint
@@ -126,6 +127,10 @@ class ScheduledEngine:
         self._loop = loop
         self._scheduler = Scheduler(backend, self.tokenizer.eos_token_ids, o.max_batch, o.max_queue,
                                     log=log.error, prefill_chunk=o.prefill_chunk)
+        from quantserve.server.structured import GrammarCompiler
+
+        vocab = backend.vocab_size
+        self.grammars = GrammarCompiler(lambda: self.tokenizer.grammar_tokenizer(vocab))
         self.info = info  # set last: is_ready() turns true only when everything is in place
         log.info("loaded %s engine: %s (%s, attention %s, context %d, batch %d)", info.engine,
                  info.model_path, info.dtype, info.attention, info.context_length, info.max_batch)

@@ -42,7 +42,13 @@ class LlamaCppTokenizer:
     def token_text(self, token_id: int) -> str:
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
-    def render_chat(self, messages: list[dict]) -> str:
+    def grammar_tokenizer(self, n_vocab: int):
+        """The GGUF vocabulary as llguidance sees it (for structured output); torch-free."""
+        import llguidance.llamacpp
+
+        return llguidance.llamacpp.lltokenizer_from_vocab(self.model.vocab, n_vocab=max(n_vocab, self.vocab_size))
+
+    def render_chat(self, messages: list[dict], **template_kwargs) -> str:
         if not self._template:
             raise NoChatTemplateError("this GGUF file has no chat template (tokenizer.chat_template): use /v1/completions")
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -52,7 +58,7 @@ class LlamaCppTokenizer:
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)  # as transformers renders
         env.globals["raise_exception"] = raise_exception
-        return env.from_string(self._template).render(messages=messages, add_generation_prompt=True,
+        return env.from_string(self._template).render(**template_kwargs, messages=messages, add_generation_prompt=True,
                                                       bos_token=self._bos, eos_token=self._eos)
 
 

@@ -34,10 +34,16 @@ class HFTokenizer:
             return bytes(decoder[ch] for ch in token)
         return self.token_text(token_id).encode()
 
-    def render_chat(self, messages: list[dict]) -> str:
+    def grammar_tokenizer(self, n_vocab: int):
+        """The tokenizer as llguidance sees it (for structured output), over `n_vocab` logits."""
+        import llguidance.hf
+
+        return llguidance.hf.from_tokenizer(self.tok, n_vocab=max(n_vocab, len(self.tok)))
+
+    def render_chat(self, messages: list[dict], **template_kwargs) -> str:
         if not self.tok.chat_template:
             raise NoChatTemplateError("this model's tokenizer has no chat template: use /v1/completions")
-        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
 
 
 def _byte_decoder() -> dict[str, int]:

@@ -1,7 +1,10 @@
 """The OpenAI wire format: pydantic request and response models, fields in the OpenAI docs' order.
 
-Requests accept the OpenAI fields plus the usual open-server extras (`top_k`,
-`repetition_penalty`, `ignore_eos`), passed by the official client through `extra_body`.
+Requests accept the OpenAI fields plus the usual open-server extras (`top_k`, `min_p`,
+`repetition_penalty`, `ignore_eos`, `stop_token_ids`, vLLM's `structured_outputs`), passed by the
+official client through `extra_body`.  Fields of OpenAI's schema that this server does not
+implement, and fields nobody defines, are kept (`extra="allow"`) so that `unsupported.py` can
+refuse them by name: no field is dropped without a word.
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ class StreamOptions(BaseModel):
 class _SamplingFields(_Request):
     # Python's JSON parser accepts NaN and Infinity (not JSON); every float here refuses them, so a
     # NaN never reaches the sampler (a comparison with NaN is always false and slips past ge/le).
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -108,10 +111,28 @@ class _SamplingFields(_Request):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     user: Optional[str] = None
     logit_bias: Optional[dict[str, float]] = None  # token id (a JSON key) -> bias; checked in serving
+    # structured output (structured.py): OpenAI's field, vLLM's, and vLLM's older spellings
+    response_format: Optional[Any] = None
+    structured_outputs: Optional[Any] = None
+    guided_json: Optional[Any] = None
+    guided_regex: Optional[Any] = None
+    guided_choice: Optional[Any] = None
+    guided_grammar: Optional[Any] = None
     # extras
     top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     ignore_eos: bool = False
+    stop_token_ids: Optional[list[int]] = None
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, ids):
+        _check_token_ids(ids or [])
+        return ids
+
+    def guided(self) -> dict:
+        return {name: getattr(self, name) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")}
 
     @field_validator("stop")
     @classmethod
@@ -131,9 +152,9 @@ class _SamplingFields(_Request):
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
+    best_of: Optional[int] = Field(None, ge=1)
     echo: bool = False
     logprobs: Optional[int] = Field(None, ge=0)
-    suffix: Optional[str] = None
 
     @field_validator("prompt")
     @classmethod
@@ -154,7 +175,7 @@ class TextContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # unsupported.refuse_unsupported names what is left over
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[TextContentPart]]] = None
@@ -173,12 +194,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
-    # known to OpenAI's API but not implemented here: refused by serving.refuse_unsupported
-    tools: Optional[list[Any]] = None
-    tool_choice: Optional[Any] = None
-    functions: Optional[list[Any]] = None
-    function_call: Optional[Any] = None
-    response_format: Optional[Any] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM's: extra variables for the template
 
 
 class TokenizeRequest(_Request):

@@ -1,6 +1,7 @@
 """Per-request sampling: penalties, temperature, top-k, top-p, seeded draws and logprobs.
 
-Every running sequence carries its own `SamplingParams` and its own random generator, so a batch
+Every running sequence carries its own `SamplingParams` (with, for structured output, its own
+grammar `constraint`: tokens it forbids are masked to -inf first) and its own random generator, so a batch
 can mix greedy and sampled requests, and a seeded request gives the same tokens whatever else is
 in the batch.  Logprobs are those of the model's raw distribution (log-softmax of the logits,
 before penalties and temperature), like vLLM's default: they are the model's probabilities, which
@@ -22,6 +23,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one (after temperature)
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -30,6 +32,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    constraint: object | None = None  # a structured.Constraint: this sequence's grammar state
 
     @property
     def greedy(self) -> bool:
@@ -65,11 +68,13 @@ class SequenceSampler:
         """Greedy with nothing else to compute: the token is the row's argmax, which the scheduler
         takes for the whole batch at once, where the logits are."""
         p = self.params
-        return p.greedy and not p.penalised and not p.logit_bias and p.logprobs is None
+        return p.greedy and not p.penalised and not p.logit_bias and p.logprobs is None and p.constraint is None
 
     def accept(self, token: int) -> None:
         """Record a token picked outside `sample` (a plain-greedy batch argmax)."""
         self._record(token)
+        if self.params.constraint is not None:
+            self.params.constraint.accept(token)
 
     def sample(self, logits):
         """Pick the next token from a 1-D logits row (numpy); returns (token, logprob, top list)."""
@@ -81,6 +86,8 @@ class SequenceSampler:
         if self.bias_ids is not None:  # OpenAI's logit_bias: added before temperature and top-k/p
             scores = scores.copy() if scores is raw else scores
             scores[self.bias_ids] += self.bias
+        if p.constraint is not None:  # structured output: only what the grammar allows next
+            scores = np.where(p.constraint.mask(scores.size), scores, np.float32(-np.inf))
         if p.greedy:
             token = int(np.argmax(scores))
         else:
@@ -91,8 +98,14 @@ class SequenceSampler:
                     scores = np.where(scores < kth, np.float32(-np.inf), scores)
                 if p.top_p < 1.0:
                     scores = _top_p_filter(scores, p.top_p)
+                if p.min_p > 0.0:
+                    # p(token) < min_p * p(best)  <=>  score < best + log(min_p)
+                    scores = np.where(scores < np.max(scores) + np.float32(np.log(p.min_p)),
+                                      np.float32(-np.inf), scores)
                 token = _draw(scores, self.generator)
         self._record(token)
+        if p.constraint is not None:
+            p.constraint.accept(token)
         if p.logprobs is None:
             return token, None, None
         logprobs = _log_softmax(raw)

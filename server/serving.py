@@ -86,22 +86,6 @@ def check_model(state: ServerState, name: str) -> None:
                        param="model", code="model_not_found")
 
 
-def refuse_unsupported(req: _SamplingFields) -> None:
-    """OpenAI fields this server does not implement get a 400 naming them, never a reply that
-    quietly ignored them (a client that asked for JSON or a tool call would get free text)."""
-    if getattr(req, "tools", None) or getattr(req, "functions", None):
-        param = "tools" if getattr(req, "tools", None) else "functions"
-        raise APIError(400, "tools / function calling is not supported by this server", param=param)
-    for param in ("tool_choice", "function_call"):
-        if getattr(req, param, None) not in (None, "none", "auto"):
-            raise APIError(400, f"{param} is not supported by this server (no tools)", param=param)
-    fmt = getattr(req, "response_format", None)
-    kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-    if fmt is not None and kind != "text":
-        raise APIError(400, f"response_format {kind!r} is not supported by this server (only 'text')",
-                       param="response_format")
-
-
 def logit_bias(bias: dict[str, float] | None, vocab: int) -> dict[int, float]:
     """OpenAI's logit_bias: token ids (as JSON keys) -> a bias in [-100, 100] added to the logit."""
     out = {}
@@ -119,8 +103,34 @@ def logit_bias(bias: dict[str, float] | None, vocab: int) -> dict[int, float]:
     return out
 
 
+def output_format(state: ServerState, req: _SamplingFields):
+    """The structured-output format the request asks for (None: free text), checked."""
+    from quantserve.server.structured import GrammarError, output_format as parse
+
+    try:
+        fmt = parse(req.response_format, req.structured_outputs, req.guided())
+    except GrammarError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    if fmt is not None:
+        if getattr(state.engine, "grammars", None) is None:
+            raise APIError(400, "structured output is not available on this engine", param=fmt.param)
+        if req.ignore_eos:
+            raise APIError(400, "ignore_eos cannot be combined with a structured output format: the "
+                           "reply ends where the format is complete", param="ignore_eos")
+    return fmt
+
+
+def constraint_for(state: ServerState, fmt):
+    from quantserve.server.structured import GrammarError
+
+    try:
+        return state.engine.grammars.matcher(fmt)
+    except GrammarError as e:
+        raise APIError(400, str(e), param=e.param) from None
+
+
 def sampling_params(state: ServerState, req: _SamplingFields, prompt_len: int, max_tokens: int | None,
-                    logprobs: int | None, param: str, choice_index: int) -> SamplingParams:
+                    logprobs: int | None, param: str, choice_index: int, fmt=None) -> SamplingParams:
     context = state.engine.info.context_length
     if max_tokens is None:
         max_tokens = context - prompt_len
@@ -141,7 +151,9 @@ def sampling_params(state: ServerState, req: _SamplingFields, prompt_len: int, m
         seed=None if req.seed is None else req.seed + choice_index,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, logprobs=logprobs, ignore_eos=req.ignore_eos,
-        logit_bias=logit_bias(req.logit_bias, state.engine.tokenizer.vocab_size))
+        min_p=req.min_p, stop_token_ids=list(req.stop_token_ids or []),
+        logit_bias=logit_bias(req.logit_bias, state.engine.tokenizer.vocab_size),
+        constraint=constraint_for(state, fmt) if fmt is not None else None)
 
 
 def start_job(state: ServerState, req: _SamplingFields, prompts: list[list[int]], max_tokens: int | None,
@@ -149,6 +161,7 @@ def start_job(state: ServerState, req: _SamplingFields, prompts: list[list[int]]
     """Validate everything first, then submit all choices; a refused submit withdraws the others."""
     engine = state.engine
     vocab = engine.tokenizer.vocab_size
+    fmt = output_format(state, req)
     planned = []
     for prompt in prompts:
         if not prompt:
@@ -157,7 +170,7 @@ def start_job(state: ServerState, req: _SamplingFields, prompts: list[list[int]]
             raise APIError(400, f"token ids must be in [0, {vocab})", param=param)
         for j in range(req.n):
             planned.append((prompt, sampling_params(state, req, len(prompt), max_tokens, logprobs, param,
-                                                    len(planned))))
+                                                    len(planned), fmt)))
     capacity = engine.info.max_batch + engine.info.max_queue
     if len(planned) > capacity:
         # never fits, however idle the server: a 429 "retry later" would have the client retry forever

@@ -8,16 +8,20 @@ from quantserve.server.errors import APIError
 from quantserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                              ChatCompletionChunk, ChatCompletionRequest, ChoiceLogprobs, DeltaMessage,
                              TokenLogprobOut, TopLogprobOut)
-from quantserve.server.serving import (Job, ServerState, check_model, collect, new_id, refuse_unsupported, run_job,
+from quantserve.server.serving import (Job, ServerState, check_model, collect, new_id, run_job,
                             run_to_reply, sse_error, start_job)
 from quantserve.server.textstream import LogprobEntry
+from quantserve.server.unsupported import refuse_unsupported
 from quantserve.server.exceptions import NoChatTemplateError
 
 
-def render_prompt(state: ServerState, messages) -> list[int]:
+def render_prompt(state: ServerState, messages, template_kwargs: dict | None = None) -> list[int]:
     tok = state.engine.tokenizer
+    reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"} & set(template_kwargs or {})
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs cannot set {sorted(reserved)[0]!r}", param="chat_template_kwargs")
     try:
-        text = tok.render_chat([{"role": m.role, "content": m.text()} for m in messages])
+        text = tok.render_chat([{"role": m.role, "content": m.text()} for m in messages], **(template_kwargs or {}))
     except NoChatTemplateError as e:
         raise APIError(400, str(e), param="messages", code="no_chat_template") from e
     except Exception as e:  # template errors (e.g. roles the template refuses) are the caller's
@@ -35,10 +39,10 @@ def _logprobs_out(entries: list[LogprobEntry]) -> ChoiceLogprobs:
 
 def prepare(state: ServerState, req: ChatCompletionRequest) -> Job:
     check_model(state, req.model)
-    refuse_unsupported(req)
+    refuse_unsupported(req, chat=True)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    prompt = render_prompt(state, req.messages)
+    prompt = render_prompt(state, req.messages, req.chat_template_kwargs)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     return start_job(state, req, [prompt], max_tokens, logprobs, "messages")

@@ -6,9 +6,10 @@ from typing import AsyncIterator
 
 from quantserve.server.errors import APIError
 from quantserve.server.protocol import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
-from quantserve.server.serving import (Job, ServerState, check_model, collect, new_id, refuse_unsupported, run_job,
+from quantserve.server.serving import (Job, ServerState, check_model, collect, new_id, run_job,
                             run_to_reply, sse_error, start_job)
 from quantserve.server.textstream import LogprobEntry
+from quantserve.server.unsupported import refuse_unsupported
 
 DEFAULT_MAX_TOKENS = 16  # the OpenAI completions default
 
@@ -43,9 +44,7 @@ def _legacy_logprobs(entries: list[LogprobEntry], offset: int) -> CompletionLogp
 
 def prepare(state: ServerState, req: CompletionRequest) -> tuple[Job, list[str]]:
     check_model(state, req.model)
-    refuse_unsupported(req)
-    if req.suffix:
-        raise APIError(400, "suffix (fill-in-the-middle) is not supported by this server", param="suffix")
+    refuse_unsupported(req, chat=False)
     if req.echo and req.logprobs is not None:
         raise APIError(400, "echo with logprobs is not supported by this server", param="echo")
     prompts, texts = _prompts(state, req)

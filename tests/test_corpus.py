@@ -25,6 +25,17 @@ def test_heldout_prompts_never_appear_in_train():
     assert all(corpus.is_heldout(p) for p in heldout)
 
 
+def test_dev_split_is_apart_from_the_finetune_data_and_the_heldout():
+    dev = {e.prompt for e in corpus.task_examples(100, "dev")}
+    train = {e.prompt for e in corpus.task_examples(3000, "train", without_dev=True)}
+    heldout = {e.prompt for e in corpus.task_examples(200, "heldout")}
+    assert len(dev) > 80 and all(corpus.is_dev(p) for p in dev)
+    assert not dev & train and not dev & heldout
+    # "train" without the flag is every prompt not held out (what pretraining sees): dev included
+    everything = {e.prompt for e in corpus.task_examples(3000, "train")}
+    assert any(corpus.is_dev(p) for p in everything) and not everything & heldout
+
+
 @pytest.mark.parametrize("skill", sorted(corpus.SKILLS))
 def test_answers_are_correct_for_each_skill(skill):
     for ex in corpus.examples([skill], 50, seed=1):
@@ -70,4 +81,5 @@ def test_default_data_files_round_trip(tmp_path):
     train = corpus.read_examples(files["task_train"])
     assert len(train) == 50 and all(e.prompt.startswith("Last letter?\n") for e in train)
     assert len(corpus.read_examples(files["task_heldout"])) == 20
+    assert len(corpus.read_examples(files["task_dev"])) == 100
     assert len(corpus.read_examples(files["heldout_text"])) == 30

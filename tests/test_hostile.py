@@ -75,11 +75,13 @@ def _cases() -> list[Case]:
           Case("30k '[' inside prompt", body=b'{"model": "tiny", "prompt": ' + nested(30_000) + b"}", code="invalid_json"),
           Case("5000 nested objects", body=b'{"model": "tiny", "prompt": "a", "x": ' + b'{"a": ' * 5000 + b"1"
                + b"}" * 5000 + b"}", code="invalid_json"),
-          Case("900 levels in an ignored field", body=b'{"model": "tiny", "prompt": "a", "max_tokens": 2, "x": '
-               + nested(900) + b"}", expect=200),
+          Case("900 levels in an accepted hint (metadata)", body=b'{"model": "tiny", "prompt": "a", "max_tokens": 2, '
+               b'"metadata": ' + nested(900) + b"}", expect=200),
+          Case("900 levels in an unknown field", body=b'{"model": "tiny", "prompt": "a", "max_tokens": 2, "x": '
+               + nested(900) + b"}", param="x"),
           Case("1 MB prompt (over the body limit)", body=completion(prompt="a" * 1_000_000), expect=413,
                code="request_too_large"),
-          Case("3000 unknown fields", body=completion(**{f"k{i}": i for i in range(3000)}), expect=200),
+          Case("3000 unknown fields", body=completion(**{f"k{i}": i for i in range(3000)}), param="k0"),
           Case("a 5000-digit number", body=b'{"model": "tiny", "prompt": "a", "max_tokens": 1' + b"0" * 5000 + b"}",
                code="invalid_json"),
           Case("1e400 as max_tokens", body=b'{"model": "tiny", "prompt": "a", "max_tokens": 1e400}', param="max_tokens")]
@@ -187,11 +189,32 @@ def _cases() -> list[Case]:
           Case("legacy functions", "/v1/chat/completions", chat(functions=[tool["function"]]), param="functions"),
           Case("tool_choice required", "/v1/chat/completions", chat(tool_choice="required"), param="tool_choice"),
           Case("response_format json_object", "/v1/chat/completions", chat(response_format={"type": "json_object"}),
+               expect=200),
+          Case("response_format yaml", "/v1/chat/completions", chat(response_format={"type": "yaml"}),
                param="response_format"),
-          Case("response_format json_schema", "/v1/chat/completions",
-               chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), param="response_format"),
+          Case("response_format json_schema, no schema", "/v1/chat/completions",
+               chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), expect=200),
           Case("tool_choice none, response_format text", "/v1/chat/completions",
-               chat(tool_choice="none", response_format={"type": "text"}), expect=200)]
+               chat(tool_choice="none", response_format={"type": "text"}), expect=200),
+          Case("duplicate tool names", "/v1/chat/completions", chat(tools=[tool, tool]), param="tools"),
+          Case("tools on completions", body=completion(tools=[tool]), param="tools"),
+          Case("reasoning_effort", "/v1/chat/completions", chat(reasoning_effort="high"), param="reasoning_effort"),
+          Case("an unknown field", body=completion(frobnicate=1), param="frobnicate"),
+          Case("best_of 3", body=completion(best_of=3), param="best_of"),
+          Case("best_of = n", body=completion(best_of=2, n=2), expect=200),
+          Case("store true", "/v1/chat/completions", chat(store=True), param="store"),
+          Case("hints are accepted", "/v1/chat/completions",
+               chat(user="u", metadata={"k": "v"}, prompt_cache_key="c", safety_identifier="s"), expect=200),
+          Case("user message without content", "/v1/chat/completions",
+               chat(messages=[{"role": "user"}]), param="messages.0.content"),
+          Case("assistant tool_calls in the history", "/v1/chat/completions",
+               chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]),
+               param="messages.1.tool_calls"),
+          Case("a tool message", "/v1/chat/completions",
+               chat(messages=[{"role": "tool", "content": "42", "tool_call_id": "c1"}]), param="messages.0.tool_call_id"),
+          Case("an unknown message field", "/v1/chat/completions",
+               chat(messages=[{"role": "user", "content": "hi", "mood": "happy"}]), param="messages.0.mood")]
     # ---- logit_bias: token ids as keys, biases in [-100, 100]
     c += [Case("logit_bias", body=completion(logit_bias={"5": 100, "7": -100}), expect=200),
           Case("chat logit_bias", "/v1/chat/completions", chat(logit_bias={"5": -3.5}), expect=200),

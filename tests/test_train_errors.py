@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -89,6 +90,10 @@ def test_seq_len_over_model_limit(good, tmp_path, default_model):
     (dict(attn="flash2"), "--attn flash2 cannot run here"),
     (dict(method="dora"), "--method must be one of"),
     (dict(plan="auto"), "this run has no GPU"),
+    (dict(stop_at_exact_match=0.9), "--stop-at-exact-match needs --eval-data"),
+    (dict(eval_data=Path("/nonexistent.jsonl")), "no such eval data file"),
+    (dict(lr_schedule="cyclic"), "--lr-schedule must be one of"),
+    (dict(eval_steps=0), "--eval-steps must be at least 1"),
 ])
 def test_impossible_setups(good, tmp_path, default_model, kw, needle):
     if kw.get("dtype") == "fp16" or kw.get("attn") == "flash2" or kw.get("plan"):
@@ -97,6 +102,16 @@ def test_impossible_setups(good, tmp_path, default_model, kw, needle):
         if detect().device != "cpu":
             pytest.skip("checks what a CPU-only host refuses")
     assert needle in train_error(TrainConfig(data=good, out=tmp_path / "o", **kw))
+
+
+def test_eval_data_must_end_in_an_answer(good, tmp_path, default_model):
+    p = tmp_path / "eval.jsonl"
+    p.write_text(json.dumps({"text": "no answer to score"}) + "\n")
+    msg = train_error(TrainConfig(data=good, out=tmp_path / "o", eval_data=p, stop_at_exact_match=0.5))
+    assert "eval record needs 'messages'" in msg and "line 1" in msg
+    assert "a fraction in (0, 1]" in train_error(TrainConfig(data=good, out=tmp_path / "o", eval_data=good,
+                                                             stop_at_exact_match=1.5))
+    assert "ZeRO-3" in train_error(TrainConfig(data=good, out=tmp_path / "o", eval_data=good, zero=3))
 
 
 def t4(**kw) -> Capabilities:

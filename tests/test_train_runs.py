@@ -139,3 +139,29 @@ def test_rerun_of_a_finished_train_is_a_no_op_and_force_retrains(small_data, tmp
     assert "already trained" not in other.stderr
     log = json.loads((out / "train_log.json").read_text())
     assert log["global_step"] == 4 and log["resumed_from"] is None
+
+
+def test_eval_gate_stops_the_run_once_the_target_is_reached(small_data, tmp_path):
+    """The gate scores the eval file every --eval-steps and stops there once the target is met.
+
+    The eval file is the training file's first records, which a 24-step full fine-tune at a high
+    rate answers only partly: the target is set just under what the first check scores (measured
+    from a run without a target), so the first check must stop the run and a later one must not run.
+    """
+    eval_file = tmp_path / "eval.jsonl"
+    eval_file.write_text("".join(small_data.read_text().splitlines(keepends=True)[:40]))
+    free = tmp_path / "free"
+    run_train("--data", str(small_data), "--out", str(free), "--max-steps", "24", "--eval-data", str(eval_file),
+              "--eval-steps", "12", "--lr", "3e-3", "--save-steps", "0")
+    checks = json.loads((free / "train_log.json").read_text())["eval"]
+    assert [c["step"] for c in checks] == [12, 24]  # no target: every check runs, the bound ends it
+    first = checks[0]["eval_exact_match"]
+    if first == 0:
+        pytest.skip("nothing answered after 12 steps: no reachable target to stop at")
+    gated = tmp_path / "gated"
+    r = run_train("--data", str(small_data), "--out", str(gated), "--max-steps", "24", "--eval-data", str(eval_file),
+                  "--eval-steps", "12", "--lr", "3e-3", "--save-steps", "0", "--stop-at-exact-match", str(first))
+    log = json.loads((gated / "train_log.json").read_text())
+    assert log["global_step"] == 12 and [c["step"] for c in log["eval"]] == [12], log["eval"]
+    assert "reached, stopping" in r.stderr
+    assert_reload_matches(gated)  # the saved model is the one that passed the gate

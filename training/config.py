@@ -19,6 +19,8 @@ OFFLOADS = ("none", "optimizer", "all")
 ATTENTIONS = ("auto", "flash2", "sdpa", "eager")
 DTYPES = ("auto", "fp16", "bf16", "fp32")
 ATTN_IMPL = {"flash2": "flash_attention_2", "sdpa": "sdpa", "eager": "eager"}
+# Learning-rate schedules (after the linear warmup), as transformers names them.
+SCHEDULES = {"cosine": "cosine", "constant": "constant_with_warmup", "linear": "linear"}
 
 
 @dataclass
@@ -44,6 +46,7 @@ class TrainConfig:
     epochs: float = 3.0
     max_steps: Optional[int] = None  # overrides epochs when set
     lr: float = 1e-3
+    lr_schedule: str = "cosine"  # cosine | constant | linear, after the warmup
     warmup_ratio: float = 0.05
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
@@ -53,6 +56,11 @@ class TrainConfig:
     lora_dropout: float = 0.0
     lora_targets: str = "all-linear"  # comma-separated module names, or peft's "all-linear"
     merge: bool = False  # LoRA: also write merged full weights as the output checkpoint
+    # Held-out gate (training/eval_gate.py): score `eval_data` every `eval_steps` steps and stop
+    # once the greedy exact match reaches `stop_at_exact_match`; epochs/max_steps stay the bound.
+    eval_data: Optional[Path] = None
+    eval_steps: int = 100
+    stop_at_exact_match: Optional[float] = None
     # Bookkeeping
     skip_bad_lines: bool = False
     resume: bool = True  # continue from the last checkpoint in `out` if one is there
@@ -67,6 +75,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self.data, self.out = Path(self.data), Path(self.out)
+        if self.eval_data is not None:
+            self.eval_data = Path(self.eval_data)
 
     @classmethod
     def from_file(cls, path: Path) -> "TrainConfig":
@@ -86,6 +96,7 @@ class TrainConfig:
         _choice("--offload", self.offload, OFFLOADS)
         _choice("--attn", self.attn, ATTENTIONS)
         _choice("--dtype", self.dtype, DTYPES)
+        _choice("--lr-schedule", self.lr_schedule, tuple(SCHEDULES))
         if self.zero is not None and self.zero not in (0, 1, 2, 3):
             raise UsageError(f"--zero must be 0, 1, 2 or 3, not {self.zero}")
         if self.plan not in (None, "auto"):
@@ -114,6 +125,19 @@ class TrainConfig:
             raise UserError("--max-steps must be at least 1")
         if self.epochs <= 0 or self.lr <= 0:
             raise UserError("--epochs and --lr must be positive")
+        if self.eval_steps < 1:
+            raise UserError("--eval-steps must be at least 1")
+        if self.stop_at_exact_match is not None:
+            if self.eval_data is None:
+                raise UserError("--stop-at-exact-match needs --eval-data (the prompts it is scored on)")
+            if not 0 < self.stop_at_exact_match <= 1:
+                raise UserError("--stop-at-exact-match is a fraction in (0, 1], e.g. 0.95")
+        if self.eval_data is not None:
+            if not self.eval_data.is_file():
+                raise UserError(f"{self.eval_data}: no such eval data file")
+            if self.zero == 3:
+                raise UserError("--eval-data scores by generating, which ZeRO-3's partitioned weights do "
+                                "not support here: use --zero 2 (or none)")
         if not self.data.exists():
             raise UserError(f"{self.data}: no such data file")
         if self.data.is_dir():

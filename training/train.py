@@ -25,7 +25,7 @@ from pathlib import Path
 
 from quantserve.settings import UserError, make_readable
 from quantserve.training import distributed
-from quantserve.training.config import ATTN_IMPL, Resolved, TrainConfig
+from quantserve.training.config import ATTN_IMPL, SCHEDULES, Resolved, TrainConfig
 
 PROBE_PROMPT = "Reverse: a b c d"
 MAX_DEFAULT_SEQ = 2048
@@ -111,7 +111,7 @@ def training_args(cfg: TrainConfig, res: Resolved):
         num_train_epochs=cfg.epochs,
         max_steps=cfg.max_steps or -1,
         learning_rate=cfg.lr,
-        lr_scheduler_type="cosine",
+        lr_scheduler_type=SCHEDULES[cfg.lr_schedule],
         warmup_steps=cfg.warmup_ratio,
         weight_decay=cfg.weight_decay,
         max_grad_norm=cfg.max_grad_norm,
@@ -185,6 +185,11 @@ def train(cfg: TrainConfig) -> Path:
     tok = load_tokenizer(model_path)
     records = data_mod.read_jsonl(cfg.data, cfg.skip_bad_lines)
     dataset = data_mod.TokenDataset(data_mod.encode(tok, records, seq_len, cfg.packing))
+    eval_items = None
+    if cfg.eval_data is not None:
+        from quantserve.training.eval_gate import read_eval_items
+
+        eval_items = read_eval_items(cfg.eval_data)  # a bad file fails before the model loads
     log(f"setup: {cfg.method}, ZeRO {cfg.zero if cfg.zero is not None else 'off'}"
         f"{' + offload ' + cfg.offload if cfg.offload != 'none' else ''}, {ws} process(es), "
         f"{res.device} {res.dtype}, attention {res.attention}, Liger {res.liger_reason}, "
@@ -209,8 +214,13 @@ def train(cfg: TrainConfig) -> Path:
     if cfg.audit_data:
         collator.seen = []
     memory = MemoryCallback()
+    callbacks = [StepLogCallback(), ProgressCallback(cfg.progress), memory]
+    if cfg.eval_data is not None:
+        from quantserve.training.eval_gate import ExactMatchGate
+
+        callbacks.append(ExactMatchGate(eval_items, tok, cfg.eval_steps, cfg.stop_at_exact_match))
     trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
-                      processing_class=tok, callbacks=[StepLogCallback(), ProgressCallback(cfg.progress), memory])
+                      processing_class=tok, callbacks=callbacks)
     trainer.remove_callback(PrinterCallback)  # our ProgressCallback replaces its dict printing
     last = last_complete_checkpoint(cfg.out) if cfg.resume and cfg.out.is_dir() else None
     if last:
@@ -235,6 +245,7 @@ def train(cfg: TrainConfig) -> Path:
             "train_loss": result.training_loss, "tokens_seen": int(trainer.state.num_input_tokens_seen),
             "examples": len(dataset), "seconds": round(time.time() - t_start, 1),
             "trainable_params": trainable, "params": total, "probe": probe, "gpu_memory": gpu_memory,
+            "eval": [e for e in trainer.state.log_history if "eval_exact_match" in e],
         }
         write_log(cfg.out, trainer.state.log_history, summary)
         losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
@@ -242,6 +253,12 @@ def train(cfg: TrainConfig) -> Path:
             log(f"done: {trainer.state.global_step} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
                 f"{summary['seconds']} s; checkpoint in {cfg.out}, curve in {cfg.out / 'loss.png'}")
         peaks = [m["peak_gib"] for m in gpu_memory if m["peak_gib"] is not None]
+        if summary["eval"]:
+            last = summary["eval"][-1]
+            goal = cfg.stop_at_exact_match
+            verdict = "" if goal is None else (" (target reached)" if last["eval_exact_match"] >= goal else
+                                               f" (target {goal:.0%} NOT reached within the step bound)")
+            log(f"eval: exact match {last['eval_exact_match']:.1%} at step {last['step']}{verdict}")
         if peaks:
             log(f"GPU memory: peak {' / '.join(f'{p:.2f}' for p in peaks)} GiB per rank")
     distributed.barrier()
