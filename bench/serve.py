@@ -136,8 +136,22 @@ def compute_metrics(records: list[Record], duration: float, output_len: int | No
     }
 
 
+# `--json-schema fixed-length`: an array longer than any --output-len, so every structured reply
+# runs to max_tokens exactly as an ignore_eos free-text one does: the two rates compare like for like.
+FIXED_LENGTH_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999},
+                       "minItems": 100_000}
+
+
+def json_schema_arg(value: str) -> dict:
+    """`fixed-length` or a JSON schema file."""
+    if value == "fixed-length":
+        return FIXED_LENGTH_SCHEMA
+    return json.loads(Path(existing_file(value)).read_text())
+
+
 async def run_level(base_url: str, model: str, prompts: list[str], concurrency: int, output_len: int,
-                    chat: bool, ignore_eos: bool, api_key: str | None, timeout: float) -> tuple[list[Record], float]:
+                    chat: bool, ignore_eos: bool, api_key: str | None, timeout: float,
+                    json_schema: dict | None = None) -> tuple[list[Record], float]:
     import httpx
 
     url = base_url.rstrip("/") + ("/chat/completions" if chat else "/completions")
@@ -151,6 +165,8 @@ async def run_level(base_url: str, model: str, prompts: list[str], concurrency: 
         b.update({"messages": [{"role": "user", "content": p}]} if chat else {"prompt": p})
         if ignore_eos:
             b["ignore_eos"] = True  # vLLM / llama.cpp extension: fixed output length
+        if json_schema is not None:
+            b["response_format"] = {"type": "json_schema", "json_schema": {"name": "bench", "schema": json_schema}}
         return b
 
     async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
@@ -220,6 +236,9 @@ def main(argv=None) -> int:
     ap.add_argument("--corpus", type=existing_file, default=None, help="a text or JSONL file of prompts instead of random words")
     ap.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
     ap.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (servers that know it)")
+    ap.add_argument("--json-schema", type=json_schema_arg, default=None,
+                    help="ask for structured output: a JSON schema file, or 'fixed-length' (an array that "
+                    "never completes before --output-len, to compare with --ignore-eos free text)")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=600, help="seconds per request")
@@ -247,9 +266,10 @@ def main(argv=None) -> int:
         n = args.num_prompts or max(16, 4 * c)
         prompts = make_prompts(n, args.input_len, args.seed, args.corpus)
         records, duration = asyncio.run(run_level(args.base_url, model, prompts, c, args.output_len, args.chat,
-                                                  args.ignore_eos, args.api_key, args.timeout))
+                                                  args.ignore_eos, args.api_key, args.timeout, args.json_schema))
+        fixed = args.ignore_eos or args.json_schema is FIXED_LENGTH_SCHEMA
         m = {"concurrency": c, "num_prompts": n,
-             **compute_metrics(records, duration, args.output_len if args.ignore_eos else None)}
+             **compute_metrics(records, duration, args.output_len if fixed else None)}
         if args.save_records:
             m["records"] = records_to_json(records)
         result["runs"].append(m)
