@@ -27,8 +27,8 @@ def main() -> None:
     ap.add_argument("--tokenizer", type=Path, default=None, help="tokenizer folder; default: the default model's")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--shape-vocab", action="store_true",
-                    help="the public model's vocabulary size and embedding tying (training memory needs "
-                         "the real parameter count); token ids past the tokenizer's are never used")
+                    help="the public model's vocabulary size and embedding tying (training memory and "
+                         "the logits' width need the real sizes); ids past the tokenizer's get zero output rows")
     args = ap.parse_args()
 
     import torch
@@ -50,6 +50,13 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
         model = LlamaForCausalLM(cfg).to(torch.float16)
+    if vocab > len(tok):
+        # Random output rows past the tokenizer would win the argmax about as often as real ones,
+        # and their text is empty (a streamed reply with no text has no first-token time).  Zero
+        # rows give those ids a logit of 0 while the real ones spread around it: greedy decoding
+        # stays within the tokenizer, and the logits keep the public model's width.
+        with torch.no_grad():
+            model.get_output_embeddings().weight[len(tok):] = 0
     model.save_pretrained(args.out, safe_serialization=True)
     tok.save_pretrained(args.out)
     n = sum(p.numel() for p in model.parameters())

@@ -7,11 +7,12 @@
 #          serving dependencies, as ../shared/tools/device-wheels.sh fetches them, plus llguidance)
 set -euo pipefail
 wheels=$(realpath "$1"); out=$(realpath -m "$2"); mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$wheels"/*.whl
+rm -rf /tmp/site
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$wheels"/*.whl 2>&1 | grep -v "^WARNING: Target directory" || true
 export PYTHONPATH=/tmp/site
 cd /tmp  # not the source tree: the installed package is the one to run
 (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) | tee "$out/gpu.txt"
-python3 -c "import torch, transformers, llguidance; print('torch', torch.__version__, 'transformers', transformers.__version__, 'llguidance', llguidance.__version__)" | tee -a "$out/gpu.txt"
+python3 -c "import importlib.metadata as m, torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'llguidance', m.version('llguidance'))" | tee -a "$out/gpu.txt"
 python3 -m quantserve.bench.make_checkpoint --shape llama-3.2-1b --shape-vocab --out /tmp/m1b
 t0=$(date +%s)
 python3 -m quantserve serve /tmp/m1b --engine fast --weight-quant int8 --gpu-profile t4 --max-batch 32 \
@@ -22,6 +23,9 @@ bench() {  # NAME EXTRA_ARGS...
   python3 -m quantserve.bench.serve --base-url http://127.0.0.1:8000/v1 --concurrency 1,32 --input-len 128 \
       --output-len 128 --out "$out/$name.json" "$@" | tail -n 12 | tee -a "$out/bench.txt"
 }
+until curl -s -o /dev/null http://127.0.0.1:8000/health; do  # the port opens first, /health says 503 while loading
+  kill -0 "$server" 2>/dev/null || { tail -n 20 "$out/server.log"; exit 1; }; sleep 1
+done
 bench warm-free --ignore-eos --num-prompts 8 --concurrency 1 >/dev/null  # waits while the engine loads
 echo "ready after $(( $(date +%s) - t0 )) s" | tee -a "$out/bench.txt"
 bench free-1 --ignore-eos
