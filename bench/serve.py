@@ -121,7 +121,8 @@ def compute_metrics(records: list[Record], duration: float, output_len: int | No
     shorter: a server that ignores `ignore_eos`, or cuts requests short, would look fast otherwise."""
     ok = [r for r in records if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
-    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    # a reply whose tokens carry no text (ids a random checkpoint's tokenizer cannot spell) has no TTFT
+    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1 and r.ttft is not None]
     itl = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
     prompt_tokens = sum(r.prompt_tokens or 0 for r in ok)
     return {
