@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from quantserve.server.backend import DecodeBackend
 from quantserve.server.engine import (EngineClosedError, EngineError, EngineStats, OutOfMemoryError, QueueFullError,
                            TokenEvent, TokenStream, TopLogprob)
-from quantserve.server.sampling import SequenceSampler
+from quantserve.server.sampling import SequenceSampler, masked_argmax
 
 
 @dataclass
@@ -241,12 +241,35 @@ class Scheduler:
         # `batch` ints instead of batch x vocab floats, 16 MB a step at 32 x 128k); the rest are
         # sampled on the CPU, each with its own generator, penalties and logprobs.
         argmax = logits.argmax(-1).tolist() if any(seq.sampler.plain_greedy for seq in batch) else None
+        # Greedy rows under a grammar (structured output) take one masked argmax the same way.
+        masked = self._masked_argmax(logits, batch)
         for row, seq in enumerate(batch):
+            if seq.stream.request.request_id not in self._running:
+                continue  # failed above (its grammar)
             if seq.sampler.plain_greedy:
                 self._emit(seq, None, argmax[row])
+            elif row in masked:
+                self._emit(seq, None, masked[row])
             else:
                 row_logits = logits[row]
                 self._emit(seq, row_logits.cpu() if hasattr(row_logits, "cpu") else row_logits)  # torch or numpy
+
+    def _masked_argmax(self, logits, batch: list[_Running]) -> dict[int, int]:
+        """row -> token for the batch's masked-greedy rows; a row whose grammar fails is failed."""
+        import numpy as np
+
+        rows, masks = [], []
+        for row, seq in enumerate(batch):
+            if seq.sampler.masked_greedy:
+                try:
+                    masks.append(seq.stream.request.params.constraint.bitmask())
+                    rows.append(row)
+                except Exception as e:
+                    self._log(f"grammar failed: {type(e).__name__}: {e}")
+                    self._fail(seq, EngineError.from_exception(e))
+        if not rows:
+            return {}
+        return dict(zip(rows, masked_argmax(logits, rows, np.stack(masks))))
 
     def _emit(self, seq: _Running, logits, token: int | None = None) -> None:
         try:

@@ -190,12 +190,18 @@ class Constraint:
     def __init__(self, matcher):
         self._matcher = matcher
 
+    def bitmask(self):
+        """The allowed next tokens as int32 words, bit i of word w = token 32 w + i (llguidance's
+        layout: what `sampling.masked_argmax` unpacks where the logits are)."""
+        import numpy as np
+
+        return np.frombuffer(self._matcher.compute_bitmask(), dtype=np.int32)
+
     def mask(self, width: int):
         """A boolean array over `width` logits: True where the token is allowed next."""
         import numpy as np
 
-        bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
-        allowed = np.unpackbits(bits, bitorder="little").astype(bool)
+        allowed = np.unpackbits(self.bitmask().view(np.uint8), bitorder="little").astype(bool)
         if allowed.size >= width:
             return allowed[:width]
         return np.concatenate([allowed, np.zeros(width - allowed.size, dtype=bool)])

@@ -192,3 +192,22 @@ def test_recursive_schema_is_served(server):
 def test_openai_client_errors_are_bad_requests(server):
     with pytest.raises(openai.BadRequestError):
         chat(server.client(), response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}})
+
+
+@pytest.mark.parametrize("width", [70, 96, 130])  # logits narrower, as wide as, and wider than the masks
+def test_masked_argmax_agrees_on_torch_and_numpy(width):
+    import numpy as np
+    import torch
+
+    from quantserve.server.sampling import masked_argmax
+
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((4, width)).astype(np.float32)
+    allowed = rng.random((3, 96)) < 0.2
+    allowed[:, 0] = True  # every row allows something inside the narrowest logits
+    words = np.packbits(allowed, axis=-1, bitorder="little").view(np.int32)
+    rows = [0, 2, 3]
+    expected = [int(np.argmax(np.where(np.pad(allowed[i], (0, max(0, width - 96)))[:width], logits[r], -np.inf)))
+                for i, r in enumerate(rows)]
+    assert masked_argmax(logits, rows, words) == expected
+    assert masked_argmax(torch.from_numpy(logits), rows, words) == expected
