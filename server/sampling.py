@@ -166,7 +166,7 @@ def masked_argmax(logits, rows: list[int], bitmasks) -> list[int]:
         allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
         allowed = _fit(allowed, width, lambda n: torch.zeros(len(rows), n, dtype=torch.bool, device=logits.device),
                        torch.cat)
-        picked = logits[torch.tensor(rows, device=logits.device)]
+        picked = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=logits.device)]
         return picked.masked_fill(~allowed, float("-inf")).argmax(-1).tolist()
     allowed = np.unpackbits(np.ascontiguousarray(bitmasks).view(np.uint8), axis=-1, bitorder="little").astype(bool)
     allowed = _fit(allowed, width, lambda n: np.zeros((len(rows), n), dtype=bool), np.concatenate)

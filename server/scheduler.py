@@ -244,8 +244,6 @@ class Scheduler:
         # Greedy rows under a grammar (structured output) take one masked argmax the same way.
         masked = self._masked_argmax(logits, batch)
         for row, seq in enumerate(batch):
-            if seq.stream.request.request_id not in self._running:
-                continue  # failed above (its grammar)
             if seq.sampler.plain_greedy:
                 self._emit(seq, None, argmax[row])
             elif row in masked:
@@ -255,21 +253,14 @@ class Scheduler:
                 self._emit(seq, row_logits.cpu() if hasattr(row_logits, "cpu") else row_logits)  # torch or numpy
 
     def _masked_argmax(self, logits, batch: list[_Running]) -> dict[int, int]:
-        """row -> token for the batch's masked-greedy rows; a row whose grammar fails is failed."""
-        import numpy as np
-
-        rows, masks = [], []
-        for row, seq in enumerate(batch):
-            if seq.sampler.masked_greedy:
-                try:
-                    masks.append(seq.stream.request.params.constraint.bitmask())
-                    rows.append(row)
-                except Exception as e:
-                    self._log(f"grammar failed: {type(e).__name__}: {e}")
-                    self._fail(seq, EngineError.from_exception(e))
+        """row -> token for the batch's masked-greedy rows (all their masks computed at once)."""
+        rows = [row for row, seq in enumerate(batch) if seq.sampler.masked_greedy]
         if not rows:
             return {}
-        return dict(zip(rows, masked_argmax(logits, rows, np.stack(masks))))
+        from quantserve.server.structured import batch_bitmasks
+
+        masks = batch_bitmasks([batch[row].stream.request.params.constraint for row in rows])
+        return dict(zip(rows, masked_argmax(logits, rows, masks)))
 
     def _emit(self, seq: _Running, logits, token: int | None = None) -> None:
         try:

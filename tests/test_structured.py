@@ -145,6 +145,11 @@ def test_n_choices_each_follow_the_format(server):
     assert len(r.choices) == 3
     for c in r.choices:
         jsonschema.validate(json.loads(c.message.content), SCHEMAS["array"])
+    # greedy choices decode side by side: one masked argmax over their rows, masks computed together
+    r = chat(server.client(), response_format=json_schema_format("nested"), n=3, temperature=0)
+    texts = {c.message.content for c in r.choices}
+    assert len(texts) == 1
+    jsonschema.validate(json.loads(texts.pop()), SCHEMAS["nested"])
 
 
 BAD_FORMATS = [
