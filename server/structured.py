@@ -161,7 +161,8 @@ class GrammarCompiler:
                 import llguidance
 
                 self._executor = llguidance.LLExecutor()
-            return Constraint(template.deep_copy(), (self._tokenizer.vocab_size + 31) // 32, self._executor)
+            matcher, words = template
+            return Constraint(matcher.deep_copy(), words, self._executor)
 
     def _compile(self, fmt: OutputFormat):
         import llguidance
@@ -181,7 +182,9 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"{fmt.param}: cannot be compiled: {_first_line(matcher.get_error())}", fmt.param)
-        return matcher
+        # One mask is ceil(vocab / 32) words: what the executor fills.  (`compute_bitmask` of
+        # llguidance 1.9 returns a word more when the vocabulary is a multiple of 32: cut off.)
+        return matcher, (self._tokenizer.vocab_size + 31) // 32
 
 
 def _first_line(error) -> str:
@@ -202,7 +205,7 @@ class Constraint:
         layout: what `sampling.masked_argmax` unpacks where the logits are)."""
         import numpy as np
 
-        return np.frombuffer(self._matcher.compute_bitmask(), dtype=np.int32)
+        return np.frombuffer(self._matcher.compute_bitmask(), dtype=np.int32)[:self.words]
 
     def mask(self, width: int):
         """A boolean array over `width` logits: True where the token is allowed next."""

@@ -216,3 +216,21 @@ def test_masked_argmax_agrees_on_torch_and_numpy(width):
                 for i, r in enumerate(rows)]
     assert masked_argmax(logits, rows, words) == expected
     assert masked_argmax(torch.from_numpy(logits), rows, words) == expected
+
+
+@pytest.mark.parametrize("n_vocab", [642, 128256])  # the default tokenizer alone, and padded to Llama-3's logits
+def test_batch_bitmasks_match_one_by_one(default_model, n_vocab):
+    import llguidance.hf
+    import numpy as np
+
+    from quantserve.modeling import load_tokenizer
+    from quantserve.server.structured import GrammarCompiler, OutputFormat, batch_bitmasks
+
+    tok = load_tokenizer(default_model)
+    compiler = GrammarCompiler(lambda: llguidance.hf.from_tokenizer(tok, n_vocab=n_vocab))
+    fmt = OutputFormat("json", json.dumps(SCHEMAS["flat"]), "response_format")
+    a, b = compiler.matcher(fmt), compiler.matcher(fmt)
+    a.accept(int(np.flatnonzero(a.mask(n_vocab))[0]))  # the two now stand at different places
+    together = batch_bitmasks([a, b])
+    assert together.shape[1] * 32 >= n_vocab
+    assert (together[0] == a.bitmask()).all() and (together[1] == b.bitmask()).all()
