@@ -27,7 +27,6 @@ what it measured) and a markdown table with the worst case is printed at the end
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tempfile
 import time
@@ -172,13 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     threads = [int(t) for t in args.threads.split(",")]
     noises = [float(n) for n in args.noise.split(",")]
     runs = [(args.stage, s, t, n) for n in noises for t in threads for s in args.seeds]
-    tag = json.dumps(args.train, sort_keys=True) + os.environ.get("ATEN_CPU_CAPABILITY", "")
+    tag = json.dumps(args.train, sort_keys=True) + cpu_isa()  # a row counts for the kernels it ran on
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     rows = json.loads(args.out.read_text()) if args.out.is_file() else []
     def tag_of(r: dict) -> str:
-        isa = r.get("isa", "").lower() if os.environ.get("ATEN_CPU_CAPABILITY") else ""
-        return json.dumps(r.get("train", {}), sort_keys=True) + isa
+        return json.dumps(r.get("train", {}), sort_keys=True) + r.get("isa", "")
 
     done = {(r["stage"], r["seed"], r["threads"], r["noise"]) for r in rows if tag_of(r) == tag}
     todo = [r for r in runs if r not in done]
