@@ -82,8 +82,9 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
 
 def create_app(engine, model_name: str, api_key: str | None = None, max_body_bytes: int = 4 << 20,
                max_logprobs: int = 20, shutdown_grace_s: float = 10.0, on_load_error=None,
-               cors_origins: list[str] | None = None) -> FastAPI:
-    state = ServerState(engine=engine, model_name=model_name, metrics=Metrics(engine), max_logprobs=max_logprobs)
+               cors_origins: list[str] | None = None, tool_call_parser: str = "auto") -> FastAPI:
+    state = ServerState(engine=engine, model_name=model_name, metrics=Metrics(engine), max_logprobs=max_logprobs,
+                        tool_call_parser=tool_call_parser)
     load_error: list[str] = []
 
     @asynccontextmanager
@@ -190,8 +191,8 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_body_byt
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         ready()
         if body.stream:
-            job = serving_chat.prepare(state, body)
-            return SSEResponse(serving_chat.stream(state, body, job), job.cancel)
+            job, plan = serving_chat.prepare(state, body)
+            return SSEResponse(serving_chat.stream(state, body, job, plan), job.cancel)
         return await serving_chat.complete(state, body, request)
 
     @app.post("/tokenize")
@@ -201,7 +202,7 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_body_byt
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
-            tokens = serving_chat.render_prompt(state, body.messages)
+            tokens = serving_chat.render_prompt(state, [{"role": m.role, "content": m.text()} for m in body.messages])
         else:
             tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.info.context_length}

@@ -80,6 +80,9 @@ def serve(
                                           "choice; llama.cpp: half the cores)."),
     served_model_name: Optional[str] = typer.Option(None, help="Name clients use; default: the model's folder or file name."),
     max_logprobs: int = typer.Option(20, min=0, help="Most top logprobs one request may ask for."),
+    tool_call_parser: str = typer.Option(
+        "auto", help="How the model writes tool calls: hermes (Qwen, Hermes), llama3_json (Llama 3.x), "
+        "mistral, or auto (guessed from the chat template; hermes when it has no tool support)."),
     max_body_bytes: int = typer.Option(4 << 20, min=1024, help="Largest request body accepted (413 above)."),
     shutdown_grace: float = typer.Option(10.0, min=0, help="Seconds in-flight requests get to finish on shutdown."),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
@@ -113,6 +116,10 @@ def serve(
         raise UsageError(f"unknown --engine {engine!r}: choose {', '.join(ENGINE_CHOICES)}")
     if weight_quant not in ("none", "int8", "int4"):
         raise UsageError(f"unknown --weight-quant {weight_quant!r}: choose none, int8 or int4")
+    from quantserve.server.tool_parsers import FORMATS
+
+    if tool_call_parser != "auto" and tool_call_parser not in FORMATS:
+        raise UsageError(f"unknown --tool-call-parser {tool_call_parser!r}: choose auto, {', '.join(FORMATS)}")
     # fail on a bad path now, with one line, before any socket is opened
     engine = _engine_or_exit(Path(model), EngineOptions(context=context, max_batch=max_batch,
                                                         max_queue=max_queue, gpu_profile=gpu_profile,
@@ -131,7 +138,8 @@ def serve(
         server.should_exit = True
 
     app = create_app(engine, name, api_key=api_key, max_body_bytes=max_body_bytes, max_logprobs=max_logprobs,
-                     shutdown_grace_s=shutdown_grace, on_load_error=on_load_error, cors_origins=cors_origin)
+                     shutdown_grace_s=shutdown_grace, on_load_error=on_load_error, cors_origins=cors_origin,
+                     tool_call_parser=tool_call_parser)
     config = uvicorn.Config(app, host=host, port=sock.getsockname()[1], log_level=log_level.lower(),
                             timeout_graceful_shutdown=shutdown_grace, access_log=log_level == "debug")
     logging.getLogger("uvicorn.access").addFilter(_NoQueryStrings())  # after Config set up uvicorn's logging

@@ -91,6 +91,10 @@ class ModelTokenizer(Protocol):
 
     def token_bytes(self, token_id: int) -> bytes: ...
 
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template's source (None: the model has none); tool calling reads it."""
+
     def render_chat(self, messages: list[dict], **template_kwargs) -> str:
         """The chat template applied with the generation prompt (and the request's extra template
         variables); its text already holds BOS."""

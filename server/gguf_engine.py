@@ -48,6 +48,10 @@ class LlamaCppTokenizer:
 
         return llguidance.llamacpp.lltokenizer_from_vocab(self.model.vocab, n_vocab=max(n_vocab, self.vocab_size))
 
+    @property
+    def chat_template(self) -> str | None:
+        return self._template
+
     def render_chat(self, messages: list[dict], **template_kwargs) -> str:
         if not self._template:
             raise NoChatTemplateError("this GGUF file has no chat template (tokenizer.chat_template): use /v1/completions")

@@ -40,6 +40,11 @@ class HFTokenizer:
 
         return llguidance.hf.from_tokenizer(self.tok, n_vocab=max(n_vocab, len(self.tok)))
 
+    @property
+    def chat_template(self) -> str | None:
+        template = self.tok.chat_template
+        return template if isinstance(template, str) else None
+
     def render_chat(self, messages: list[dict], **template_kwargs) -> str:
         if not self.tok.chat_template:
             raise NoChatTemplateError("this model's tokenizer has no chat template: use /v1/completions")

@@ -180,6 +180,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[TextContentPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[Any]] = None  # an assistant's earlier calls; checked in tools.history_call
+    tool_call_id: Optional[str] = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -195,6 +197,10 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[int] = Field(None, ge=0)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM's: extra variables for the template
+    # tool calling (tools.py): checked there, so that errors name the exact tool
+    tools: Optional[Any] = None
+    tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[bool] = None
 
 
 class TokenizeRequest(_Request):
@@ -266,9 +272,21 @@ class ChoiceLogprobs(BaseModel):
     content: Optional[list[TokenLogprobOut]] = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as a string (OpenAI's shape)
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
 
 
 class ChatChoice(BaseModel):
@@ -287,9 +305,22 @@ class ChatCompletion(BaseModel):
     usage: Optional[Usage] = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[DeltaFunctionCall] = None
+
+
 class DeltaMessage(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -32,6 +32,7 @@ class ServerState:
     metrics: Metrics
     max_logprobs: int = 20
     retry_after_s: int = 1
+    tool_call_parser: str = "auto"  # a tool_parsers.FORMATS name, or auto: guessed from the chat template
 
 
 @dataclass
@@ -103,14 +104,20 @@ def logit_bias(bias: dict[str, float] | None, vocab: int) -> dict[int, float]:
     return out
 
 
-def output_format(state: ServerState, req: _SamplingFields):
-    """The structured-output format the request asks for (None: free text), checked."""
+def output_format(state: ServerState, req: _SamplingFields, forced=None):
+    """The structured-output format the request asks for (None: free text), checked.  `forced`
+    is one the server sets (a required tool call's grammar): the request may not add its own."""
     from quantserve.server.structured import GrammarError, output_format as parse
 
     try:
         fmt = parse(req.response_format, req.structured_outputs, req.guided())
     except GrammarError as e:
         raise APIError(400, str(e), param=e.param) from None
+    if forced is not None:
+        if fmt is not None:
+            raise APIError(400, f"{fmt.param} cannot be combined with a required tool call "
+                           f"({forced.param}): the call already fixes the reply's format", param=fmt.param)
+        fmt = forced
     if fmt is not None:
         if getattr(state.engine, "grammars", None) is None:
             raise APIError(400, "structured output is not available on this engine", param=fmt.param)
@@ -131,6 +138,8 @@ def constraint_for(state: ServerState, fmt):
 
 def sampling_params(state: ServerState, req: _SamplingFields, prompt_len: int, max_tokens: int | None,
                     logprobs: int | None, param: str, choice_index: int, fmt=None) -> SamplingParams:
+    # the format first: a schema that cannot compile is the more specific error
+    constraint = constraint_for(state, fmt) if fmt is not None else None
     context = state.engine.info.context_length
     if max_tokens is None:
         max_tokens = context - prompt_len
@@ -153,15 +162,15 @@ def sampling_params(state: ServerState, req: _SamplingFields, prompt_len: int, m
         repetition_penalty=req.repetition_penalty, logprobs=logprobs, ignore_eos=req.ignore_eos,
         min_p=req.min_p, stop_token_ids=list(req.stop_token_ids or []),
         logit_bias=logit_bias(req.logit_bias, state.engine.tokenizer.vocab_size),
-        constraint=constraint_for(state, fmt) if fmt is not None else None)
+        constraint=constraint)
 
 
 def start_job(state: ServerState, req: _SamplingFields, prompts: list[list[int]], max_tokens: int | None,
-              logprobs: int | None, param: str) -> Job:
+              logprobs: int | None, param: str, forced_format=None) -> Job:
     """Validate everything first, then submit all choices; a refused submit withdraws the others."""
     engine = state.engine
     vocab = engine.tokenizer.vocab_size
-    fmt = output_format(state, req)
+    fmt = output_format(state, req, forced_format)
     planned = []
     for prompt in prompts:
         if not prompt:

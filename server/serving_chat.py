@@ -1,4 +1,5 @@
-"""`/v1/chat/completions`: messages rendered with the tokenizer's chat template."""
+"""`/v1/chat/completions`: messages rendered with the tokenizer's chat template; tool calls read
+out of the reply (tools.py, tool_parsers.py), streamed or not."""
 
 from __future__ import annotations
 
@@ -6,22 +7,65 @@ from typing import AsyncIterator
 
 from quantserve.server.errors import APIError
 from quantserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
-                             ChatCompletionChunk, ChatCompletionRequest, ChoiceLogprobs, DeltaMessage,
-                             TokenLogprobOut, TopLogprobOut)
+                                        ChatCompletionChunk, ChatCompletionRequest, ChoiceLogprobs,
+                                        DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall,
+                                        TokenLogprobOut, ToolCall, TopLogprobOut)
 from quantserve.server.serving import (Job, ServerState, check_model, collect, new_id, run_job,
-                            run_to_reply, sse_error, start_job)
+                                       run_to_reply, sse_error, start_job)
 from quantserve.server.textstream import LogprobEntry
 from quantserve.server.unsupported import refuse_unsupported
 from quantserve.server.exceptions import NoChatTemplateError
 
 
-def render_prompt(state: ServerState, messages, template_kwargs: dict | None = None) -> list[int]:
-    tok = state.engine.tokenizer
-    reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"} & set(template_kwargs or {})
-    if reserved:
-        raise APIError(400, f"chat_template_kwargs cannot set {sorted(reserved)[0]!r}", param="chat_template_kwargs")
+# what the server itself passes to the template (tools: set by the request's `tools` field)
+RESERVED_TEMPLATE_VARIABLES = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"}
+
+
+def tool_format(state: ServerState):
+    from quantserve.server.tool_parsers import FORMATS, detect
+
+    if state.tool_call_parser == "auto":
+        return detect(state.engine.tokenizer.chat_template)
+    return FORMATS[state.tool_call_parser]
+
+
+def tool_plan(state: ServerState, req: ChatCompletionRequest):
+    from quantserve.server.tools import ToolError, plan
+
     try:
-        text = tok.render_chat([{"role": m.role, "content": m.text()} for m in messages], **(template_kwargs or {}))
+        return plan(req.tools, req.tool_choice, req.parallel_tool_calls, tool_format(state))
+    except ToolError as e:
+        raise APIError(400, str(e), param=e.param) from None
+
+
+def conversation(state: ServerState, req: ChatCompletionRequest, plan) -> tuple[list[dict], dict]:
+    """The messages and extra template variables to render: tools and earlier calls as the
+    template expects them, or written out by the fallback when it knows no tools."""
+    from quantserve.server.tools import ToolError, history_call, render_fallback, template_knows_tools
+
+    messages = []
+    for i, m in enumerate(req.messages):
+        msg = {"role": m.role, "content": m.text()}
+        try:
+            if m.tool_calls:
+                msg["tool_calls"] = [history_call(c, f"messages.{i}.tool_calls.{j}") for j, c in enumerate(m.tool_calls)]
+        except ToolError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        messages.append(msg)
+    has_tools = plan is not None or any("tool_calls" in m or m["role"] == "tool" for m in messages)
+    if not has_tools:
+        return messages, {}
+    if template_knows_tools(state.engine.tokenizer.chat_template):
+        return messages, {"tools": plan.tools} if plan is not None else {}
+    return render_fallback(messages, plan, tool_format(state)), {}
+
+
+def render_prompt(state: ServerState, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+    tok = state.engine.tokenizer
+    try:
+        text = tok.render_chat(messages, **(template_kwargs or {}))
     except NoChatTemplateError as e:
         raise APIError(400, str(e), param="messages", code="no_chat_template") from e
     except Exception as e:  # template errors (e.g. roles the template refuses) are the caller's
@@ -37,28 +81,96 @@ def _logprobs_out(entries: list[LogprobEntry]) -> ChoiceLogprobs:
         for e in entries])
 
 
-def prepare(state: ServerState, req: ChatCompletionRequest) -> Job:
+def prepare(state: ServerState, req: ChatCompletionRequest):
+    """(the job, its tool plan or None)."""
+    from quantserve.server.structured import OutputFormat
+
     check_model(state, req.model)
     refuse_unsupported(req, chat=True)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    prompt = render_prompt(state, req.messages, req.chat_template_kwargs)
+    reserved = RESERVED_TEMPLATE_VARIABLES & set(req.chat_template_kwargs or {})
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs cannot set {sorted(reserved)[0]!r}", param="chat_template_kwargs")
+    plan = tool_plan(state, req)
+    messages, tool_kwargs = conversation(state, req, plan)
+    prompt = render_prompt(state, messages, {**(req.chat_template_kwargs or {}), **tool_kwargs})
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return start_job(state, req, [prompt], max_tokens, logprobs, "messages")
+    grammar = plan.grammar() if plan is not None else None
+    forced = OutputFormat("grammar", grammar, "tool_choice") if grammar else None
+    return start_job(state, req, [prompt], max_tokens, logprobs, "messages", forced), plan
+
+
+def reply_message(text: str, finish_reason: str | None, plan) -> tuple[AssistantMessage, str | None]:
+    """The assistant message of a finished choice: its tool calls read out of the text when the
+    request has tools to parse, with finish_reason "tool_calls" then."""
+    if plan is None or not plan.parses:
+        return AssistantMessage(content=text), finish_reason
+    content, calls = plan.fmt.parse(text)
+    if not calls:
+        return AssistantMessage(content=text), finish_reason
+    if not plan.parallel:
+        calls = calls[:1]
+    tool_calls = [ToolCall(id=new_id("call"), function=FunctionCall(name=c.name, arguments=c.arguments))
+                  for c in calls]
+    return (AssistantMessage(content=content or None, tool_calls=tool_calls),
+            "tool_calls" if finish_reason == "stop" else finish_reason)
 
 
 async def complete(state: ServerState, req: ChatCompletionRequest, request) -> ChatCompletion:
-    job = prepare(state, req)
+    job, plan = prepare(state, req)
     await run_to_reply(job, request, collect(state, job))
-    choices = [ChatChoice(index=i, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
-                          logprobs=_logprobs_out(c.all_logprobs) if req.logprobs else None)
-               for i, c in enumerate(job.choices)]
+    choices = []
+    for i, c in enumerate(job.choices):
+        message, finish = reply_message(c.text, c.finish_reason, plan)
+        choices.append(ChatChoice(index=i, message=message, finish_reason=finish,
+                                  logprobs=_logprobs_out(c.all_logprobs) if req.logprobs else None))
     return ChatCompletion(id=new_id("chatcmpl"), model=state.model_name, choices=choices, usage=job.usage())
 
 
-async def stream(state: ServerState, req: ChatCompletionRequest, job: Job) -> AsyncIterator[str]:
+class ToolCallStream:
+    """Streams a choice's text as content until a tool call may begin, then holds the rest; at the
+    end, the held text is parsed like a non-streamed reply: calls, or content after all."""
+
+    def __init__(self, plan):
+        self.plan, self.start = plan, plan.fmt.start
+        self.text = ""  # everything the choice wrote
+        self.sent = 0  # how much of it went out as content
+        self.holding = False  # a call's start marker was seen
+
+    def push(self, text: str) -> str:
+        """The content to send now."""
+        self.text += text
+        if self.holding:
+            return ""
+        at = self.text.find(self.start, self.sent)
+        if at >= 0:
+            self.holding = True
+            return self._send_to(at)
+        # keep back a tail that could be the marker's beginning
+        keep = next((k for k in range(min(len(self.start) - 1, len(self.text) - self.sent), 0, -1)
+                     if self.text.endswith(self.start[:k])), 0)
+        return self._send_to(len(self.text) - keep)
+
+    def _send_to(self, end: int) -> str:
+        out, self.sent = self.text[self.sent:end], max(self.sent, end)
+        return out
+
+    def finish(self, finish_reason: str | None) -> tuple[str, list[DeltaToolCall], str | None]:
+        """(content still to send, the calls as deltas, the finish reason)."""
+        message, finish = reply_message(self.text, finish_reason, self.plan)
+        if not message.tool_calls:
+            return self._send_to(len(self.text)), [], finish
+        deltas = [DeltaToolCall(index=k, id=call.id, type="function",
+                                function=DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments))
+                  for k, call in enumerate(message.tool_calls)]
+        return "", deltas, finish
+
+
+async def stream(state: ServerState, req: ChatCompletionRequest, job: Job, plan=None) -> AsyncIterator[str]:
     cid = new_id("chatcmpl")
+    tool_streams = {i: ToolCallStream(plan) for i in range(len(job.choices))} if plan is not None and plan.parses else {}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     def chunk(choices, usage=None) -> str:
@@ -74,9 +186,22 @@ async def stream(state: ServerState, req: ChatCompletionRequest, job: Job) -> As
                 yield sse_error(job.choices[i].error)
                 continue
             lp = _logprobs_out(delta.logprobs) if req.logprobs and delta.logprobs else None
-            content = delta.text if delta.text else None
-            yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=content), logprobs=lp,
-                                         finish_reason=delta.finish_reason)])
+            if i not in tool_streams:
+                content = delta.text if delta.text else None
+                yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=content), logprobs=lp,
+                                             finish_reason=delta.finish_reason)])
+                continue
+            calls = tool_streams[i]
+            content = calls.push(delta.text)
+            if content or lp:
+                yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=content or None), logprobs=lp)])
+            if delta.finish_reason:
+                rest, deltas, finish = calls.finish(delta.finish_reason)
+                if rest:
+                    yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=rest))])
+                if deltas:
+                    yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(tool_calls=deltas))])
+                yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(), finish_reason=finish)])
         if include_usage:
             yield chunk([], job.usage())
         job.settle("error" if job.first_error else "success")

@@ -25,11 +25,13 @@ _NOT_YET = "is not supported by this server"
 # field -> (values that mean "off", why it is refused otherwise)
 OFF_VALUES: dict[str, tuple[tuple, str]] = {
     # OpenAI chat
-    "tools": ((None, []), "tool calling " + _NOT_YET),
-    "functions": ((None, []), "function calling " + _NOT_YET),
-    "tool_choice": ((None, "none", "auto"), "tool calling " + _NOT_YET),
-    "function_call": ((None, "none", "auto"), "function calling " + _NOT_YET),
+    # on completions (chat declares these): tools are a chat feature
+    "tools": ((None, []), "tools are served on /v1/chat/completions, not on /v1/completions"),
+    "tool_choice": ((None, "none", "auto"), "tools are served on /v1/chat/completions, not on /v1/completions"),
     "parallel_tool_calls": ((None, True, False), ""),  # only means something with tools
+    # the deprecated spelling of tools (2023): use tools and tool_choice
+    "functions": ((None, []), "the deprecated functions field " + _NOT_YET + ": use tools"),
+    "function_call": ((None, "none", "auto"), "the deprecated function_call field " + _NOT_YET + ": use tool_choice"),
     "audio": ((None,), "audio output " + _NOT_YET),
     "modalities": ((None, ["text"]), "only the text modality is served"),
     "prediction": ((None,), "predicted outputs " + _NOT_YET),
@@ -72,9 +74,7 @@ OFF_VALUES: dict[str, tuple[tuple, str]] = {
 }
 # chat: `echo` is a vLLM extra (the last message repeated), unlike completions' echo
 CHAT_ONLY_OFF = {"echo": ((None, False), "echo " + _NOT_YET + " on chat completions")}
-MESSAGE_OFF = {"tool_calls": ((None, []), "tool calls in the conversation " + _NOT_YET),
-               "tool_call_id": ((None,), "tool results " + _NOT_YET),
-               "function_call": ((None,), "function calls in the conversation " + _NOT_YET),
+MESSAGE_OFF = {"function_call": ((None,), "the deprecated function_call " + _NOT_YET + ": use tool_calls"),
                "refusal": ((None,), "assistant refusals in the conversation " + _NOT_YET),
                "audio": ((None,), "audio " + _NOT_YET)}
 
@@ -106,3 +106,15 @@ def refuse_unsupported(req, chat: bool) -> None:
         if message.content is None and message.role != "assistant":
             raise APIError(400, f"messages.{i}: a {message.role} message needs 'content'",
                            param=f"messages.{i}.content")
+        if message.content is None and not message.tool_calls:
+            raise APIError(400, f"messages.{i}: an assistant message needs 'content' or 'tool_calls'",
+                           param=f"messages.{i}.content")
+        if message.tool_calls and message.role != "assistant":
+            raise APIError(400, f"messages.{i}.tool_calls: only assistant messages carry tool calls",
+                           param=f"messages.{i}.tool_calls")
+        if message.role == "tool" and not message.tool_call_id:
+            raise APIError(400, f"messages.{i}: a tool message needs 'tool_call_id' (the call it answers)",
+                           param=f"messages.{i}.tool_call_id")
+        if message.tool_call_id is not None and message.role != "tool":
+            raise APIError(400, f"messages.{i}.tool_call_id: only tool messages answer a call",
+                           param=f"messages.{i}.tool_call_id")

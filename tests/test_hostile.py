@@ -185,9 +185,42 @@ def _cases() -> list[Case]:
           Case("suffix", body=completion(suffix="x"), param="suffix")]
     # ---- OpenAI features this server does not implement: refused by name, never quietly ignored
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    c += [Case("tools", "/v1/chat/completions", chat(tools=[tool]), param="tools"),
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    deep = {"type": "object"}
+    for _ in range(200):
+        deep = {"type": "object", "properties": {"x": deep}, "required": ["x"]}
+    # valid tool requests are accepted, their tools rendered into the prompt, which is then too long
+    # for this server's 128-token context (test_tools.py serves them in full)
+    c += [Case("tools", "/v1/chat/completions", chat(tools=[tool]), code=ctx),
+          Case("tool_choice required", "/v1/chat/completions", chat(tools=[tool], tool_choice="required"), code=ctx),
           Case("legacy functions", "/v1/chat/completions", chat(functions=[tool["function"]]), param="functions"),
-          Case("tool_choice required", "/v1/chat/completions", chat(tool_choice="required"), param="tool_choice"),
+          Case("tool_choice required without tools", "/v1/chat/completions", chat(tool_choice="required"),
+               param="tool_choice"),
+          Case("tool_choice naming an absent tool", "/v1/chat/completions",
+               chat(tools=[tool], tool_choice={"type": "function", "function": {"name": "g"}}), param="tool_choice"),
+          Case("tool_choice a number", "/v1/chat/completions", chat(tools=[tool], tool_choice=3), param="tool_choice"),
+          Case("a tool without a name", "/v1/chat/completions",
+               chat(tools=[{"type": "function", "function": {"parameters": {"type": "object"}}}]), param="tools"),
+          Case("a tool name with spaces", "/v1/chat/completions",
+               chat(tools=[{"type": "function", "function": {"name": "get weather"}}]), param="tools"),
+          Case("a non-function tool", "/v1/chat/completions", chat(tools=[{"type": "code_interpreter"}]), param="tools"),
+          Case("tool parameters not an object schema", "/v1/chat/completions",
+               chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]),
+               param="tools"),
+          Case("a required call whose schema cannot compile", "/v1/chat/completions",
+               chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+                   "type": "object", "properties": {"a": {"type": "frobnicate"}}}}}], tool_choice="required"),
+               param="tool_choice"),
+          Case("a required call with a 200-deep schema", "/v1/chat/completions",
+               chat(tools=[{"type": "function", "function": {"name": "f", "parameters": deep}}], tool_choice="required"),
+               param="tool_choice"),
+          Case("a required call with response_format", "/v1/chat/completions",
+               chat(tools=[tool], tool_choice="required", response_format={"type": "json_object"}),
+               param="response_format"),
+          Case("129 tools", "/v1/chat/completions",
+               chat(tools=[{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]), param="tools"),
+          Case("chat_template_kwargs setting tools", "/v1/chat/completions",
+               chat(chat_template_kwargs={"tools": []}), param="chat_template_kwargs"),
           Case("response_format json_object", "/v1/chat/completions", chat(response_format={"type": "json_object"}),
                expect=200),
           Case("response_format yaml", "/v1/chat/completions", chat(response_format={"type": "yaml"}),
@@ -207,12 +240,21 @@ def _cases() -> list[Case]:
                chat(user="u", metadata={"k": "v"}, prompt_cache_key="c", safety_identifier="s"), expect=200),
           Case("user message without content", "/v1/chat/completions",
                chat(messages=[{"role": "user"}]), param="messages.0.content"),
-          Case("assistant tool_calls in the history", "/v1/chat/completions",
+          Case("a tool call and its result in the history", "/v1/chat/completions",
+               chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]},
+                              {"role": "tool", "content": "42", "tool_call_id": "c1"}]), expect=200),
+          Case("a tool message without tool_call_id", "/v1/chat/completions",
+               chat(messages=[{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}]),
+               param="messages.1.tool_call_id"),
+          Case("tool_call_id on a user message", "/v1/chat/completions",
+               chat(messages=[{"role": "user", "content": "hi", "tool_call_id": "c1"}]), param="messages.0.tool_call_id"),
+          Case("tool_calls on a user message", "/v1/chat/completions",
+               chat(messages=[{"role": "user", "content": "hi", "tool_calls": [call]}]), param="messages.0.tool_calls"),
+          Case("a history call with invalid JSON arguments", "/v1/chat/completions",
                chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
-                   {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]),
-               param="messages.1.tool_calls"),
-          Case("a tool message", "/v1/chat/completions",
-               chat(messages=[{"role": "tool", "content": "42", "tool_call_id": "c1"}]), param="messages.0.tool_call_id"),
+                   {**call, "function": {"name": "f", "arguments": "{not json"}}]}]), param="messages.1.tool_calls.0"),
+          Case("an assistant message with neither content nor tool_calls", "/v1/chat/completions",
+               chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant"}]), param="messages.1.content"),
           Case("an unknown message field", "/v1/chat/completions",
                chat(messages=[{"role": "user", "content": "hi", "mood": "happy"}]), param="messages.0.mood")]
     # ---- logit_bias: token ids as keys, biases in [-100, 100]

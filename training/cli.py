@@ -43,6 +43,7 @@ def train_command(
     eval_data: Optional[Path] = typer.Option(D.eval_data, help="Chat JSONL scored by greedy exact match of its last assistant message, every --eval-steps."),
     eval_steps: int = typer.Option(D.eval_steps, help="Optimizer steps between --eval-data checks."),
     stop_at_exact_match: Optional[float] = typer.Option(D.stop_at_exact_match, help="Stop once --eval-data's exact match reaches this fraction (epochs / --max-steps stay the bound)."),
+    gate_cooldown: float = typer.Option(D.gate_cooldown, help="Once --stop-at-exact-match is reached: decay the learning rate to 0 over this fraction of the steps so far, then stop (0: stop at once)."),
     lora_r: int = typer.Option(D.lora_r),
     lora_alpha: int = typer.Option(D.lora_alpha),
     lora_targets: str = typer.Option(D.lora_targets, help="Comma-separated module names, or all-linear."),
@@ -67,7 +68,8 @@ def train_command(
         attn=attn, grad_ckpt=grad_ckpt, micro_batch=micro_batch, global_batch=global_batch,
         seq_len=seq_len, packing=packing, dtype=dtype, gpu_profile=gpu_profile, plan=plan,
         epochs=epochs, max_steps=max_steps, lr=lr, lr_schedule=lr_schedule, warmup_ratio=warmup_ratio,
-        eval_data=eval_data, eval_steps=eval_steps, stop_at_exact_match=stop_at_exact_match, lora_r=lora_r,
+        eval_data=eval_data, eval_steps=eval_steps, stop_at_exact_match=stop_at_exact_match,
+        gate_cooldown=gate_cooldown, lora_r=lora_r,
         lora_alpha=lora_alpha, lora_targets=lora_targets, merge=merge, skip_bad_lines=skip_bad_lines,
         resume=resume, force=force, save_steps=save_steps, seed=seed, audit_data=audit_data, progress=not quiet,
     )

@@ -61,6 +61,8 @@ class TrainConfig:
     eval_data: Optional[Path] = None
     eval_steps: int = 100
     stop_at_exact_match: Optional[float] = None
+    # once the gate passes: the learning rate decays to 0 over this fraction of the steps so far
+    gate_cooldown: float = 0.0
     # Bookkeeping
     skip_bad_lines: bool = False
     resume: bool = True  # continue from the last checkpoint in `out` if one is there
@@ -132,6 +134,11 @@ class TrainConfig:
                 raise UserError("--stop-at-exact-match needs --eval-data (the prompts it is scored on)")
             if not 0 < self.stop_at_exact_match <= 1:
                 raise UserError("--stop-at-exact-match is a fraction in (0, 1], e.g. 0.95")
+        if self.gate_cooldown:
+            if self.stop_at_exact_match is None:
+                raise UserError("--gate-cooldown needs --stop-at-exact-match (it starts when that is reached)")
+            if not 0 < self.gate_cooldown <= 1:
+                raise UserError("--gate-cooldown is a fraction of the steps so far, in (0, 1], e.g. 0.25")
         if self.eval_data is not None:
             if not self.eval_data.is_file():
                 raise UserError(f"{self.eval_data}: no such eval data file")

@@ -1,0 +1,179 @@
+"""Tool-call formats: how a model writes a function call, read back and written as a grammar.
+
+Each model family was trained to write its calls one way; the server must read that way back into
+OpenAI's `message.tool_calls`, and, when a call is required (`tool_choice` "required" or a named
+function), constrain the output to it so that it always parses.  One `ToolCallFormat` per family:
+
+- `hermes` (Hermes 2 Pro, Qwen2/2.5/3, and this server's fallback for templates without tools):
+  `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, one block per call;
+- `llama3_json` (Llama 3.1-3.3): the whole reply is `{"name": ..., "parameters": {...}}`, calls
+  separated by `; `, after an optional `<|python_tag|>`;
+- `mistral`: `[TOOL_CALLS]` followed by a JSON list of `{"name": ..., "arguments": {...}}`.
+
+A format is chosen by `--tool-call-parser`, or else guessed from the chat template's text
+(`detect`).  Nothing here knows HTTP: a reply that does not parse is plain content, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+# JSON inside a tool call is written compactly (see structured.JSON_STYLE: a small model given
+# flexible whitespace can write newlines until max_tokens).
+_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # a JSON object, as OpenAI's `function.arguments` (a string)
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    name: str
+    start: str  # the text a call begins with: streaming holds text back from here on
+    args_key: str  # the key holding the arguments in one call's JSON
+    parse: Callable[[str], tuple[str, list[ParsedCall]]]  # reply -> (content before the calls, calls)
+    block: Callable[[str], str]  # one call's JSON -> its text in the reply (history and grammar)
+    grammar: Callable[[str, bool], str]  # (one call's lark rule body, several allowed) -> lark grammar
+
+    def call_text(self, name: str, arguments: dict) -> str:
+        """One call as the model writes it (assistant turns in the history, when the template
+        has no tool support of its own)."""
+        return self.block(json.dumps({"name": name, self.args_key: arguments}))
+
+
+def _call_of(obj, args_key: str) -> ParsedCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get(args_key, {})
+    if not isinstance(args, dict):
+        return None
+    return ParsedCall(obj["name"], json.dumps(args))
+
+
+# ---- hermes -----------------------------------------------------------------------------------
+
+_HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def _parse_hermes(text: str) -> tuple[str, list[ParsedCall]]:
+    if "<tool_call>" not in text:
+        return text, []
+    calls = []
+    for body in _HERMES_BLOCK.findall(text):
+        try:
+            call = _call_of(json.loads(body), "arguments")
+        except json.JSONDecodeError:
+            call = None
+        if call is None:
+            return text, []  # one bad block: the reply stays text, nothing half-parsed
+        calls.append(call)
+    if not calls:
+        return text, []
+    return text[:text.index("<tool_call>")].strip(), calls
+
+
+# ---- llama3_json ------------------------------------------------------------------------------
+
+
+def _parse_llama3(text: str) -> tuple[str, list[ParsedCall]]:
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    if not body.startswith("{"):
+        return text, []
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while at < len(body):
+        try:
+            obj, end = decoder.raw_decode(body, at)
+        except json.JSONDecodeError:
+            return text, []
+        call = _call_of(obj, "parameters") or _call_of(obj, "arguments")
+        if call is None:
+            return text, []
+        calls.append(call)
+        rest = body[end:].lstrip()
+        if not rest:
+            break
+        if not rest.startswith(";"):
+            return text, []
+        at = len(body) - len(rest[1:].lstrip())
+    return "", calls
+
+
+# ---- mistral ----------------------------------------------------------------------------------
+
+
+def _parse_mistral(text: str) -> tuple[str, list[ParsedCall]]:
+    if "[TOOL_CALLS]" not in text:
+        return text, []
+    head, _, tail = text.partition("[TOOL_CALLS]")
+    try:
+        items, _ = json.JSONDecoder().raw_decode(tail.strip())
+    except json.JSONDecodeError:
+        return text, []
+    items = items if isinstance(items, list) else [items]
+    calls = [_call_of(i, "arguments") for i in items]
+    if not calls or None in calls:
+        return text, []
+    return head.strip(), calls
+
+
+def _lark_string(text: str) -> str:
+    return json.dumps(text)  # a JSON string literal is a valid Lark string literal
+
+
+def _hermes_grammar(call: str, many: bool) -> str:
+    nl = _lark_string("\n")
+    repeat = f" ({nl} block)*" if many else ""
+    return (f"start: block{repeat}\n"
+            f"block: {_lark_string('<tool_call>' + chr(10))} call {_lark_string(chr(10) + '</tool_call>')}\n"
+            f"call: {call}\n")
+
+
+def _llama3_grammar(call: str, many: bool) -> str:
+    repeat = ' ("; " call)*' if many else ""
+    return f"start: call{repeat}\ncall: {call}\n"
+
+
+def _mistral_grammar(call: str, many: bool) -> str:
+    repeat = ' (", " call)*' if many else ""
+    return f'start: "[TOOL_CALLS][" call{repeat} "]"\ncall: {call}\n'
+
+
+FORMATS: dict[str, ToolCallFormat] = {
+    "hermes": ToolCallFormat("hermes", "<tool_call>", "arguments", _parse_hermes,
+                             block=lambda call: f"<tool_call>\n{call}\n</tool_call>", grammar=_hermes_grammar),
+    "llama3_json": ToolCallFormat("llama3_json", "{", "parameters", _parse_llama3,
+                                  block=lambda call: call, grammar=_llama3_grammar),
+    "mistral": ToolCallFormat("mistral", "[TOOL_CALLS]", "arguments", _parse_mistral,
+                              block=lambda call: f"[TOOL_CALLS][{call}]", grammar=_mistral_grammar),
+}
+
+
+def detect(template: str | None) -> ToolCallFormat:
+    """The format a chat template's text shows, else hermes (the fallback rendering's own)."""
+    text = template or ""
+    if "[TOOL_CALLS]" in text:
+        return FORMATS["mistral"]
+    if "<|python_tag|>" in text or "ipython" in text:
+        return FORMATS["llama3_json"]
+    return FORMATS["hermes"]
+
+
+def call_schema(fmt: ToolCallFormat, name: str, parameters: dict) -> dict:
+    """The JSON schema of one call of function `name` in this format."""
+    return {"type": "object",
+            "properties": {"name": {"const": name}, fmt.args_key: parameters},
+            "required": ["name", fmt.args_key], "additionalProperties": False}
+
+
+def call_grammar(fmt: ToolCallFormat, functions: dict[str, dict], many: bool) -> str:
+    """A Lark grammar (llguidance's dialect, JSON schemas inline with `%json`) for one call, or
+    several when `many`, of any of `functions` (name -> parameters schema)."""
+    options = [call_schema(fmt, name, params) for name, params in functions.items()]
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    return fmt.grammar("%json " + json.dumps({**schema, "x-guidance": _JSON_STYLE}), many)
