@@ -82,7 +82,11 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
 
 def create_app(engine, model_name: str, api_key: str | None = None, max_body_bytes: int = 4 << 20,
                max_logprobs: int = 20, shutdown_grace_s: float = 10.0, on_load_error=None,
-               cors_origins: list[str] | None = None, tool_call_parser: str = "auto") -> FastAPI:
+               cors_origins: list[str] | None = None, tool_call_parser: str = "auto",
+               wait_for_load: bool = False) -> FastAPI:
+    """The server's app over `engine`.  The model loads in the app's start-up; with `wait_for_load`
+    the start-up ends only once it is loaded (a replica behind Ray Serve is ready then), otherwise
+    at once, with `/health` answering 503 until the model is in."""
     state = ServerState(engine=engine, model_name=model_name, metrics=Metrics(engine), max_logprobs=max_logprobs,
                         tool_call_parser=tool_call_parser)
     load_error: list[str] = []
@@ -101,6 +105,10 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_body_byt
                     loop.call_soon_threadsafe(on_load_error, e)
 
         loader = loop.run_in_executor(None, load)
+        if wait_for_load:
+            await loader
+            if load_error:
+                raise RuntimeError(f"the model failed to load: {load_error[-1]}")
         yield
         await loader
         # uvicorn has already waited (up to the grace period) for open responses to finish

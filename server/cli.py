@@ -93,6 +93,15 @@ def serve(
     trust_pickle: bool = typer.Option(
         False, "--trust-pickle", help="Serve a checkpoint whose weights are only pickle files "
         "(pytorch_model.bin, *.pt, *.pth, *.ckpt). Unpickling runs code from the file: only for sources you trust."),
+    replicas: Optional[str] = typer.Option(
+        None, help="Run N copies of the server behind Ray Serve (one GPU each where there are GPUs), "
+        "or 'auto' to scale between 1 and --max-replicas on waiting requests. Needs the 'replicas' extra."),
+    max_replicas: int = typer.Option(4, min=1, help="--replicas auto: the most replicas."),
+    routing: str = typer.Option("least-loaded", help="--replicas: least-loaded (Ray Serve's power of two "
+                                "choices) or session (one replica per x-session-id header, else per 'user')."),
+    address: Optional[str] = typer.Option(None, help="--replicas: join this Ray cluster (e.g. ray://head:10001 "
+                                          "or auto); default: start a local one bound to 127.0.0.1."),
+    downscale_delay: float = typer.Option(60.0, min=0, help="--replicas auto: seconds of low load before a replica is removed."),
 ) -> None:
     """Serve a model with an OpenAI-compatible API (completions, chat, models, health, metrics)."""
     import uvicorn
@@ -131,6 +140,13 @@ def serve(
     # a folder is known by its name, a file by its name without the extension
     given = Path(model).resolve()
     name = served_model_name or (given.stem if given.is_file() else given.name)
+    if replicas is not None:
+        sock.close()  # Ray Serve's proxy binds it
+        _serve_replicas(str(given), engine.options, name, replicas, max_replicas, routing, address, host, port,
+                        downscale_delay, dict(api_key=api_key, max_body_bytes=max_body_bytes,
+                                              max_logprobs=max_logprobs, shutdown_grace_s=shutdown_grace,
+                                              cors_origins=cors_origin, tool_call_parser=tool_call_parser))
+        return
     failure: list[str] = []
 
     def on_load_error(error: Exception) -> None:
@@ -166,6 +182,27 @@ def load_error_message(error: Exception) -> str:
             return f"--{error.setting.replace('_', '-')} {error.value} {error.problem}"
         return error.problem
     return f"{type(error).__name__}: {error}"
+
+
+def _serve_replicas(model, options, name, replicas, max_replicas, routing, address, host, port,
+                    downscale_delay, app_kwargs) -> None:
+    from quantserve.server.replicas import ROUTINGS, ReplicaOptions, parse_replicas, serve_replicas
+
+    try:
+        count = parse_replicas(replicas)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if routing not in ROUTINGS:
+        raise UsageError(f"unknown --routing {routing!r}: choose {', '.join(ROUTINGS)}")
+    try:
+        import ray  # noqa: F401
+        from ray import serve  # noqa: F401
+    except ImportError:
+        raise UserError("--replicas runs on Ray Serve, which is not installed: pip install 'quantserve[replicas]' "
+                        "(make install does)") from None
+    serve_replicas(model, options, name, app_kwargs,
+                   ReplicaOptions(count, max_replicas, routing, address, host, port,
+                                  downscale_delay_s=downscale_delay))
 
 
 def _engine_or_exit(path: Path, options):

@@ -138,6 +138,10 @@ class ScheduledEngine:
     def is_ready(self) -> bool:
         return self.info is not None
 
+    def alive(self) -> bool:
+        """False once the engine cannot serve any more (its scheduler thread has stopped)."""
+        return self._scheduler is None or self._scheduler.alive()
+
     def submit(self, request: EngineRequest) -> TokenStream:
         stream = TokenStream(request, self._loop, self)
         self._scheduler.submit(stream)

@@ -33,6 +33,14 @@ class _EngineCollector:
             ("quantserve:kv_cache_used_tokens", "Tokens held in the KV cache.", s.kv_used_tokens),
         ]:
             yield GaugeMetricFamily(name, doc, value=value)
+        # the same load signals under the names routers in front of vLLM read (production-stack's
+        # router, SGLang's router, KEDA / HPA rules written for vLLM), so they work unchanged here
+        for name, doc, value in [
+            ("vllm:num_requests_running", "Requests in the running batch (vLLM's name).", s.running),
+            ("vllm:num_requests_waiting", "Requests waiting in the admission queue (vLLM's name).", s.waiting),
+            ("vllm:gpu_cache_usage_perc", "Fraction of KV-cache capacity in use, 0-1 (vLLM's name).", s.kv_usage),
+        ]:
+            yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("quantserve:engine_generated_tokens", "Tokens sampled by the engine, "
                                   "including those of requests cancelled later.", value=s.generated_tokens)
         yield CounterMetricFamily("quantserve:engine_cancelled_requests", "Requests stopped early by "

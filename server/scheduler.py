@@ -101,6 +101,9 @@ class Scheduler:
             self._cond.notify()
         self._thread.join(grace_s + 30)
 
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     # ---- the scheduler thread -------------------------------------------------------------------
 
     def _loop(self) -> None:
