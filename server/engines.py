@@ -41,6 +41,31 @@ def detect_model_kind(path: Path, trust_pickle: bool = False) -> tuple[str, Path
     return "hf", path
 
 
+def auto_engine(path: Path) -> tuple[str, str]:
+    """(engine, why) for a Hugging Face folder under `--engine auto`: the fast engine on a CUDA GPU
+    for the architectures it runs (fp16/fp32 weights; bitsandbytes outputs stay on hf), else hf."""
+    import json
+
+    from quantserve.server.hf_engine import quantization_of
+
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    except ImportError:
+        cuda = False
+    if not cuda:
+        return "hf", "no CUDA GPU (the fast engine's kernels and CUDA graphs need one)"
+    model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    from quantserve.server.fastcore.model import FAST_MODEL_TYPES
+
+    if model_type not in FAST_MODEL_TYPES:
+        return "hf", f"the fast engine does not run {model_type!r} models ({', '.join(FAST_MODEL_TYPES)})"
+    if quantization_of(path):
+        return "hf", f"a bitsandbytes {quantization_of(path)} checkpoint (the fast engine quantizes by itself)"
+    return "fast", f"a {model_type} checkpoint on a CUDA GPU"
+
+
 def _set_threads(threads: int | None) -> None:
     if threads:
         import torch
@@ -92,6 +117,9 @@ class ScheduledEngine:
         self.options = options
         if options.engine not in ("auto", self.kind) and not (options.engine == "fast" and self.kind == "hf"):
             raise ModelLoadError(f"cannot serve {path}: it is a {self.kind} model", "engine", options.engine)
+        self.why = "asked for" if options.engine != "auto" else "by the path"
+        if options.engine == "auto" and self.kind == "hf":
+            self.kind, self.why = auto_engine(self.path)
         if options.engine == "fast":
             self.kind = "fast"
         if options.weight_quant != "none" and self.kind != "fast":
@@ -132,7 +160,8 @@ class ScheduledEngine:
         vocab = backend.vocab_size
         self.grammars = GrammarCompiler(lambda: self.tokenizer.grammar_tokenizer(vocab))
         self.info = info  # set last: is_ready() turns true only when everything is in place
-        log.info("loaded %s engine: %s (%s, attention %s, context %d, batch %d)", info.engine,
+        info.extra["engine_choice"] = self.why
+        log.info("loaded %s engine (%s): %s (%s, attention %s, context %d, batch %d)", info.engine, self.why,
                  info.model_path, info.dtype, info.attention, info.context_length, info.max_batch)
 
     def is_ready(self) -> bool:

@@ -36,6 +36,31 @@ def test_models_and_health_report_the_engine(server):
     card = models[0].model_dump()
     assert card["engine"] == "hf" and card["attention"] in ("flash_attention_2", "sdpa", "eager")
     assert server.health["attention"] == card["attention"] and server.health["context_length"] == 512
+    # `--engine auto` says why it chose hf: on a CUDA GPU this Llama checkpoint would take the fast engine
+    import torch
+
+    if not torch.cuda.is_available():
+        assert server.health["engine_choice"].startswith("no CUDA GPU")
+
+
+def test_auto_picks_the_fast_engine_only_where_it_runs(default_model, tmp_path, monkeypatch):
+    import json
+    import shutil
+
+    import torch
+
+    from quantserve.server.engines import auto_engine
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert auto_engine(default_model)[0] == "hf"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # what the choice reads, nothing more
+    assert auto_engine(default_model) == ("fast", "a llama checkpoint on a CUDA GPU")
+    other = tmp_path / "gpt2"
+    shutil.copytree(default_model, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    engine, why = auto_engine(other)
+    assert engine == "hf" and "'gpt2'" in why
 
 
 def test_chat_greedy_equals_offline_generate(server, reference):

@@ -36,7 +36,7 @@ class ModelArgs:
     @classmethod
     def from_hf(cls, cfg) -> "ModelArgs":
         # Mistral's sliding window is not applied: exact while prompt + output fit the window.
-        if cfg.model_type not in ("llama", "mistral", "qwen2"):
+        if cfg.model_type not in FAST_MODEL_TYPES:
             raise ValueError(f"fastcore supports llama/mistral/qwen2 configs, not {cfg.model_type!r}")
         heads = cfg.num_attention_heads
         return cls(
@@ -50,6 +50,9 @@ class ModelArgs:
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         return self.n_layers * 2 * self.n_kv_heads * self.head_dim * dtype_bytes
+
+
+FAST_MODEL_TYPES = ("llama", "mistral", "qwen2")  # config.json model_type values this core runs
 
 
 class RMSNorm(nn.Module):
