@@ -102,6 +102,8 @@ def serve(
     address: Optional[str] = typer.Option(None, help="--replicas: join this Ray cluster (e.g. ray://head:10001 "
                                           "or auto); default: start a local one bound to 127.0.0.1."),
     downscale_delay: float = typer.Option(60.0, min=0, help="--replicas auto: seconds of low load before a replica is removed."),
+    stream_interval_ms: float = typer.Option(10.0, min=0, help="--replicas: a stream's events leave a replica at most this "
+                                             "often, gathered (the first at once); 0 sends each alone."),
 ) -> None:
     """Serve a model with an OpenAI-compatible API (completions, chat, models, health, metrics)."""
     import uvicorn
@@ -143,7 +145,7 @@ def serve(
     if replicas is not None:
         sock.close()  # Ray Serve's proxy binds it
         _serve_replicas(str(given), engine.options, name, replicas, max_replicas, routing, address, host, port,
-                        downscale_delay, dict(api_key=api_key, max_body_bytes=max_body_bytes,
+                        downscale_delay, stream_interval_ms, dict(api_key=api_key, max_body_bytes=max_body_bytes,
                                               max_logprobs=max_logprobs, shutdown_grace_s=shutdown_grace,
                                               cors_origins=cors_origin, tool_call_parser=tool_call_parser))
         return
@@ -185,7 +187,7 @@ def load_error_message(error: Exception) -> str:
 
 
 def _serve_replicas(model, options, name, replicas, max_replicas, routing, address, host, port,
-                    downscale_delay, app_kwargs) -> None:
+                    downscale_delay, stream_interval_ms, app_kwargs) -> None:
     from quantserve.server.replicas import ROUTINGS, ReplicaOptions, parse_replicas, serve_replicas
 
     try:
@@ -202,7 +204,7 @@ def _serve_replicas(model, options, name, replicas, max_replicas, routing, addre
                         "(make install does)") from None
     serve_replicas(model, options, name, app_kwargs,
                    ReplicaOptions(count, max_replicas, routing, address, host, port,
-                                  downscale_delay_s=downscale_delay))
+                                  downscale_delay_s=downscale_delay, stream_interval_ms=stream_interval_ms))
 
 
 def _engine_or_exit(path: Path, options):

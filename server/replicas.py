@@ -51,6 +51,7 @@ class ReplicaOptions:
     upscale_delay_s: float = 5.0
     downscale_delay_s: float = 60.0
     gpus_per_replica: float | None = None  # None: 1 where the node has GPUs, else 0
+    stream_interval_ms: float = 10.0  # a stream's chunks leave a replica at most this often
     cpus_per_replica: float = 1.0
 
 
@@ -101,6 +102,62 @@ async def _rest(chunks, died):
         yield _sse_error("the replica serving this stream died; the reply is incomplete")
 
 
+async def coalesce(items, interval_s: float):
+    """Re-yield `items` (a `ResponseStart`, then bytes), joining the bytes that arrive within
+    `interval_s` of the last yield; the first chunk and the end are never held back."""
+    import asyncio
+
+    from quantserve.server.asgi_call import ResponseStart
+
+    if interval_s <= 0:
+        async for item in items:
+            yield item
+        return
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump():
+        try:
+            async for item in items:
+                await queue.put(item)
+            await queue.put(end)
+        except BaseException as e:  # re-raised on the yielding side
+            await queue.put(e)
+            raise
+
+    task = asyncio.ensure_future(pump())
+    try:
+        last = -1e9
+        while True:
+            item = await queue.get()
+            if item is end:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, ResponseStart):
+                yield item
+                continue
+            parts, done = [item], False
+            wait = interval_s - (loop.time() - last)
+            if wait > 0:
+                await asyncio.sleep(wait)
+            while not queue.empty():
+                more = queue.get_nowait()
+                if more is end or isinstance(more, BaseException):
+                    queue.put_nowait(more)  # handled on the next turn, after this chunk is out
+                    break
+                parts.append(more)
+            yield b"".join(parts)
+            last = loop.time()
+    finally:  # also when the client left: the pump's cancellation closes `items`, and so the app's request
+        task.cancel()
+        try:
+            await task
+        except BaseException:  # noqa: BLE001 - its end is all that is wanted here
+            pass
+
+
 def build_application(model: str, engine_options: EngineOptions, name: str, app_kwargs: dict,
                       opts: ReplicaOptions):
     """The Ray Serve application: the gateway bound to the model replicas."""
@@ -147,8 +204,11 @@ def build_application(model: str, engine_options: EngineOptions, name: str, app_
             return start.status, start.headers, b"".join(chunks)
 
         async def forward_stream(self, method: str, path: str, query: bytes, headers: list, body: bytes):
-            """The response's start, then its chunks as they are written."""
-            async for item in call_asgi(self.app, method, path, query, headers, body):
+            """The response's start, then its chunks: the first at once, later ones gathered for
+            up to `stream_interval_ms` (each item Ray carries costs the replica's process time
+            next to the engine; a token's event is ~100 bytes)."""
+            chunks = call_asgi(self.app, method, path, query, headers, body)
+            async for item in coalesce(chunks, opts.stream_interval_ms / 1000):
                 yield self._tag(item) if isinstance(item, ResponseStart) else item
 
     gateway_app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)

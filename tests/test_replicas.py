@@ -163,3 +163,30 @@ def test_a_killed_replica_loses_no_request(two):
     assert not results["streams_failed"], results["streams_failed"][:3]
     assert results["ok"] > 10 and results["streams_ok"] + results["streams_error_event"] >= 1
     assert recovered is not None, "the killed replica did not come back within 120 s"
+
+
+def test_coalescing_joins_chunks_but_never_holds_the_first_or_the_end():
+    import asyncio
+
+    from quantserve.server.asgi_call import ResponseStart
+    from quantserve.server.replicas import coalesce
+
+    async def source():
+        yield ResponseStart(200, [])
+        for i in range(10):
+            yield b"%d," % i
+            await asyncio.sleep(0.002)
+
+    async def run(interval):
+        out, times, t0 = [], [], asyncio.get_running_loop().time()
+        async for item in coalesce(source(), interval):
+            out.append(item)
+            times.append(asyncio.get_running_loop().time() - t0)
+        return out, times
+
+    out, times = asyncio.run(run(0.05))
+    assert isinstance(out[0], ResponseStart) and out[1] == b"0," and times[1] < 0.02  # the first at once
+    assert b"".join(out[1:]) == b"".join(b"%d," % i for i in range(10))
+    assert len(out) < 6  # gathered
+    plain, _ = asyncio.run(run(0))
+    assert len(plain) == 11
