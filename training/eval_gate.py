@@ -8,10 +8,11 @@ answers the eval file's prompts greedily and stops the run once the exact match 
 `epochs` (or `max_steps`) stays the bound.  Every check is logged and kept in train_log.json.
 
 Stopping at once would stop at a high learning rate (a cosine schedule over the bound is still
-near its peak when the gate passes early), which leaves a sharp, badly calibrated model: measured
-on the default task, the held-out text's perplexity rose from 11 to 189.  So the gate cools
-down first (`cooldown`, warmup-stable-decay's last phase): the rate decays linearly from where
-it is to zero over that fraction of the steps trained so far, then the run stops.
+near its peak when the gate passes early).  So the gate can cool down first (`cooldown`,
+warmup-stable-decay's last phase): the rate decays linearly from where it is to zero over that
+fraction of the steps trained so far, then the run stops.  On the default task (one run each,
+same seed, replay in the data) it took the held-out task from 99.0 % to 100 % and the other
+skills kept from 52 / 60 / 78 % to 100 / 95 / 90 %.
 
 The eval file is chat JSONL like the training data: the prompt is the conversation up to its last
 assistant message, the reference that message.  Every rank scores the same prompts with the same

@@ -120,8 +120,8 @@ TASK_SKILL = "last_letter"
 # in one run; 5 epochs: 50 % and 66 % in two of four AVX2 runs); a constant rate never settled in
 # one AVX2 run (60-90 % from step 600 to 2,000).  So the run is gated instead: a cosine over a
 # long bound (12 epochs, ~4,000 steps), scored on the dev split every 100 steps; at >= 98 % exact
-# match the rate decays to zero over a quarter of the steps so far, then the run stops (stopping
-# at the peak rate left a sharper, more forgetful model).  README, "How robust the fine-tune is".
+# match the rate decays to zero over a quarter of the steps so far, then the run stops
+# (training/eval_gate.py says what that changed).  README, "How robust the fine-tune is".
 def task_finetune(files: dict[str, Path]) -> dict:
     """TrainConfig fields for the default task, given `write_default_data`'s files."""
     return {"epochs": 12.0, "lr_schedule": "cosine", "eval_data": files["task_dev"],
