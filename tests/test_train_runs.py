@@ -165,3 +165,13 @@ def test_eval_gate_stops_the_run_once_the_target_is_reached(small_data, tmp_path
     assert log["global_step"] == 12 and [c["step"] for c in log["eval"]] == [12], log["eval"]
     assert "reached, stopping" in r.stderr
     assert_reload_matches(gated)  # the saved model is the one that passed the gate
+    # with a cooldown the run goes on past the gate, the rate decaying to zero, then stops
+    cooled = tmp_path / "cooled"
+    r = run_train("--data", str(small_data), "--out", str(cooled), "--max-steps", "24", "--eval-data", str(eval_file),
+                  "--eval-steps", "12", "--lr", "3e-3", "--save-steps", "0", "--stop-at-exact-match", str(first),
+                  "--gate-cooldown", "0.5")
+    log = json.loads((cooled / "train_log.json").read_text())
+    assert log["global_step"] == 18 and "cooling the learning rate down to 0 over 6 steps" in r.stderr
+    rates = [s["learning_rate"] for s in log["steps"] if s["step"] >= 12]
+    assert all(a > b for a, b in zip(rates, rates[1:])) and rates[-1] < rates[0] / 5, rates  # the last step at 1/6
+    assert_reload_matches(cooled)
