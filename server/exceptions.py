@@ -37,6 +37,16 @@ class NoChatTemplateError(EngineError):
     """The model's tokenizer has no chat template: only plain-text prompts can be served."""
 
 
+class RequestFieldError(ValueError):
+    """A request asks for something that cannot be done as asked; `param` names its field (the
+    API layer answers 400 with it).  Raised where the field is understood: structured.py's
+    formats, tools.py's tools."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
 class ModelLoadError(Exception):
     """The model cannot be loaded as asked.  `setting` names the option at fault (an
     `EngineOptions` field such as "context"), so a CLI can say which flag to change."""

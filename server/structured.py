@@ -25,6 +25,8 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from quantserve.server.exceptions import RequestFieldError
+
 # A schema or grammar is compiled while the request waits: bound what one request can ask for.
 MAX_FORMAT_BYTES = 64 * 1024
 CACHE_SIZE = 64
@@ -37,12 +39,8 @@ GUIDED_KEYS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": 
                "guided_grammar": "grammar"}
 
 
-class GrammarError(ValueError):
+class GrammarError(RequestFieldError):
     """A format the request asked for cannot be used; `param` names the request field."""
-
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)

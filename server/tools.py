@@ -20,16 +20,15 @@ import json
 import re
 from dataclasses import dataclass
 
+from quantserve.server.exceptions import RequestFieldError
 from quantserve.server.tool_parsers import ToolCallFormat, call_grammar
 
 NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
 MAX_TOOLS = 128  # OpenAI's limit
 
 
-class ToolError(ValueError):
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
+class ToolError(RequestFieldError):
+    """Tools or tool messages that cannot be used as sent; `param` names the request field."""
 
 
 @dataclass(frozen=True)

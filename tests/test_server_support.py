@@ -127,6 +127,17 @@ class ServerProcess:
         return out
 
 
+def engine_server(engine: str, default_model, tmp_path_factory, *args: str) -> ServerProcess:
+    """A server of the default model on `engine` (hf, fast, or gguf on its Q8_0 conversion), named
+    "default", batching up to 8."""
+    model = default_model
+    if engine == "gguf":
+        from quantserve.quant.convert import convert
+
+        model = convert(default_model, "gguf-q8_0", tmp_path_factory.mktemp("gguf") / "q8", progress=False)
+    return ServerProcess(model, "--engine", engine, "--max-batch", "8", *args, name="default")
+
+
 def collect_stream(stream) -> tuple[list[str], list[str | None], object]:
     """(text per choice, finish_reason per choice, usage) from a chat or completions stream."""
     texts: dict[int, str] = {}

@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from test_server_support import ServerProcess
+from test_server_support import engine_server
 
 SCHEMAS = {
     "flat": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
@@ -58,12 +58,7 @@ def streamed_text(stream) -> tuple[str, str | None]:
 
 @pytest.fixture(scope="module", params=["hf", "fast", "gguf"])
 def server(request, default_model, tmp_path_factory):
-    model = default_model
-    if request.param == "gguf":
-        from quantserve.quant.convert import convert
-
-        model = convert(default_model, "gguf-q8_0", tmp_path_factory.mktemp("gguf") / "q8", progress=False)
-    srv = ServerProcess(model, "--engine", request.param, "--max-batch", "8", name="default")
+    srv = engine_server(request.param, default_model, tmp_path_factory)
     yield srv
     assert srv.stop() == 0, srv.log()
 

@@ -14,7 +14,7 @@ import json
 import jsonschema
 import pytest
 
-from test_server_support import ServerProcess
+from test_server_support import engine_server
 
 # Small schemas: the default model's context is 512 tokens, and its vocabulary never saw JSON.
 WEATHER = {"type": "function", "function": {
@@ -157,12 +157,7 @@ def test_a_template_with_tool_support_gets_the_tools(default_model, tmp_path):
 
 @pytest.fixture(scope="module", params=["hf", "fast", "gguf"])
 def server(request, default_model, tmp_path_factory):
-    model = default_model
-    if request.param == "gguf":
-        from quantserve.quant.convert import convert
-
-        model = convert(default_model, "gguf-q8_0", tmp_path_factory.mktemp("gguf") / "q8", progress=False)
-    srv = ServerProcess(model, "--engine", request.param, "--max-batch", "8", name="default")
+    srv = engine_server(request.param, default_model, tmp_path_factory)
     yield srv
     assert srv.stop() == 0, srv.log()
 
