@@ -14,7 +14,7 @@ from quantserve.server.serving import (Job, ServerState, check_model, collect, n
                                        run_to_reply, sse_error, start_job)
 from quantserve.server.textstream import LogprobEntry
 from quantserve.server.unsupported import refuse_unsupported
-from quantserve.server.exceptions import NoChatTemplateError
+from quantserve.server.exceptions import NoChatTemplateError, RequestFieldError
 
 
 # what the server itself passes to the template (tools: set by the request's `tools` field)
@@ -97,7 +97,10 @@ def prepare(state: ServerState, req: ChatCompletionRequest):
     prompt = render_prompt(state, messages, {**(req.chat_template_kwargs or {}), **tool_kwargs})
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    grammar = plan.grammar() if plan is not None else None
+    try:
+        grammar = plan.grammar() if plan is not None else None
+    except RequestFieldError as e:
+        raise APIError(400, str(e), param=e.param) from None
     forced = OutputFormat("grammar", grammar, "tool_choice") if grammar else None
     return start_job(state, req, [prompt], max_tokens, logprobs, "messages", forced), plan
 

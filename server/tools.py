@@ -53,10 +53,16 @@ class ToolPlan:
         """The Lark grammar a required or named choice constrains the reply to; else None."""
         if self.choice not in ("required", "named"):
             return None
+        from quantserve.server.structured import MAX_FORMAT_BYTES
+
         functions = self.functions
         if self.named:
             functions = {self.named: functions[self.named]}
-        return call_grammar(self.fmt, functions, many=self.parallel and not self.named)
+        grammar = call_grammar(self.fmt, functions, many=self.parallel and not self.named)
+        if len(grammar.encode()) > MAX_FORMAT_BYTES:  # compiled while the request waits: bounded
+            raise ToolError(f"the tools' parameter schemas are {len(grammar.encode()):,} bytes as a grammar; a "
+                            f"required call takes at most {MAX_FORMAT_BYTES:,}", "tools")
+        return grammar
 
 
 def plan(tools, tool_choice, parallel_tool_calls, fmt: ToolCallFormat) -> ToolPlan | None:
