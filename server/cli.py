@@ -137,6 +137,7 @@ def serve(
                                                         threads=threads, engine=engine,
                                                         weight_quant=weight_quant, trust_pickle=trust_pickle,
                                                         prefill_chunk=prefill_chunk))
+    logging.getLogger("quantserve.server").debug("engine options: %s", engine.options)  # never the API key
     # The port is taken before the model loads (minutes, for a big one): a busy port is one line now.
     sock = bind_port(host, port)
     # a folder is known by its name, a file by its name without the extension
