@@ -217,10 +217,6 @@ def _cases() -> list[Case]:
           Case("a required call with response_format", "/v1/chat/completions",
                chat(tools=[tool], tool_choice="required", response_format={"type": "json_object"}),
                param="response_format"),
-          Case("a required call over 64 KiB of schemas", "/v1/chat/completions",
-               chat(tools=[{"type": "function", "function": {"name": f"f{i}", "parameters": {
-                   "type": "object", "properties": {f"p{j}": {"type": "string"} for j in range(60)}}}} for i in range(60)],
-                   tool_choice="required"), param="tools"),
           Case("129 tools", "/v1/chat/completions",
                chat(tools=[{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]), param="tools"),
           Case("chat_template_kwargs setting tools", "/v1/chat/completions",

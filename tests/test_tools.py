@@ -105,6 +105,19 @@ def test_streaming_gives_what_the_whole_reply_gives(text):
         assert sent + rest == text and not deltas
 
 
+def test_a_required_call_over_64_kib_of_schemas_is_refused():
+    """The grammar is compiled while the request waits: bounded like any output format."""
+    from quantserve.server.tool_parsers import FORMATS
+    from quantserve.server.tools import ToolError, plan
+
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {
+        "type": "object", "properties": {f"p{j}": {"type": "string"} for j in range(60)}}}} for i in range(60)]
+    with pytest.raises(ToolError, match="at most 65,536") as e:
+        plan(tools, "required", None, FORMATS["hermes"]).grammar()
+    assert e.value.param == "tools"
+    assert plan(tools, "auto", None, FORMATS["hermes"]).grammar() is None  # nothing to compile
+
+
 def test_fallback_rendering_writes_tools_calls_and_results_as_text():
     from quantserve.server.tool_parsers import FORMATS
     from quantserve.server.tools import history_call, plan, render_fallback
