@@ -68,14 +68,20 @@ def parse_replicas(text: str) -> int | None:
     return n
 
 
-def _session_of(headers, body: bytes) -> str | None:
+def _json_object(body: bytes) -> dict:
+    """The body as a JSON object, or {} (the replica answers a bad body with its own 400)."""
+    try:
+        payload = json.loads(body) if body else {}
+    except ValueError:
+        return {}
+    return payload if isinstance(payload, dict) else {}
+
+
+def _session_of(headers, payload: dict) -> str | None:
     session = headers.get(SESSION_HEADER)
     if session:
         return session[:256]
-    try:
-        user = json.loads(body).get("user") if body else None
-    except (ValueError, AttributeError):
-        return None
+    user = payload.get("user")
     return user[:256] if isinstance(user, str) and user else None
 
 
@@ -226,16 +232,14 @@ def build_application(model: str, engine_options: EngineOptions, name: str, app_
             limit = app_kwargs.get("max_body_bytes", 4 << 20)
             if len(body) > limit:
                 return error_response(413, f"Request body is larger than {limit} bytes", code="request_too_large")
+            payload = _json_object(body) if request.method == "POST" else {}  # read once, here only
             handle = self.replicas
             if opts.routing == "session":
-                session = _session_of(request.headers, body)
+                session = _session_of(request.headers, payload)
                 if session:
                     handle = handle.options(session_id=session)
             args = (request.method, request.url.path, request.url.query.encode(), list(request.headers.raw), body)
-            try:
-                streamed = request.method == "POST" and json.loads(body or b"{}").get("stream") is True
-            except (ValueError, AttributeError):
-                streamed = False  # the replica answers the bad body with its own 400
+            streamed = payload.get("stream") is True
             for attempt in (1, 2):
                 try:
                     if not streamed:
