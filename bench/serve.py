@@ -13,6 +13,11 @@ streams `/v1/completions` (or `/v1/chat/completions` with --chat) over plain HTT
 are the server's `usage.completion_tokens` when it sends usage, else the number of streamed chunks
 with text (one token each on both servers).  Prompts are fixed-length random words from a seeded
 generator (about one token per word with a BPE tokenizer) or lines of a corpus file.
+
+`--shared-prefix-len N` puts one N-word system text before every prompt (as a system message with
+--chat): the load of many users of one application, which a server's prefix cache serves without
+recomputing the shared part.  `cached_tokens` sums what the server said it took from its cache
+(`usage.prompt_tokens_details.cached_tokens`, where it sends it).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class Record:
     """One request as seen by the client: wall-clock times in seconds from its start."""
     ok: bool = False  # the stream completed (HTTP 200 through [DONE])
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when sent
     output_tokens: int = 0
     ttft: float | None = None
     latency: float | None = None
@@ -86,6 +92,7 @@ async def one_request(client, url: str, body: dict, chat: bool) -> Record:
                     return rec
                 if obj.get("usage"):
                     rec.prompt_tokens = obj["usage"].get("prompt_tokens")
+                    rec.cached_tokens = (obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
                     rec.output_tokens = obj["usage"].get("completion_tokens") or rec.output_tokens
                 for ch in obj.get("choices") or []:
                     text = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
@@ -125,9 +132,11 @@ def compute_metrics(records: list[Record], duration: float, output_len: int | No
     tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1 and r.ttft is not None]
     itl = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
     prompt_tokens = sum(r.prompt_tokens or 0 for r in ok)
+    cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
     return {
         "completed": len(ok), "failed": len(records) - len(ok), "duration_s": duration,
         "output_tokens": out_tokens, "prompt_tokens": prompt_tokens or None,
+        "cached_tokens": sum(cached) if cached else None,
         "request_throughput": len(ok) / duration if duration > 0 else None,
         "output_throughput": out_tokens / duration if duration > 0 else None,
         "ttft_ms": _stats([r.ttft for r in ok if r.ttft is not None]), "tpot_ms": _stats(tpot), "itl_ms": _stats(itl),
@@ -152,7 +161,7 @@ def json_schema_arg(value: str) -> dict:
 
 async def run_level(base_url: str, model: str, prompts: list[str], concurrency: int, output_len: int,
                     chat: bool, ignore_eos: bool, api_key: str | None, timeout: float,
-                    json_schema: dict | None = None) -> tuple[list[Record], float]:
+                    json_schema: dict | None = None, prefix: str | None = None) -> tuple[list[Record], float]:
     import httpx
 
     url = base_url.rstrip("/") + ("/chat/completions" if chat else "/completions")
@@ -163,7 +172,11 @@ async def run_level(base_url: str, model: str, prompts: list[str], concurrency: 
     def body(p: str) -> dict:
         b = {"model": model, "max_tokens": output_len, "temperature": 0.0, "stream": True,
              "stream_options": {"include_usage": True}}
-        b.update({"messages": [{"role": "user", "content": p}]} if chat else {"prompt": p})
+        if chat:
+            system = [{"role": "system", "content": prefix}] if prefix else []
+            b["messages"] = [*system, {"role": "user", "content": p}]
+        else:
+            b["prompt"] = f"{prefix}\n\n{p}" if prefix else p
         if ignore_eos:
             b["ignore_eos"] = True  # vLLM / llama.cpp extension: fixed output length
         if json_schema is not None:
@@ -235,6 +248,8 @@ def main(argv=None) -> int:
     ap.add_argument("--input-len", type=positive_int, default=128, help="words per random prompt")
     ap.add_argument("--output-len", type=positive_int, default=128)
     ap.add_argument("--corpus", type=existing_file, default=None, help="a text or JSONL file of prompts instead of random words")
+    ap.add_argument("--shared-prefix-len", type=non_negative_int, default=0,
+                    help="words of one system text put before every prompt (0: none)")
     ap.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
     ap.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (servers that know it)")
     ap.add_argument("--json-schema", type=json_schema_arg, default=None,
@@ -263,11 +278,14 @@ def main(argv=None) -> int:
         if not recs[0].ok:
             print(f"error: the warm-up request failed: {recs[0].error}", file=sys.stderr)
             return 1
+    # its own generator: the prompts after it are the same with or without it
+    prefix = make_prompts(1, args.shared_prefix_len, args.seed + 1000)[0] if args.shared_prefix_len else None
     for c in args.concurrency:
         n = args.num_prompts or max(16, 4 * c)
         prompts = make_prompts(n, args.input_len, args.seed, args.corpus)
         records, duration = asyncio.run(run_level(args.base_url, model, prompts, c, args.output_len, args.chat,
-                                                  args.ignore_eos, args.api_key, args.timeout, args.json_schema))
+                                                  args.ignore_eos, args.api_key, args.timeout, args.json_schema,
+                                                  prefix))
         fixed = args.ignore_eos or args.json_schema is FIXED_LENGTH_SCHEMA
         m = {"concurrency": c, "num_prompts": n,
              **compute_metrics(records, duration, args.output_len if fixed else None)}

@@ -71,6 +71,9 @@ def serve(
     max_batch: int = typer.Option(_D.max_batch, min=1, max=512, help="Sequences decoded together (continuous batching)."),
     prefill_chunk: int = typer.Option(_D.prefill_chunk, min=16, help="Prompt tokens prefilled between two decode steps: "
                                       "a long prompt is taken in chunks so running streams keep going."),
+    prefix_cache: bool = typer.Option(_D.prefix_cache, "--prefix-cache/--no-prefix-cache",
+                                      help="Reuse the K/V of prompt prefixes computed before (a chat's system "
+                                      "prompt and earlier turns); usage.prompt_tokens_details.cached_tokens says how many."),
     context: Optional[int] = typer.Option(None, min=16, help="Context length; default: the model's own."),
     gpu_profile: Optional[str] = typer.Option(None, "--gpu-profile", help="'t4' makes a bigger GPU behave like a T4."),
     engine: str = typer.Option(_D.engine, help="auto (by the path), hf (transformers), fast (static KV cache, "
@@ -136,7 +139,7 @@ def serve(
                                                         max_queue=max_queue, gpu_profile=gpu_profile,
                                                         threads=threads, engine=engine,
                                                         weight_quant=weight_quant, trust_pickle=trust_pickle,
-                                                        prefill_chunk=prefill_chunk))
+                                                        prefill_chunk=prefill_chunk, prefix_cache=prefix_cache))
     logging.getLogger("quantserve.server").debug("engine options: %s", engine.options)  # never the API key
     # The port is taken before the model loads (minutes, for a big one): a busy port is one line now.
     sock = bind_port(host, port)

@@ -20,3 +20,4 @@ class EngineOptions:
     threads: int | None = None  # CPU threads for the model; default: torch's own / half the cores for llama.cpp
     trust_pickle: bool = False  # serve a checkpoint whose weights are only pickles (rewritten as safetensors)
     prefill_chunk: int = 512  # prompt tokens prefilled between two decode steps (chunked prefill)
+    prefix_cache: bool = True  # reuse the K/V of prompt prefixes computed before (server/prefix_cache.py)

@@ -42,6 +42,7 @@ class TokenEvent:
     top_logprobs: list[TopLogprob] | None = None
     finish_reason: str | None = None  # "stop" (eos), "length", "cancelled" or "error"
     error: EngineError | None = None  # with finish_reason "error"
+    cached_tokens: int | None = None  # first token only: prompt tokens taken from the prefix cache
     # timing filled in by the scheduler, for metrics: seconds since the request was submitted
     elapsed_s: float = 0.0
 
@@ -56,6 +57,8 @@ class EngineStats:
     cancelled: int = 0  # requests stopped early (client gone, stop string, shutdown)
     decode_steps: int = 0  # batched decode steps run, since start
     decode_rows: int = 0  # sequences those steps advanced: decode_rows / decode_steps is the mean batch
+    prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache, since start
+    prefix_hit_tokens: int = 0  # of those, found there (not computed again)
 
     @property
     def kv_usage(self) -> float:

@@ -79,20 +79,21 @@ def _load_hf(path: Path, o: EngineOptions):
 
     _set_threads(o.threads)
     model, tokenizer, info = load_hf(path, o.gpu_profile, o.context, o.max_batch, o.max_queue)
-    return HFBackend(model, o.max_batch, info.context_length), tokenizer, info
+    return HFBackend(model, o.max_batch, info.context_length, o.prefix_cache), tokenizer, info
 
 
 def _load_fast(path: Path, o: EngineOptions):
     from quantserve.server.hf_engine import load_fast
 
     _set_threads(o.threads)
-    return load_fast(path, o.gpu_profile, o.context, o.max_batch, o.max_queue, o.weight_quant, o.prefill_chunk)
+    return load_fast(path, o.gpu_profile, o.context, o.max_batch, o.max_queue, o.weight_quant, o.prefill_chunk,
+                     o.prefix_cache)
 
 
 def _load_gguf(path: Path, o: EngineOptions):
     from quantserve.server.gguf_engine import load_gguf
 
-    return load_gguf(path, o.context, o.max_batch, o.max_queue, o.threads)
+    return load_gguf(path, o.context, o.max_batch, o.max_queue, o.threads, o.prefix_cache)
 
 
 # The engines, by kind: load(path, options) -> (DecodeBackend, ModelTokenizer, EngineInfo).  A new
@@ -107,6 +108,7 @@ def _warm_up(backend) -> None:
     logits = backend.prefill(0, [0])
     backend.decode([0], [int(logits.argmax())])
     backend.free(0)
+    backend.rows.forget_all()  # the warm-up's token is no prefix anyone asked for
 
 
 class ScheduledEngine:
@@ -147,7 +149,10 @@ class ScheduledEngine:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         from quantserve.server.scheduler import Scheduler
 
+        import time
+
         o = self.options
+        t0 = time.perf_counter()
         self.path = self._safetensors_path()
         backend, self.tokenizer, info = ENGINES[self.kind](self.path, o)
         _warm_up(backend)
@@ -161,8 +166,11 @@ class ScheduledEngine:
         self.grammars = GrammarCompiler(lambda: self.tokenizer.grammar_tokenizer(vocab))
         self.info = info  # set last: is_ready() turns true only when everything is in place
         info.extra["engine_choice"] = self.why
-        log.info("loaded %s engine (%s): %s (%s, attention %s, context %d, batch %d)", info.engine, self.why,
-                 info.model_path, info.dtype, info.attention, info.context_length, info.max_batch)
+        info.extra["prefix_cache"] = o.prefix_cache
+        info.extra["ready_s"] = round(time.perf_counter() - t0, 1)  # from the start of loading to ready
+        log.info("loaded %s engine (%s): %s (%s, attention %s, context %d, batch %d) in %.1f s", info.engine,
+                 self.why, info.model_path, info.dtype, info.attention, info.context_length, info.max_batch,
+                 info.extra["ready_s"])
 
     def is_ready(self) -> bool:
         return self.info is not None

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from quantserve.server.engine import EngineInfo
 from quantserve.server.exceptions import ModelLoadError, NoChatTemplateError
+from quantserve.server.prefix_cache import RowBackend
 
 _FILE_TYPES = {0: "F32", 1: "F16", 7: "Q8_0", 2: "Q4_0", 3: "Q4_1", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
                12: "Q3_K_M", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K"}
@@ -66,8 +67,12 @@ class LlamaCppTokenizer:
                                                       bos_token=self._bos, eos_token=self._eos)
 
 
-class LlamaCppBackend:
-    def __init__(self, model, max_batch: int, context_length: int, threads: int):
+class LlamaCppBackend(RowBackend):
+    """Scheduler slots map to llama.cpp sequence ids (one KV stream each) through the shared prefix
+    cache; a prefix from another sequence is llama.cpp's own cross-stream copy (`seq_cp`, which
+    copies whole streams), cut to the prefix's length."""
+
+    def __init__(self, model, max_batch: int, context_length: int, threads: int, prefix_cache: bool = True):
         import llama_cpp
         from llama_cpp import _internals
 
@@ -84,7 +89,15 @@ class LlamaCppBackend:
         params.no_perf = True
         self.ctx = _internals.LlamaContext(model=model, params=params, verbose=False)
         self.batch = _internals.LlamaBatch(n_tokens=params.n_batch, embd=0, n_seq_max=1, verbose=False)
-        self._lengths: dict[int, int] = {}
+        self._init_rows(max_batch, prefix_cache)
+
+    def _copy_rows(self, src: int, dst: int, n: int) -> None:
+        self.ctx.kv_cache_seq_rm(dst, 0, -1)
+        self.ctx.kv_cache_seq_cp(src, dst, -1, -1)  # applied by the next llama_decode
+        self.ctx.kv_cache_seq_rm(dst, n, -1)
+
+    def _truncate(self, row: int, n: int) -> None:
+        self.ctx.kv_cache_seq_rm(row, n, -1)
 
     def _run(self, entries: list[tuple[int, int, int, bool]]) -> None:
         """Decode (token, position, sequence id, wants logits) entries as one llama.cpp batch."""
@@ -105,27 +118,22 @@ class LlamaCppBackend:
         return np.ctypeslib.as_array(ptr, shape=(self.vocab_size,))
 
     def prefill(self, slot: int, prompt_ids: list[int], start: int = 0):
-        if start == 0:
-            self.ctx.kv_cache_seq_rm(slot, 0, -1)  # the slot's old sequence, if any, is gone
+        row = self._row_for_prefill(slot, start)
+        self._truncate(row, start)  # positions from `start` on, if any, are rewritten
         n = len(prompt_ids)
-        self._run([(t, start + i, slot, i == n - 1) for i, t in enumerate(prompt_ids)])
-        self._lengths[slot] = start + n
+        self._run([(t, start + i, row, i == n - 1) for i, t in enumerate(prompt_ids)])
+        self.rows.written(row, list(prompt_ids), start)
         return self._logits(n - 1).copy()
 
     def decode(self, slots: list[int], tokens: list[int]):
         import numpy as np
 
-        self._run([(t, self._lengths[s], s, True) for s, t in zip(slots, tokens)])
-        for s in slots:
-            self._lengths[s] += 1
+        rows = [self.rows.row_of[s] for s in slots]
+        positions = [len(self.rows.tokens[r]) for r in rows]
+        self._run([(t, p, r, True) for r, t, p in zip(rows, tokens, positions)])
+        for r, t, p in zip(rows, tokens, positions):
+            self.rows.written(r, [t], p)
         return np.stack([self._logits(i) for i in range(len(slots))])  # one copy, out of llama.cpp's buffer
-
-    def free(self, slot: int) -> None:
-        if self._lengths.pop(slot, None) is not None:
-            self.ctx.kv_cache_seq_rm(slot, 0, -1)
-
-    def cached_tokens(self) -> int:
-        return sum(self._lengths.values())
 
 
 def default_threads() -> int:
@@ -135,7 +143,8 @@ def default_threads() -> int:
     return max(1, min(8, cores // 2))
 
 
-def load_gguf(path: Path, context: int | None, max_batch: int, max_queue: int, threads: int | None = None):
+def load_gguf(path: Path, context: int | None, max_batch: int, max_queue: int, threads: int | None = None,
+              prefix_cache: bool = True):
     """Load a GGUF file; returns (LlamaCppBackend, LlamaCppTokenizer, EngineInfo)."""
     try:
         import llama_cpp
@@ -170,7 +179,7 @@ def load_gguf(path: Path, context: int | None, max_batch: int, max_queue: int, t
         raise ModelLoadError(f"exceeds llama.cpp's limit of {llama_cpp.llama_max_parallel_sequences()} "
                              "parallel sequences", "max_batch", max_batch)
     threads = threads or default_threads()
-    backend = LlamaCppBackend(model, max_batch, context, threads)
+    backend = LlamaCppBackend(model, max_batch, context, threads, prefix_cache)
     meta = model.metadata()
     file_type = _FILE_TYPES.get(int(meta.get("general.file_type", -1)), meta.get("general.file_type"))
     info = EngineInfo(engine="gguf", model_path=str(path), context_length=context, max_batch=max_batch,

@@ -130,7 +130,7 @@ def load_hf(path: Path, gpu_profile: str | None, context: int | None, max_batch:
 
 
 def load_fast(path: Path, gpu_profile: str | None, context: int | None, max_batch: int, max_queue: int,
-              weight_quant: str, prefill_chunk: int = 512):
+              weight_quant: str, prefill_chunk: int = 512, prefix_cache: bool = True):
     """The `fast` engine: server/fastcore's static-KV-cache decoder behind the same seam.
     Returns (FastCoreBackend, HFTokenizer, EngineInfo)."""
     from quantserve.capabilities import apply_profile, detect
@@ -148,10 +148,15 @@ def load_fast(path: Path, gpu_profile: str | None, context: int | None, max_batc
     if context and context > trained:
         raise ModelLoadError(f"exceeds the model's trained context of {trained} tokens", "context", context)
     context = context or trained
+    compile_cache = None
+    if caps.device == "cuda":
+        from quantserve.server.fastcore.compile_cache import use_compile_cache
+
+        compile_cache = use_compile_cache(caps.gpu_name or "cuda")
     try:
         # the core's prompt forwards (and, on a GPU, its recorded prompt widths) match the scheduler's chunk
         backend = FastCoreBackend(str(path), max_batch, context, weight_quant=weight_quant, profile=caps.profile,
-                                  prefill_chunk=prefill_chunk)
+                                  prefill_chunk=prefill_chunk, prefix_cache=prefix_cache)
     except (ValueError, KeyError, NotImplementedError) as e:
         raise ModelLoadError(f"cannot run {path} ({e}); use the hf engine", "engine", "fast") from e
     core = backend.core
@@ -160,7 +165,9 @@ def load_fast(path: Path, gpu_profile: str | None, context: int | None, max_batc
                       attention="sdpa (fastcore static KV cache)",
                       quantization=None if weight_quant == "none" else f"{weight_quant} weight-only",
                       extra={"gpu_profile": caps.profile, "gpu": caps.gpu_name, "compiled": core.compile,
-                             "prefill_chunk": core.prefill_chunk})
+                             "prefill_chunk": core.prefill_chunk, "load_s": round(core.load_seconds, 1),
+                             "warm_up_s": round(getattr(backend, "warm_up_s", 0.0), 1),
+                             "compile_cache": str(compile_cache) if compile_cache else None})
     return backend, HFTokenizer(load_tokenizer(path)), info
 
 

@@ -50,6 +50,12 @@ class _EngineCollector:
                                   value=s.decode_steps)
         yield CounterMetricFamily("quantserve:engine_decode_rows", "Sequences advanced by decode steps "
                                   "(one token each).", value=s.decode_rows)
+        # rate(hits) / rate(queries) is the prefix cache's hit rate, in prompt tokens (vLLM's meaning)
+        for prefix in ("quantserve", "vllm"):
+            yield CounterMetricFamily(f"{prefix}:prefix_cache_queries", "Prompt tokens looked up in the "
+                                      "prefix cache.", value=s.prefix_queried_tokens)
+            yield CounterMetricFamily(f"{prefix}:prefix_cache_hits", "Prompt tokens found in the prefix "
+                                      "cache (not computed again).", value=s.prefix_hit_tokens)
 
 
 class Metrics:

@@ -38,6 +38,7 @@ class _Running:
     generated: int
     submitted_at: float
     prefilled: int = 0  # prompt tokens already in the KV cache
+    cached: int = 0  # of those, taken from the prefix cache instead of computed
 
     @property
     def decoding(self) -> bool:
@@ -88,10 +89,12 @@ class Scheduler:
     def stats(self) -> EngineStats:
         with self._cond:
             running, waiting = len(self._running), len(self._waiting)
+        queried, hits = self.backend.prefix_cache_stats()
         return EngineStats(running=running, waiting=waiting, kv_used_tokens=self.backend.cached_tokens(),
                            kv_capacity_tokens=self.backend.kv_capacity_tokens,
                            generated_tokens=self._generated_tokens, cancelled=self._cancelled_count,
-                           decode_steps=self._decode_steps, decode_rows=self._decode_rows)
+                           decode_steps=self._decode_steps, decode_rows=self._decode_rows,
+                           prefix_queried_tokens=queried, prefix_hit_tokens=hits)
 
     def shutdown(self, grace_s: float) -> None:
         """Stop admitting; let queued and running work finish for `grace_s`, then cancel the rest."""
@@ -192,9 +195,14 @@ class Scheduler:
 
     def _admit(self, stream: TokenStream, submitted_at: float, slot: int) -> None:
         req = stream.request
-        self._running[req.request_id] = _Running(
-            stream, slot, SequenceSampler(req.params, req.prompt_ids, self.backend.vocab_size),
-            last_token=-1, generated=0, submitted_at=submitted_at)
+        seq = _Running(stream, slot, SequenceSampler(req.params, req.prompt_ids, self.backend.vocab_size),
+                       last_token=-1, generated=0, submitted_at=submitted_at)
+        self._running[req.request_id] = seq
+        try:
+            seq.prefilled = seq.cached = self.backend.start(slot, req.prompt_ids)
+        except Exception as e:
+            self._log(f"starting request {req.request_id} failed: {type(e).__name__}: {e}")
+            self._fail(seq, EngineError.from_exception(e))
 
     def _prefill_chunk(self) -> None:
         """Prefill up to `prefill_chunk` prompt tokens, oldest admitted prompt first.  A prompt that
@@ -203,6 +211,16 @@ class Scheduler:
         budget = self.prefill_chunk
         for seq in [s for s in self._running.values() if not s.decoding]:  # dicts keep admission order
             prompt = seq.stream.request.prompt_ids
+            # a request admitted with others that share its prefix finds it here once one of them
+            # has prefilled it (the first of 32 clients with one system prompt computes it for all)
+            try:
+                have = self.backend.reuse(seq.slot, prompt, seq.prefilled)
+            except Exception as e:
+                self._log(f"prefix reuse for request {seq.stream.request.request_id} failed: {type(e).__name__}: {e}")
+                self._fail(seq, EngineError.from_exception(e))
+                continue
+            seq.cached += have - seq.prefilled
+            seq.prefilled = have
             if budget <= 0 or (len(prompt) - seq.prefilled > budget and budget < self.prefill_chunk):
                 return
             chunk = prompt[seq.prefilled:seq.prefilled + budget]
@@ -216,7 +234,7 @@ class Scheduler:
             seq.prefilled += len(chunk)
             budget -= len(chunk)
             if seq.decoding:
-                self._emit(seq, logits)  # the prompt is in: its first token
+                self._emit(seq, logits)  # the prompt is in: its first token (which carries `cached`)
 
     def _decode_step(self) -> None:
         batch = [seq for seq in self._running.values() if seq.decoding]
@@ -285,6 +303,8 @@ class Scheduler:
         self._generated_tokens += 1
         seq.last_token = token
         event = TokenEvent(token, logprob, [TopLogprob(t, lp) for t, lp in top] if top is not None else None)
+        if seq.generated == 1:
+            event.cached_tokens = seq.cached
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             event.finish_reason = "stop"
         elif seq.generated >= params.max_tokens:

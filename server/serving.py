@@ -18,7 +18,7 @@ from typing import AsyncIterator
 from quantserve.server.engine import EngineClosedError, EngineError, EngineRequest, QueueFullError, TokenStream
 from quantserve.server.errors import APIError, engine_status, error_body
 from quantserve.server.metrics import Metrics
-from quantserve.server.protocol import Usage, _SamplingFields
+from quantserve.server.protocol import PromptTokensDetails, Usage, _SamplingFields
 from quantserve.server.sampling import SamplingParams
 from quantserve.server.textstream import ChoiceText, Delta
 
@@ -43,6 +43,7 @@ class Job:
     choices: list[ChoiceText]
     prompt_tokens: int
     metrics: Metrics | None = None
+    n: int = 1  # choices per prompt: choices[i * n] is prompt i's first
     started: float = field(default_factory=time.perf_counter)
     outcome: str | None = None  # set once by settle()
 
@@ -64,8 +65,11 @@ class Job:
         self.cancel_streams()
 
     def usage(self) -> Usage:
+        # prompt tokens count once per prompt, however many choices it has: so do cached ones
+        cached = sum(c.cached_tokens for c in self.choices[::self.n])
         return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-                     total_tokens=self.prompt_tokens + self.completion_tokens)
+                     total_tokens=self.prompt_tokens + self.completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
     @property
     def first_error(self):
@@ -202,7 +206,7 @@ def start_job(state: ServerState, req: _SamplingFields, prompts: list[list[int]]
         raise APIError(status, f"Server busy: {e}. Retry later.", code=code,
                        headers={"Retry-After": str(state.retry_after_s)}) from e
     state.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
-    return Job(streams, choices, prompt_tokens=sum(len(p) for p in prompts), metrics=state.metrics)
+    return Job(streams, choices, prompt_tokens=sum(len(p) for p in prompts), metrics=state.metrics, n=req.n)
 
 
 async def run_job(state: ServerState, job: Job) -> AsyncIterator[tuple[int, Delta]]:

@@ -95,6 +95,7 @@ class ChoiceText:
         self.stop = StopMatcher(stop)
         self.want_logprobs = want_logprobs
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens the engine took from its prefix cache
         self.text = ""
         self.finish_reason: str | None = None
         self.error: str | None = None
@@ -103,6 +104,8 @@ class ChoiceText:
 
     def push(self, event: TokenEvent) -> Delta:
         text = ""
+        if event.cached_tokens is not None:
+            self.cached_tokens = event.cached_tokens
         if event.token_id is not None:
             self.completion_tokens += 1
             is_end_token = event.finish_reason == "stop"  # eos / stop token ids are not text

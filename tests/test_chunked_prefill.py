@@ -143,7 +143,8 @@ def test_a_prompt_is_not_cut_at_the_end_of_an_iterations_budget(default_model, p
     pieces = [(min(40, n - start), start) for start in range(0, n, 40)]
     for budget, expected in ((n + n // 3, [(n, 0), (n, 0)]), (40, pieces * 2)):
         calls.clear()
-        backend = RecordingBackend(load_model(default_model), max_batch=2, context_length=512)
+        # the same prompt twice: without the prefix cache, which would hand the second the first's K/V
+        backend = RecordingBackend(load_model(default_model), max_batch=2, context_length=512, prefix_cache=False)
         sched = Scheduler(backend, set(tok.all_special_ids), max_batch=2, max_queue=4, prefill_chunk=budget)
         streams = [Quiet(list(prompt)), Quiet(list(prompt))]
         try:

@@ -33,6 +33,15 @@ class CountingBackend:
         row[(last + 1) % VOCAB] = 10.0
         return row
 
+    def start(self, slot, prompt_ids):
+        return 0  # no prefix cache
+
+    def reuse(self, slot, prompt_ids, have):
+        return have
+
+    def prefix_cache_stats(self):
+        return 0, 0
+
     def prefill(self, slot, prompt_ids, start=0):
         self.last[slot] = prompt_ids[-1]
         self.lengths[slot] = start + len(prompt_ids)

@@ -1,19 +1,21 @@
 """FastCore behind the server's decode seam (`server.backend.DecodeBackend`).
 
-The scheduler numbers its slots itself and reuses the most recently freed one; FastCore is fastest
-when the live slots are the lowest ones (its decode batch covers slots 0..max).  So this adapter
-maps each scheduler slot to the lowest free FastCore slot at prefill time.
+Scheduler slots map to FastCore's cache rows through the shared prefix cache (`prefix_cache.py`),
+which hands out the lowest free row: FastCore is fastest when the live rows are the lowest ones
+(its decode batch covers rows 0..max).  Reusing a cached prefix from another row is a copy of
+that row's K/V positions on the device.
 """
 
 from __future__ import annotations
 
 from quantserve.server.fastcore.core import FastCore
+from quantserve.server.prefix_cache import RowBackend
 
 
-class FastCoreBackend:
+class FastCoreBackend(RowBackend):
     def __init__(self, model, max_batch: int, context_length: int, weight_quant: str = "none",
                  profile: str = "native", compile: bool | None = None, prefill_chunk: int = 512,
-                 device: str | None = None):
+                 device: str | None = None, prefix_cache: bool = True):
         """model: a checkpoint folder or a loaded (not bitsandbytes-quantized) HF Llama-family model."""
         if getattr(getattr(model, "config", None), "quantization_config", None):
             raise ValueError("FastCore quantizes fp16 weights itself: give it the unquantized checkpoint "
@@ -26,22 +28,29 @@ class FastCoreBackend:
             self.warm_up_s = self.core.warm_up(progress=True)
         self.vocab_size = self.core.args.vocab_size
         self.kv_capacity_tokens = max_batch * context_length
-        self._slot: dict[int, int] = {}  # scheduler slot -> FastCore slot
+        self._init_rows(max_batch, prefix_cache)
+
+    def _copy_rows(self, src: int, dst: int, n: int) -> None:
+        self.core.copy_kv(src, dst, n)
+
+    def _truncate(self, row: int, n: int) -> None:
+        self.core.occupy(row, n)
 
     def prefill(self, slot: int, prompt_ids: list[int], start: int = 0):
-        if start == 0:  # a new sequence
-            self.free(slot)
-            self._slot[slot] = self.core.acquire()
-        return self.core.prefill(self._slot[slot], prompt_ids, start).cpu()
+        row = self._row_for_prefill(slot, start)
+        logits = self.core.prefill(row, prompt_ids, start).cpu()
+        self.rows.written(row, list(prompt_ids), start)
+        return logits
 
     def decode(self, slots: list[int], tokens: list[int]):
-        cs = [self._slot[s] for s in slots]
-        return self.core.decode(cs, tokens, [self.core.lengths[c] for c in cs])
+        rows = [self.rows.row_of[s] for s in slots]
+        positions = [len(self.rows.tokens[r]) for r in rows]
+        logits = self.core.decode(rows, tokens, positions)
+        for r, t, p in zip(rows, tokens, positions):
+            self.rows.written(r, [t], p)
+        return logits
 
     def free(self, slot: int) -> None:
-        s = self._slot.pop(slot, None)
-        if s is not None:
-            self.core.release(s)
-
-    def cached_tokens(self) -> int:
-        return sum(self.core.lengths)
+        row = self.rows.release(slot)
+        if row is not None:
+            self.core.release(row)

@@ -196,8 +196,25 @@ class FastCore:
         return free[0]
 
     def release(self, slot: int) -> None:
+        """The slot's sequence is over (its K/V stay where they are: a prefix cache may copy them)."""
         self.in_use[slot] = False
         self.lengths[slot] = 0
+
+    def occupy(self, slot: int, length: int) -> None:
+        """`slot` holds a live sequence whose first `length` positions are already in the cache."""
+        self.in_use[slot] = True
+        self.lengths[slot] = length
+
+    @torch.inference_mode()
+    def copy_kv(self, src: int, dst: int, n: int) -> None:
+        """dst's first n cache positions := src's (prefix caching: a copy instead of a prompt
+        forward).  In place, so the captured CUDA graphs keep reading the same buffers."""
+        for layer in self.model.layers:
+            att = layer.attention
+            att.k_cache[dst, :, :n].copy_(att.k_cache[src, :, :n])
+            att.v_cache[dst, :, :n].copy_(att.v_cache[src, :, :n])
+        if self.in_use[dst]:
+            self.lengths[dst] = n
 
     def kv_usage(self) -> float:
         """Fraction of the KV cache's token positions holding live tokens."""

@@ -14,8 +14,14 @@ H200 (bench/RESULTS.md) it made the large int8 layers 14-25 % faster; for int4 n
 
 from __future__ import annotations
 
+import inspect
+
 import triton
 import triton.language as tl
+
+# the autotuners' choices kept on disk with the compiled kernels (compile_cache.py), where this
+# Triton can: a warm start then times no configs at all
+AUTOTUNE_ON_DISK = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 
 
 @triton.jit

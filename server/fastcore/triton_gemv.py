@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from quantserve.server.fastcore.triton_dequant import int8_to, nibble_to
+from quantserve.server.fastcore.triton_dequant import AUTOTUNE_ON_DISK, int8_to, nibble_to
 
 
 def _configs():
@@ -90,7 +90,7 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, st
 
 def _tuned(kernel):
     return triton.autotune(configs=_configs(), key=["N", "K"], prune_configs_by={"early_config_prune": _prune},
-                           reset_to_zero=["out_ptr"])(kernel)
+                           reset_to_zero=["out_ptr"], **AUTOTUNE_ON_DISK)(kernel)
 
 
 int8_gemv_kernel, int4_gemv_kernel = _tuned(_int8_gemv_kernel), _tuned(_int4_gemv_kernel)

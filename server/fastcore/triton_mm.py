@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from quantserve.server.fastcore.triton_dequant import int8_to, nibble_to
+from quantserve.server.fastcore.triton_dequant import AUTOTUNE_ON_DISK, int8_to, nibble_to
 from quantserve.server.fastcore.triton_gemv import int4_gemv_kernel, int8_gemv_kernel
 
 
@@ -115,7 +115,7 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, stride_
 
 def _tuned(kernel):
     return triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K"],
-                           prune_configs_by={"early_config_prune": _prune}, reset_to_zero=["out_ptr"])(kernel)
+                           prune_configs_by={"early_config_prune": _prune}, reset_to_zero=["out_ptr"], **AUTOTUNE_ON_DISK)(kernel)
 
 
 int8_kernel, int4_kernel = _tuned(_int8_kernel), _tuned(_int4_kernel)
