@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The prefix cache on the lent GPU: ours with it, ours without it (--no-prefix-cache) and
 # llama.cpp's own llama-server on the Q8_0 GGUF of the same random-weight checkpoint, one at a
-# time on the same GPU.  Loads: 32 clients sharing one ~1,500-word system text with distinct
-# 24-word questions (128 requests, 128 tokens out), and random ~690-word prompts at concurrency
+# time on the same GPU.  Loads: 32 clients sharing one ~1,500-token system text (490 words) with distinct
+# 8-word questions (128 requests, 128 tokens out), and random ~690-token prompts (225 words) at concurrency
 # 1 and 32.  Also time to ready: ours with an empty compile cache, then with the cache warm.
 #   usage: bench/prefix_cache.sh SITE_DIR OUT_DIR SHAPE [LLAMA_BIN_DIR]
 #   (SITE_DIR: quantserve and its serving dependencies installed with pip --target; without
@@ -25,15 +25,15 @@ wait_ready() {  # PORT PID LABEL: seconds from launch to a 200 on /health
     kill -0 "$2" 2>/dev/null || { tail -n 40 "$out/$3.log"; exit 1; }; sleep 1
   done
   echo "$3: ready after $(( SECONDS - t0 )) s" | tee -a "$out/bench.txt"
-  curl -s "http://127.0.0.1:$1/health" > "$out/$3.health.json" || true
+  curl -s "http://127.0.0.1:$1/health" | tee -a "$out/bench.txt" || true; echo >> "$out/bench.txt"
 }
 shared() {  # LABEL PORT
   python3 -m quantserve.bench.serve --base-url "http://127.0.0.1:$2/v1" --concurrency 32 --num-prompts 128 \
-      --shared-prefix-len 1500 --input-len 24 --output-len 128 --ignore-eos --label "$1" \
+      --shared-prefix-len 490 --input-len 8 --output-len 128 --ignore-eos --label "$1" \
       --out "$out/$1-shared.json" | tail -n 8 | tee -a "$out/bench.txt"
 }
 random_load() {  # LABEL PORT
-  python3 -m quantserve.bench.serve --base-url "http://127.0.0.1:$2/v1" --concurrency 1,32 --input-len 690 \
+  python3 -m quantserve.bench.serve --base-url "http://127.0.0.1:$2/v1" --concurrency 1,32 --input-len 225 \
       --output-len 128 --ignore-eos --label "$1" --out "$out/$1-random.json" | tail -n 8 | tee -a "$out/bench.txt"
 }
 run_ours() {  # LABEL EXTRA_ARGS...

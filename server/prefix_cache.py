@@ -13,9 +13,12 @@ holds valid K/V for, live or finished, and hands rows out:
 The backend supplies `copy(src, dst, n)`: make dst's first n positions a copy of src's.  A copy
 of K/V rows on the device costs far less than the prompt forward it replaces (copying 1,500
 tokens of an 8B model's cache moves ~200 MB; computing them reads all 8 GB of weights, several
-times), so unlike vLLM's paged blocks the cache shares nothing and copies instead.  Matching is a
-scan over the rows (at most a few dozen): fine at this scale, where vLLM's block hashes pay off
-at thousands of blocks.
+times), so unlike vLLM's paged blocks the cache shares nothing and copies instead.  Matching is
+vLLM's, though: each row's tokens are hashed in blocks of BLOCK, every hash chained to the ones
+before it, and an index maps each hash to the rows holding that exact prefix; a lookup walks the
+prompt's chain (a dict probe per block, however many rows) and finishes token by token inside
+the next block.  A match is checked against the tokens before it is used: a hash collision can
+cost a hit, never a wrong answer.
 
 Rows are handed out lowest-first: FastCore's decode batch covers rows 0..max(live row), so compact
 rows keep batches small.  What the lowest free row held is first moved to the least recently used
@@ -45,6 +48,19 @@ def common_prefix(a: list[int], b: list[int], limit: int) -> int:
     return lo
 
 
+BLOCK = 16  # tokens per hashed block
+
+
+def chain_hashes(tokens: list[int], n_blocks: int, chain: list[int]) -> list[int]:
+    """`chain` (the hashes of the first len(chain) blocks) extended to n_blocks: each block's hash
+    covers its tokens and, through the previous hash, every token before it."""
+    h = chain[-1] if chain else 0
+    for i in range(len(chain), n_blocks):
+        h = hash((h, *tokens[i * BLOCK:(i + 1) * BLOCK]))
+        chain.append(h)
+    return chain
+
+
 class KVRows:
     def __init__(self, n_rows: int, copy: Callable[[int, int, int], None], enabled: bool = True):
         self.enabled = enabled
@@ -52,6 +68,8 @@ class KVRows:
         self.row_of: dict[int, int] = {}  # scheduler slot -> row of its live sequence
         self.tokens: list[list[int]] = [[] for _ in range(n_rows)]  # valid K/V per row, in position order
         self.live = [False] * n_rows
+        self._hashes: list[list[int]] = [[] for _ in range(n_rows)]  # chained hashes of each row's full blocks
+        self._holders: dict[int, set[int]] = {}  # block hash -> the rows whose prefix it is
         self._used = [0] * n_rows  # a logical clock: when a row's content was last written or matched
         self._clock = itertools.count(1)
         self.queried_tokens = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
@@ -77,7 +95,9 @@ class KVRows:
             self._keep_elsewhere(row, [r for r in free[1:] if r != source])
         if source is not None and source != row:
             self._copy(source, row, n)
-        self.tokens[row] = list(prompt[:n])
+            self._set(row, prompt[:n])
+        else:  # its own first n tokens are the prompt's (n may be 0)
+            self._set(row, prompt[:n], keep_blocks=n // BLOCK)
         self.live[row] = True
         self.row_of[slot] = row
         self._touch(row)
@@ -97,7 +117,7 @@ class KVRows:
         if source is None or n <= have:
             return have
         self._copy(source, row, n)
-        self.tokens[row] = list(prompt[:n])
+        self._set(row, prompt[:n], keep_blocks=have // BLOCK)
         self._touch(source)
         self.hit_tokens += n - have
         return n
@@ -108,6 +128,7 @@ class KVRows:
         if start != len(t):  # positions from `start` on were overwritten: no longer what t says
             del t[start:]
         t.extend(ids)
+        self._index(row, keep_blocks=start // BLOCK)
 
     def release(self, slot: int) -> int | None:
         """The slot's sequence ended (its row's tokens stay, to be matched); returns that row."""
@@ -115,32 +136,65 @@ class KVRows:
         if row is not None:
             self.live[row] = False
             if not self.enabled:
-                self.tokens[row] = []
+                self._set(row, [])
         return row
 
     def forget_all(self) -> None:
         """Drop every finished row's tokens (live rows keep theirs) and the counters."""
         for r, live in enumerate(self.live):
             if not live:
-                self.tokens[r] = []
+                self._set(r, [])
         self.queried_tokens = self.hit_tokens = 0
 
     # ---- internals -----------------------------------------------------------------------------
     def _touch(self, row: int) -> None:
         self._used[row] = next(self._clock)
 
+    def _set(self, row: int, tokens: list[int], keep_blocks: int = 0) -> None:
+        """The row now holds `tokens`; its first `keep_blocks` blocks are the ones it held before."""
+        self.tokens[row] = list(tokens)
+        self._index(row, keep_blocks)
+
+    def _index(self, row: int, keep_blocks: int) -> None:
+        """Bring the row's block hashes (and the index) in line with its tokens."""
+        hashes = self._hashes[row]
+        keep = min(keep_blocks, len(hashes))
+        for h in hashes[keep:]:
+            holders = self._holders.get(h)
+            if holders is not None:
+                holders.discard(row)
+                if not holders:
+                    del self._holders[h]
+        del hashes[keep:]
+        if not self.enabled:
+            return
+        chain_hashes(self.tokens[row], len(self.tokens[row]) // BLOCK, hashes)
+        for h in hashes[keep:]:
+            self._holders.setdefault(h, set()).add(row)
+
     def _best(self, prompt: list[int], exclude: int | None) -> tuple[int | None, int]:
         """(the row holding the longest prefix of prompt, its length), (None, 0) when none does."""
         limit = len(prompt) - 1
         if not self.enabled or limit <= 0:
             return None, 0
+        matched, blocks, h = None, 0, 0
+        for i in range(limit // BLOCK):  # the whole blocks some row holds, through the index
+            h = hash((h, *prompt[i * BLOCK:(i + 1) * BLOCK]))
+            holders = self._holders.get(h)
+            if not holders or (exclude in holders and len(holders) == 1):
+                break
+            matched, blocks = holders, i + 1
+        candidates = range(len(self.tokens)) if matched is None else list(matched)
+        candidates = [r for r in candidates if r != exclude and self.tokens[r]]
+        done = blocks * BLOCK
         best, best_n = None, 0
-        for r, t in enumerate(self.tokens):
-            if r == exclude or len(t) <= best_n:
-                continue
-            n = common_prefix(t, prompt, limit)
+        for r in candidates:  # then token by token inside the next block
+            t = self.tokens[r]
+            n = done + common_prefix(t[done:done + BLOCK], prompt[done:done + BLOCK], limit - done)
             if n > best_n:
                 best, best_n = r, n
+        if best is not None and self.tokens[best][:best_n] != prompt[:best_n]:
+            return None, 0  # a hash collision: no hit rather than someone else's K/V
         return best, best_n
 
     def _keep_elsewhere(self, row: int, candidates: list[int]) -> None:
@@ -152,7 +206,8 @@ class KVRows:
         if self.tokens[target] and self._used[target] > self._used[row]:
             return
         self._copy(row, target, len(self.tokens[row]))
-        self.tokens[target], self._used[target] = list(self.tokens[row]), self._used[row]
+        self._set(target, self.tokens[row])
+        self._used[target] = self._used[row]
 
 
 class RowBackend:
