@@ -45,6 +45,9 @@ class _Running:
         return self.prefilled == len(self.stream.request.prompt_ids)
 
 
+SHORT_PIECE = 64  # prompt pieces up to this many tokens are prefilled together (padding stays small)
+
+
 class Scheduler:
     def __init__(self, backend: DecodeBackend, eos_token_ids: set[int], max_batch: int, max_queue: int,
                  log=None, prefill_chunk: int = 512):
@@ -207,8 +210,10 @@ class Scheduler:
     def _prefill_chunk(self) -> None:
         """Prefill up to `prefill_chunk` prompt tokens, oldest admitted prompt first.  A prompt that
         does not fit in what is left of the budget waits for the next iteration instead of being
-        cut there: each piece is a forward of its own, a whole pass over the weights."""
-        budget = self.prefill_chunk
+        cut there: each piece is a forward of its own, a whole pass over the weights.  Short
+        pieces (a question after a cached system prompt, a chat's new turn) go together in one
+        forward where the backend can batch them."""
+        budget, pieces = self.prefill_chunk, []
         for seq in [s for s in self._running.values() if not s.decoding]:  # dicts keep admission order
             prompt = seq.stream.request.prompt_ids
             # a request admitted with others that share its prefix finds it here once one of them
@@ -222,19 +227,36 @@ class Scheduler:
             seq.cached += have - seq.prefilled
             seq.prefilled = have
             if budget <= 0 or (len(prompt) - seq.prefilled > budget and budget < self.prefill_chunk):
-                return
+                break
             chunk = prompt[seq.prefilled:seq.prefilled + budget]
+            pieces.append((seq, chunk))
+            budget -= len(chunk)
+        short = [(seq, chunk) for seq, chunk in pieces if len(chunk) <= SHORT_PIECE]
+        many = getattr(self.backend, "prefill_many", None)
+        if many is not None and len(short) > 1:
+            try:
+                logits = many([(seq.slot, chunk, seq.prefilled) for seq, chunk in short])
+            except Exception as e:  # then one by one below: a failure fails only its own request
+                self._log(f"batched prefill of {len(short)} prompts failed: {type(e).__name__}: {e}")
+            else:
+                for (seq, chunk), row in zip(short, logits):
+                    self._prefilled(seq, chunk, row)
+                done = {id(seq) for seq, _ in short}
+                pieces = [(seq, chunk) for seq, chunk in pieces if id(seq) not in done]
+        for seq, chunk in pieces:
             try:
                 logits = self.backend.prefill(seq.slot, chunk, seq.prefilled)
             except Exception as e:  # a failed prompt must not take the server down
-                self._log(f"prefill of request {seq.stream.request.request_id} ({len(prompt)} tokens) failed: "
-                          f"{type(e).__name__}: {e}")
+                self._log(f"prefill of request {seq.stream.request.request_id} "
+                          f"({len(seq.stream.request.prompt_ids)} tokens) failed: {type(e).__name__}: {e}")
                 self._fail(seq, EngineError.from_exception(e))
                 continue
-            seq.prefilled += len(chunk)
-            budget -= len(chunk)
-            if seq.decoding:
-                self._emit(seq, logits)  # the prompt is in: its first token (which carries `cached`)
+            self._prefilled(seq, chunk, logits)
+
+    def _prefilled(self, seq: _Running, chunk: list[int], logits) -> None:
+        seq.prefilled += len(chunk)
+        if seq.decoding:
+            self._emit(seq, logits)  # the prompt is in: its first token (which carries `cached`)
 
     def _decode_step(self) -> None:
         batch = [seq for seq in self._running.values() if seq.decoding]

@@ -176,6 +176,31 @@ def test_cached_prefixes_give_the_logits_of_a_cold_prefill(kind, default_model, 
     assert warm.cached_tokens() == 0  # nothing live: finished rows are reclaimable, not "used"
 
 
+def test_short_prompt_pieces_in_one_forward_give_each_ones_own_logits(default_model):
+    """FastCore's batched prompt forward (prefill_many): pieces of different lengths at different
+    positions, after cached prefixes, give the logits each gets alone."""
+    from quantserve.server.fastcore.adapter import FastCoreBackend
+
+    rng = np.random.default_rng(1)
+    system = rng.integers(5, 200, 40).tolist()
+    prompts = [system + [201 + i] + rng.integers(5, 200, 3 + 5 * i).tolist() for i in range(3)]
+    alone, together = (FastCoreBackend(default_model, 4, 256, device="cpu") for _ in range(2))
+    want = []
+    for slot, p in enumerate(prompts):
+        want.append(np.asarray(alone.prefill(slot, p[:40])))  # the shared part, then the rest
+        want[-1] = np.asarray(alone.prefill(slot, p[40:], 40))
+    for slot, p in enumerate(prompts):
+        assert together.start(slot, p) == (0 if slot == 0 else 40)
+        if slot == 0:
+            together.prefill(0, p[:40])
+    got = together.prefill_many([(slot, p[40:], 40) for slot, p in enumerate(prompts)])
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), w, atol=1e-4, rtol=1e-4)
+    nxt = [int(np.asarray(g).argmax()) for g in got]
+    np.testing.assert_allclose(np.asarray(together.decode([0, 1, 2], nxt)), np.asarray(alone.decode([0, 1, 2], nxt)),
+                               atol=1e-4, rtol=1e-4)
+
+
 # ---- real servers ------------------------------------------------------------------------------
 
 SYSTEM = ("You are a careful assistant. Answer the question in as few words as you can, and never "
@@ -252,3 +277,22 @@ def test_the_shared_prefix_load_generator_sees_the_cache(server, tmp_path):
                     "--concurrency", "4", "--num-prompts", "8", "--output-len", "4", "--out", str(out)]) == 0
     run = json.loads(out.read_text())["runs"][0]
     assert run["completed"] == 8 and run["cached_tokens"] >= 7 * 80 // 2
+
+
+def test_the_compiled_batched_prompt_forward_takes_any_batch_size_without_recompiling(default_model):
+    """prefill_many through torch.compile (what a GPU runs): after batch sizes 2 and 3 (the
+    warm-up's), larger batches reuse the graph, and the logits are the eager path's."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from quantserve.server.fastcore.core import FastCore
+
+    eager = FastCore(default_model, max_slots=8, max_seq=256, device="cpu", compile=False, prefill_chunk=64)
+    fast = FastCore(default_model, max_slots=8, max_seq=256, device="cpu", compile=True, prefill_chunk=64)
+    for batch in (2, 3):
+        fast.prefill_many([(s, [0] * 16, 0) for s in range(batch)])
+    graphs = counters["stats"]["unique_graphs"]
+    torch.manual_seed(0)
+    items = [(s, torch.randint(5, 200, (4 + 7 * s,)).tolist(), 0) for s in range(6)]
+    torch.testing.assert_close(fast.prefill_many(items), eager.prefill_many(items), atol=1e-4, rtol=1e-4)
+    assert counters["stats"]["unique_graphs"] == graphs

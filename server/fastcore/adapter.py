@@ -42,6 +42,13 @@ class FastCoreBackend(RowBackend):
         self.rows.written(row, list(prompt_ids), start)
         return logits
 
+    def prefill_many(self, items: list[tuple[int, list[int], int]]) -> list:
+        rows = [self._row_for_prefill(slot, start) for slot, _, start in items]
+        logits = self.core.prefill_many([(r, ids, start) for r, (_, ids, start) in zip(rows, items)]).cpu()
+        for r, (_, ids, start) in zip(rows, items):
+            self.rows.written(r, list(ids), start)
+        return list(logits)
+
     def decode(self, slots: list[int], tokens: list[int]):
         rows = [self.rows.row_of[s] for s in slots]
         positions = [len(self.rows.tokens[r]) for r in rows]

@@ -272,6 +272,13 @@ class FastCore:
         else:  # one full chunk (slot 0 is reset afterwards)
             self.prefill(0, torch.zeros(min(self.prefill_chunk, self.max_seq), dtype=torch.long))
             self.release(0)
+        if self.compile_prefill and self.max_slots > 1:
+            # the batched form of the prompt forward (prefill_many): compiled now, not on the first
+            # request that needs it; its batch size is dynamic from the second size on
+            for batch in (2, 3):
+                self.prefill_many([(s, [0] * 16, 0) for s in range(batch)])
+            for s in range(3):
+                self.release(s)
 
     @torch.inference_mode()
     def prefill(self, slot: int, ids, start: int = 0) -> torch.Tensor:
@@ -285,6 +292,34 @@ class FastCore:
             logits = self._prefill_chunk(slot, ids[c0:c0 + self.prefill_chunk], start + c0)
         self.lengths[slot] = start + n
         return logits
+
+    @torch.inference_mode()
+    def prefill_many(self, items: list[tuple[int, list[int], int]]) -> torch.Tensor:
+        """Several short prompt pieces, (slot, ids, start) each, in one forward: one pass over the
+        weights instead of one per piece (what 32 users of one cached system prompt need: only
+        their questions are left to compute).  Pieces are padded to the longest (padding writes
+        the trash row).  Returns the last real position's logits, [len(items), vocab] float32."""
+        width = max(len(ids) for _, ids, _ in items)
+        if width > self.prefill_chunk or any(start + len(ids) > self.max_seq for _, ids, start in items):
+            raise ValueError(f"prefill_many pieces must fit the chunk ({self.prefill_chunk}) and max_seq")
+        B = len(items)
+        tok = torch.zeros((B, width), dtype=torch.long)
+        pos = torch.full((B, width), self.max_seq, dtype=torch.long)
+        for i, (_, ids, start) in enumerate(items):
+            tok[i, :len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+            pos[i, :len(ids)] = torch.arange(start, start + len(ids))
+        rows = torch.tensor([slot for slot, _, _ in items])
+        last = torch.tensor([len(ids) - 1 for _, ids, _ in items])
+        kv_idx = torch.arange(self._kv_len(max(start + len(ids) for _, ids, start in items)), device=self.device)
+        inputs = [t.to(self.device) for t in (tok, pos, rows, last)]
+        if self.compile_prefill:
+            logits = self._prefill_step()(*inputs, kv_idx)
+        else:
+            logits = self.model(inputs[0], inputs[1], inputs[2], kv_idx, last=inputs[3])
+        for slot, ids, start in items:
+            self.in_use[slot] = True
+            self.lengths[slot] = start + len(ids)
+        return logits[:, -1].float()
 
     def _prefill_chunk(self, slot: int, chunk: torch.Tensor, start: int) -> torch.Tensor:
         n = chunk.numel()
