@@ -124,6 +124,7 @@ class FastCore:
         self.in_use = [False] * max_slots
         self.compile = device.type == "cuda" if compile is None else compile
         self.compile_prefill = self.compile
+        self.compile_prefill_many = True  # prefill_many through the compiled prompt graph (see warm_up)
         self._steps: dict[str, object] = {}
         self._kv_idx = torch.arange(max_seq, device=device)
         # (batch, KV length) -> (CUDA graph, its input tensors, its output); CUDA + compile only
@@ -272,11 +273,17 @@ class FastCore:
         else:  # one full chunk (slot 0 is reset afterwards)
             self.prefill(0, torch.zeros(min(self.prefill_chunk, self.max_seq), dtype=torch.long))
             self.release(0)
-        if self.compile_prefill and self.max_slots > 1:
+        if self.compile_prefill and self.max_slots > 2:
             # the batched form of the prompt forward (prefill_many): compiled now, not on the first
-            # request that needs it; its batch size is dynamic from the second size on
-            for batch in (2, 3):
-                self.prefill_many([(s, [0] * 16, 0) for s in range(batch)])
+            # request that needs it; its batch size is dynamic from the second size on.  Should it
+            # fail to compile, it runs eagerly (still one pass over the weights for all pieces).
+            try:
+                for batch in (2, 3):
+                    self.prefill_many([(s, [0] * 16, 0) for s in range(batch)])
+            except Exception as e:
+                print(f"warning: the compiled batched prompt path failed ({type(e).__name__}: {str(e)[:200]}); "
+                      "batched prompt pieces run eagerly", file=sys.stderr)
+                self.compile_prefill_many = False
             for s in range(3):
                 self.release(s)
 
@@ -312,7 +319,7 @@ class FastCore:
         last = torch.tensor([len(ids) - 1 for _, ids, _ in items])
         kv_idx = torch.arange(self._kv_len(max(start + len(ids) for _, ids, start in items)), device=self.device)
         inputs = [t.to(self.device) for t in (tok, pos, rows, last)]
-        if self.compile_prefill:
+        if self.compile_prefill and self.compile_prefill_many:
             logits = self._prefill_step()(*inputs, kv_idx)
         else:
             logits = self.model(inputs[0], inputs[1], inputs[2], kv_idx, last=inputs[3])
