@@ -39,9 +39,10 @@ class DecodeBackend(Protocol):
         """The slot holds prompt_ids[:have]: take more of the prompt from the cache if another
         sequence has computed it since; return how many tokens the slot holds now."""
 
-    def prefill(self, slot: int, prompt_ids: list[int], start: int = 0):
+    def prefill(self, slot: int, prompt_ids: list[int], start: int = 0, all_logits: bool = False):
         """Run prompt tokens into `slot`'s cache at positions start..; return float32 CPU logits of
-        the last.  (start 0 on a slot not started: a new sequence, nothing reused.)"""
+        the last ([vocab]), or with all_logits of every position ([n, vocab]: prompt logprobs).
+        (start 0 on a slot not started: a new sequence, nothing reused.)"""
 
     def decode(self, slots: list[int], tokens: list[int]):
         """Append one token per slot; return float32 logits, one row per slot, in order, on the
@@ -83,7 +84,7 @@ class HFBackend(RowBackend):
         else:
             self._copy_rows(row, row, n)
 
-    def prefill(self, slot: int, prompt_ids: list[int], start: int = 0):
+    def prefill(self, slot: int, prompt_ids: list[int], start: int = 0, all_logits: bool = False):
         from transformers import DynamicCache
 
         torch = self._torch
@@ -95,10 +96,11 @@ class HFBackend(RowBackend):
         else:
             cache = DynamicCache(config=self.model.config)
         with torch.inference_mode():
-            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=0 if all_logits else 1,
+                             **{self._cache_kw: cache})
         self._kv[row] = [(layer.keys, layer.values) for layer in self._cache_of(out).layers]
         self.rows.written(row, list(prompt_ids), start)
-        return out.logits[0, -1].float().cpu()
+        return out.logits[0].float().cpu() if all_logits else out.logits[0, -1].float().cpu()
 
     def decode(self, slots: list[int], tokens: list[int]):
         from transformers import DynamicCache

@@ -117,12 +117,16 @@ class LlamaCppBackend(RowBackend):
         ptr = self._llama_cpp.llama_get_logits_ith(self.ctx.ctx, index)
         return np.ctypeslib.as_array(ptr, shape=(self.vocab_size,))
 
-    def prefill(self, slot: int, prompt_ids: list[int], start: int = 0):
+    def prefill(self, slot: int, prompt_ids: list[int], start: int = 0, all_logits: bool = False):
+        import numpy as np
+
         row = self._row_for_prefill(slot, start)
         self._truncate(row, start)  # positions from `start` on, if any, are rewritten
         n = len(prompt_ids)
-        self._run([(t, start + i, row, i == n - 1) for i, t in enumerate(prompt_ids)])
+        self._run([(t, start + i, row, all_logits or i == n - 1) for i, t in enumerate(prompt_ids)])
         self.rows.written(row, list(prompt_ids), start)
+        if all_logits:
+            return np.stack([self._logits(i) for i in range(n)])
         return self._logits(n - 1).copy()
 
     def decode(self, slots: list[int], tokens: list[int]):

@@ -152,6 +152,7 @@ class _SamplingFields(_Request):
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = Field(None, ge=0)  # 0 only with echo: score the prompt, generate nothing
     best_of: Optional[int] = Field(None, ge=1)
     echo: bool = False
     logprobs: Optional[int] = Field(None, ge=0)

@@ -29,6 +29,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token and the top k
+    prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob and the top k
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
@@ -148,6 +149,24 @@ class SequenceSampler:
             self.output_counts[token] += 1
         if self.seen is not None and token < self.seen.size:
             self.seen[token] = True
+
+
+def score_tokens(logits, targets: list[int], k: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """(logprob of targets[i] under logits row i, the top k of that row) for each row: the
+    prompt's log-probabilities (`echo` with `logprobs`: log-likelihood evaluation)."""
+    import numpy as np
+
+    rows = np.asarray(logits.numpy() if hasattr(logits, "numpy") else logits, dtype=np.float32)
+    out = []
+    for row, target in zip(rows, targets):
+        lp = _log_softmax(row)
+        top = []
+        if k > 0:
+            ids = np.argpartition(-lp, min(k, lp.size) - 1)[:k] if k < lp.size else np.arange(lp.size)
+            ids = ids[np.argsort(-lp[ids], kind="stable")]
+            top = list(zip(ids.tolist(), lp[ids].tolist()))
+        out.append((float(lp[target]), top))
+    return out
 
 
 def masked_argmax(logits, rows: list[int], bitmasks) -> list[int]:

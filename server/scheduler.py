@@ -39,6 +39,12 @@ class _Running:
     submitted_at: float
     prefilled: int = 0  # prompt tokens already in the KV cache
     cached: int = 0  # of those, taken from the prefix cache instead of computed
+    prompt_scores: list | None = None  # with prompt_logprobs: (token, logprob, top) per prompt token
+
+    @property
+    def scoring(self) -> bool:
+        """Its prompt's log-probabilities are wanted: every position computed, none from the cache."""
+        return self.stream.request.params.prompt_logprobs is not None
 
     @property
     def decoding(self) -> bool:
@@ -201,8 +207,10 @@ class Scheduler:
         seq = _Running(stream, slot, SequenceSampler(req.params, req.prompt_ids, self.backend.vocab_size),
                        last_token=-1, generated=0, submitted_at=submitted_at)
         self._running[req.request_id] = seq
+        if seq.scoring:
+            seq.prompt_scores = [(req.prompt_ids[0], None, [])]  # the first token has no context
         try:
-            seq.prefilled = seq.cached = self.backend.start(slot, req.prompt_ids)
+            seq.prefilled = seq.cached = self.backend.start(slot, [] if seq.scoring else req.prompt_ids)
         except Exception as e:
             self._log(f"starting request {req.request_id} failed: {type(e).__name__}: {e}")
             self._fail(seq, EngineError.from_exception(e))
@@ -219,7 +227,7 @@ class Scheduler:
             # a request admitted with others that share its prefix finds it here once one of them
             # has prefilled it (the first of 32 clients with one system prompt computes it for all)
             try:
-                have = self.backend.reuse(seq.slot, prompt, seq.prefilled)
+                have = seq.prefilled if seq.scoring else self.backend.reuse(seq.slot, prompt, seq.prefilled)
             except Exception as e:
                 self._log(f"prefix reuse for request {seq.stream.request.request_id} failed: {type(e).__name__}: {e}")
                 self._fail(seq, EngineError.from_exception(e))
@@ -231,7 +239,7 @@ class Scheduler:
             chunk = prompt[seq.prefilled:seq.prefilled + budget]
             pieces.append((seq, chunk))
             budget -= len(chunk)
-        short = [(seq, chunk) for seq, chunk in pieces if len(chunk) <= SHORT_PIECE]
+        short = [(seq, chunk) for seq, chunk in pieces if len(chunk) <= SHORT_PIECE and not seq.scoring]
         many = getattr(self.backend, "prefill_many", None)
         if many is not None and len(short) > 1:
             try:
@@ -245,7 +253,10 @@ class Scheduler:
                 pieces = [(seq, chunk) for seq, chunk in pieces if id(seq) not in done]
         for seq, chunk in pieces:
             try:
-                logits = self.backend.prefill(seq.slot, chunk, seq.prefilled)
+                if seq.scoring:
+                    logits = self._scored_prefill(seq, chunk)
+                else:
+                    logits = self.backend.prefill(seq.slot, chunk, seq.prefilled)
             except Exception as e:  # a failed prompt must not take the server down
                 self._log(f"prefill of request {seq.stream.request.request_id} "
                           f"({len(seq.stream.request.prompt_ids)} tokens) failed: {type(e).__name__}: {e}")
@@ -253,9 +264,27 @@ class Scheduler:
                 continue
             self._prefilled(seq, chunk, logits)
 
+    def _scored_prefill(self, seq: _Running, chunk: list[int]):
+        """Prefill with every position's logits; score the prompt tokens they predict.  Returns
+        the last position's logits (the next token's)."""
+        from quantserve.server.sampling import score_tokens
+
+        prompt, start = seq.stream.request.prompt_ids, seq.prefilled
+        rows = self.backend.prefill(seq.slot, chunk, start, all_logits=True)
+        targets = prompt[start + 1:start + len(chunk) + 1]  # row i predicts the token after position i
+        k = seq.stream.request.params.prompt_logprobs
+        for token, (logprob, top) in zip(targets, score_tokens(rows[:len(targets)], targets, k)):
+            seq.prompt_scores.append((token, logprob, [TopLogprob(t, lp) for t, lp in top]))
+        return rows[-1]
+
     def _prefilled(self, seq: _Running, chunk: list[int], logits) -> None:
         seq.prefilled += len(chunk)
-        if seq.decoding:
+        if not seq.decoding:
+            return
+        if seq.stream.request.params.max_tokens == 0:  # scoring only (echo): the prompt is the reply
+            self._finish(seq, TokenEvent(None, finish_reason="length", cached_tokens=seq.cached,
+                                         prompt_logprobs=seq.prompt_scores))
+        else:
             self._emit(seq, logits)  # the prompt is in: its first token (which carries `cached`)
 
     def _decode_step(self) -> None:
@@ -326,7 +355,7 @@ class Scheduler:
         seq.last_token = token
         event = TokenEvent(token, logprob, [TopLogprob(t, lp) for t, lp in top] if top is not None else None)
         if seq.generated == 1:
-            event.cached_tokens = seq.cached
+            event.cached_tokens, event.prompt_logprobs = seq.cached, seq.prompt_scores
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             event.finish_reason = "stop"
         elif seq.generated >= params.max_tokens:

@@ -141,7 +141,8 @@ def constraint_for(state: ServerState, fmt):
 
 
 def sampling_params(state: ServerState, req: _SamplingFields, prompt_len: int, max_tokens: int | None,
-                    logprobs: int | None, param: str, choice_index: int, fmt=None) -> SamplingParams:
+                    logprobs: int | None, param: str, choice_index: int, fmt=None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     # the format first: a schema that cannot compile is the more specific error
     constraint = constraint_for(state, fmt) if fmt is not None else None
     context = state.engine.info.context_length
@@ -163,14 +164,15 @@ def sampling_params(state: ServerState, req: _SamplingFields, prompt_len: int, m
         max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
         seed=None if req.seed is None else req.seed + choice_index,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        repetition_penalty=req.repetition_penalty, logprobs=logprobs, ignore_eos=req.ignore_eos,
+        repetition_penalty=req.repetition_penalty, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        ignore_eos=req.ignore_eos,
         min_p=req.min_p, stop_token_ids=list(req.stop_token_ids or []),
         logit_bias=logit_bias(req.logit_bias, state.engine.tokenizer.vocab_size),
         constraint=constraint)
 
 
 def start_job(state: ServerState, req: _SamplingFields, prompts: list[list[int]], max_tokens: int | None,
-              logprobs: int | None, param: str, forced_format=None) -> Job:
+              logprobs: int | None, param: str, forced_format=None, prompt_logprobs: int | None = None) -> Job:
     """Validate everything first, then submit all choices; a refused submit withdraws the others."""
     engine = state.engine
     vocab = engine.tokenizer.vocab_size
@@ -183,7 +185,7 @@ def start_job(state: ServerState, req: _SamplingFields, prompts: list[list[int]]
             raise APIError(400, f"token ids must be in [0, {vocab})", param=param)
         for j in range(req.n):
             planned.append((prompt, sampling_params(state, req, len(prompt), max_tokens, logprobs, param,
-                                                    len(planned), fmt)))
+                                                    len(planned), fmt, prompt_logprobs)))
     capacity = engine.info.max_batch + engine.info.max_queue
     if len(planned) > capacity:
         # never fits, however idle the server: a 429 "retry later" would have the client retry forever

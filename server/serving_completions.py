@@ -38,18 +38,24 @@ def _legacy_logprobs(entries: list[LogprobEntry], offset: int) -> CompletionLogp
         offset += len(e.token)
         out.tokens.append(e.token)
         out.token_logprobs.append(e.logprob)
-        out.top_logprobs.append({t: lp for t, _, lp in e.top} if e.top else None)
+        top = {t: lp for t, _, lp in e.top}
+        if e.logprob is not None:  # OpenAI always includes the chosen token: up to logprobs + 1 entries
+            top.setdefault(e.token, e.logprob)
+        out.top_logprobs.append(top or None)
     return out
 
 
 def prepare(state: ServerState, req: CompletionRequest) -> tuple[Job, list[str]]:
     check_model(state, req.model)
     refuse_unsupported(req, chat=False)
-    if req.echo and req.logprobs is not None:
-        raise APIError(400, "echo with logprobs is not supported by this server", param="echo")
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError(400, "max_tokens 0 asks for nothing: it is only allowed with echo (to score the prompt)",
+                       param="max_tokens")
     prompts, texts = _prompts(state, req)
     max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS
-    job = start_job(state, req, prompts, max_tokens, req.logprobs, "prompt")
+    # echo with logprobs: the prompt's own log-probabilities too (lm-evaluation-harness's log-likelihood)
+    scored = req.logprobs if req.echo and req.logprobs is not None else None
+    job = start_job(state, req, prompts, max_tokens, req.logprobs, "prompt", prompt_logprobs=scored)
     return job, texts
 
 
@@ -59,7 +65,7 @@ async def complete(state: ServerState, req: CompletionRequest, request) -> Compl
     choices = []
     for i, c in enumerate(job.choices):
         prefix = texts[i // req.n] if req.echo else ""
-        entries = c.all_logprobs
+        entries = c.prompt_logprobs + c.all_logprobs  # the prompt's are there only with echo
         choices.append(CompletionChoice(index=i, text=prefix + c.text, finish_reason=c.finish_reason,
                                         logprobs=_legacy_logprobs(entries, 0) if req.logprobs is not None else None))
     return Completion(id=new_id("cmpl"), model=state.model_name, choices=choices, usage=job.usage())
@@ -69,12 +75,20 @@ async def stream(state: ServerState, req: CompletionRequest, job: Job, texts: li
     cid = new_id("cmpl")
     offsets = [0] * len(job.choices)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    scored = req.echo and req.logprobs is not None
+    echoed = [False] * len(job.choices)
     try:
-        if req.echo:
+        if req.echo and not scored:
             for i in range(len(job.choices)):
                 yield _sse(Completion(id=cid, model=state.model_name,
                                       choices=[CompletionChoice(index=i, text=texts[i // req.n])]))
         async for i, delta in run_job(state, job):
+            if scored and not echoed[i]:  # the echoed prompt with its logprobs, once they are known
+                echoed[i] = True
+                prompt_lp = _legacy_logprobs(job.choices[i].prompt_logprobs, 0)
+                offsets[i] = sum(len(e.token) for e in job.choices[i].prompt_logprobs)
+                yield _sse(Completion(id=cid, model=state.model_name, choices=[
+                    CompletionChoice(index=i, text=texts[i // req.n], logprobs=prompt_lp)]))
             lp = _legacy_logprobs(delta.logprobs, offsets[i]) if req.logprobs is not None else None
             offsets[i] += len(delta.text)
             if delta.finish_reason == "error":  # an error event instead of a finish_reason

@@ -75,7 +75,7 @@ class StopMatcher:
 class LogprobEntry:
     token: str
     token_bytes: list[int]
-    logprob: float
+    logprob: float | None  # None: a prompt's first token (nothing before it to predict it)
     top: list[tuple[str, list[int], float]]
 
 
@@ -96,6 +96,7 @@ class ChoiceText:
         self.want_logprobs = want_logprobs
         self.completion_tokens = 0
         self.cached_tokens = 0  # prompt tokens the engine took from its prefix cache
+        self.prompt_logprobs: list[LogprobEntry] = []  # when asked for (echo with logprobs)
         self.text = ""
         self.finish_reason: str | None = None
         self.error: str | None = None
@@ -106,13 +107,15 @@ class ChoiceText:
         text = ""
         if event.cached_tokens is not None:
             self.cached_tokens = event.cached_tokens
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = [self._scored(t, lp, top) for t, lp, top in event.prompt_logprobs]
         if event.token_id is not None:
             self.completion_tokens += 1
             is_end_token = event.finish_reason == "stop"  # eos / stop token ids are not text
             if not is_end_token:
                 text = self.detok.push(event.token_id)
-                if self.want_logprobs:
-                    self._waiting_logprobs.append(self._entry(event))
+            if self.want_logprobs:  # the end token's too, as vLLM and OpenAI give it (not its text)
+                self._waiting_logprobs.append(self._entry(event))
         if event.finish_reason is not None:
             text += self.detok.flush()
         out, hit = self.stop.push(text)
@@ -131,8 +134,9 @@ class ChoiceText:
         return Delta(out, logprobs, self.finish_reason)
 
     def _entry(self, event: TokenEvent) -> LogprobEntry:
+        return self._scored(event.token_id, event.logprob, event.top_logprobs or [])
+
+    def _scored(self, token_id: int, logprob: float | None, top) -> LogprobEntry:
         tok = self.tokenizer
-        top = [(tok.token_text(t.token_id), list(tok.token_bytes(t.token_id)), t.logprob)
-               for t in (event.top_logprobs or [])]
-        return LogprobEntry(tok.token_text(event.token_id), list(tok.token_bytes(event.token_id)),
-                            event.logprob, top)
+        alternatives = [(tok.token_text(t.token_id), list(tok.token_bytes(t.token_id)), t.logprob) for t in top]
+        return LogprobEntry(tok.token_text(token_id), list(tok.token_bytes(token_id)), logprob, alternatives)

@@ -9,6 +9,7 @@ import pytest
 
 # Tests never reach a model hub: everything they load is built here.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # lm-eval loads its local task files through datasets
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -36,9 +36,9 @@ class FastCoreBackend(RowBackend):
     def _truncate(self, row: int, n: int) -> None:
         self.core.occupy(row, n)
 
-    def prefill(self, slot: int, prompt_ids: list[int], start: int = 0):
+    def prefill(self, slot: int, prompt_ids: list[int], start: int = 0, all_logits: bool = False):
         row = self._row_for_prefill(slot, start)
-        logits = self.core.prefill(row, prompt_ids, start).cpu()
+        logits = self.core.prefill(row, prompt_ids, start, all_logits).cpu()
         self.rows.written(row, list(prompt_ids), start)
         return logits
 

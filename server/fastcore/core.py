@@ -288,17 +288,26 @@ class FastCore:
                 self.release(s)
 
     @torch.inference_mode()
-    def prefill(self, slot: int, ids, start: int = 0) -> torch.Tensor:
-        """Write `ids` into `slot` at positions start.. and return the last position's logits."""
+    def prefill(self, slot: int, ids, start: int = 0, all_logits: bool = False) -> torch.Tensor:
+        """Write `ids` into `slot` at positions start.. and return the last position's logits
+        ([vocab]), or with all_logits every position's ([n, vocab]: prompt log-probabilities;
+        eager, as scoring is not what the compiled graphs are recorded for)."""
         ids = torch.as_tensor(list(ids) if not torch.is_tensor(ids) else ids, dtype=torch.long).view(-1).cpu()
         n = ids.numel()
         if n == 0 or start + n > self.max_seq:
             raise ValueError(f"prefill of {n} tokens at {start} does not fit max_seq {self.max_seq}")
         self.in_use[slot] = True
+        rows = []
         for c0 in range(0, n, self.prefill_chunk):
-            logits = self._prefill_chunk(slot, ids[c0:c0 + self.prefill_chunk], start + c0)
+            chunk, at = ids[c0:c0 + self.prefill_chunk], start + c0
+            if all_logits:
+                kv_idx = torch.arange(self._kv_len(at + chunk.numel()), device=self.device)
+                tok, pos = (t.to(self.device) for t in self._prefill_inputs(slot, chunk, at, chunk.numel())[:2])
+                rows.append(self.model(tok, pos, slot, kv_idx)[0].float())
+            else:
+                logits = self._prefill_chunk(slot, chunk, at)
         self.lengths[slot] = start + n
-        return logits
+        return torch.cat(rows) if all_logits else logits
 
     @torch.inference_mode()
     def prefill_many(self, items: list[tuple[int, list[int], int]]) -> torch.Tensor:
