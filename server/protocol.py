@@ -204,6 +204,33 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: Optional[bool] = None
 
 
+class ResponsesRequest(_Request):
+    """OpenAI's Responses API request (serving_responses.py turns it into a chat completion)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    model: str
+    input: Union[str, list[Any]]
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    stream: bool = False
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[bool] = None
+    text: Optional[dict[str, Any]] = None
+    # the open-server extras chat takes too, through the client's extra_body
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    seed: Optional[int] = None
+    repetition_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    stop: Optional[Union[str, list[str]]] = None
+    ignore_eos: Optional[bool] = None
+
+
 class TokenizeRequest(_Request):
     model: str
     prompt: Optional[str] = None

@@ -172,7 +172,8 @@ def sampling_params(state: ServerState, req: _SamplingFields, prompt_len: int, m
 
 
 def start_job(state: ServerState, req: _SamplingFields, prompts: list[list[int]], max_tokens: int | None,
-              logprobs: int | None, param: str, forced_format=None, prompt_logprobs: int | None = None) -> Job:
+              logprobs: int | None, param: str, forced_format=None, prompt_logprobs: int | None = None,
+              end_token_logprobs: bool = False) -> Job:
     """Validate everything first, then submit all choices; a refused submit withdraws the others."""
     engine = state.engine
     vocab = engine.tokenizer.vocab_size
@@ -196,7 +197,8 @@ def start_job(state: ServerState, req: _SamplingFields, prompts: list[list[int]]
     try:
         for prompt, params in planned:
             streams.append(engine.submit(EngineRequest(prompt, params)))
-            choices.append(ChoiceText(engine.tokenizer, prompt, req.stop_list(), logprobs is not None))
+            choices.append(ChoiceText(engine.tokenizer, prompt, req.stop_list(), logprobs is not None,
+                                      end_token_logprobs))
     except (QueueFullError, EngineClosedError) as e:
         for s in streams:
             s.cancel()

@@ -55,7 +55,8 @@ def prepare(state: ServerState, req: CompletionRequest) -> tuple[Job, list[str]]
     max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS
     # echo with logprobs: the prompt's own log-probabilities too (lm-evaluation-harness's log-likelihood)
     scored = req.logprobs if req.echo and req.logprobs is not None else None
-    job = start_job(state, req, prompts, max_tokens, req.logprobs, "prompt", prompt_logprobs=scored)
+    job = start_job(state, req, prompts, max_tokens, req.logprobs, "prompt", prompt_logprobs=scored,
+                    end_token_logprobs=True)
     return job, texts
 
 

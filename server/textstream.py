@@ -89,11 +89,15 @@ class Delta:
 class ChoiceText:
     """One choice's text as it grows; `push(event)` returns what to send for that event."""
 
-    def __init__(self, tokenizer: ModelTokenizer, prompt_ids: list[int], stop: list[str], want_logprobs: bool):
+    def __init__(self, tokenizer: ModelTokenizer, prompt_ids: list[int], stop: list[str], want_logprobs: bool,
+                 end_token_logprobs: bool = False):
         self.tokenizer = tokenizer
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
         self.stop = StopMatcher(stop)
         self.want_logprobs = want_logprobs
+        # completions list the end token's logprob too (an evaluation harness counts on one entry per
+        # generated token); chat's logprobs cover the content only, as OpenAI's do
+        self.end_token_logprobs = end_token_logprobs
         self.completion_tokens = 0
         self.cached_tokens = 0  # prompt tokens the engine took from its prefix cache
         self.prompt_logprobs: list[LogprobEntry] = []  # when asked for (echo with logprobs)
@@ -114,7 +118,7 @@ class ChoiceText:
             is_end_token = event.finish_reason == "stop"  # eos / stop token ids are not text
             if not is_end_token:
                 text = self.detok.push(event.token_id)
-            if self.want_logprobs:  # the end token's too, as vLLM and OpenAI give it (not its text)
+            if self.want_logprobs and (self.end_token_logprobs or not is_end_token):
                 self._waiting_logprobs.append(self._entry(event))
         if event.finish_reason is not None:
             text += self.detok.flush()

@@ -1,0 +1,266 @@
+"""`/v1/responses`: OpenAI's Responses API (what the newest SDKs and LangChain's
+`use_responses_api=True` call), served by translating each request into a chat completion.
+
+Stateless: nothing is stored, so `previous_response_id`, `store: true` and `background` are
+refused with a 400 that says why; a conversation is sent whole in `input`, its earlier tool calls
+and their outputs as `function_call` / `function_call_output` items.  `instructions` become the
+system message; `text.format` is chat's `response_format`; function `tools` and `tool_choice`
+are chat's in the Responses API's flat shape.  Output is a `message` item with `output_text`, and
+a `function_call` item per tool call; streamed, the events are the Responses API's own
+(`response.created` ... `response.output_text.delta` ... `response.completed`), each numbered.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, AsyncIterator
+
+from pydantic import ValidationError
+
+from quantserve.server.errors import APIError
+from quantserve.server.protocol import ChatCompletionRequest, ResponsesRequest
+from quantserve.server.serving import ServerState, collect, new_id, run_job, run_to_reply
+
+# fields with no chat counterpart: allowed at these values only (value -> why refused otherwise)
+_REFUSED = {
+    "previous_response_id": ((None,), "this server stores no responses (stateless): send the whole "
+                             "conversation in input instead of previous_response_id"),
+    "store": ((None, False), "this server stores no responses (stateless): send store: false"),
+    "background": ((None, False), "background responses need storage, which this server does not keep"),
+    "conversation": ((None,), "this server stores no conversations: send the whole conversation in input"),
+    "prompt": ((None,), "stored prompt templates are not supported by this server"),
+    "reasoning": ((None, {}, {"effort": None}, {"summary": None}), "this model has no reasoning mode"),
+    "include": ((None, []), "include is not supported by this server (no extra output data to add)"),
+    "truncation": ((None, "disabled"), "prompts are never truncated here: a long one gets a 400"),
+    "max_tool_calls": ((None,), "max_tool_calls is not supported by this server"),
+    "top_logprobs": ((None, 0), "logprobs on /v1/responses are not supported (use /v1/chat/completions)"),
+    "service_tier": ((None, "auto", "default"), "this server has one service tier"),
+}
+_HINTS = {"user", "metadata", "safety_identifier", "prompt_cache_key", "stream_options"}
+
+
+def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat completion request that answers `req`, or a 400 naming what cannot be served."""
+    extras = dict(req.model_extra or {})
+    for name, value in extras.items():
+        if name in _HINTS:
+            continue
+        if name not in _REFUSED:
+            raise APIError(400, f"unknown field {name!r}: not part of the Responses API nor of this "
+                           "server's extras", param=name)
+        off, why = _REFUSED[name]
+        if value not in off:
+            raise APIError(400, f"{name}: {why}", param=name)
+    body: dict[str, Any] = {"model": req.model, "messages": _messages(req), "stream": req.stream,
+                            "max_completion_tokens": req.max_output_tokens}
+    for name in ("temperature", "top_p", "parallel_tool_calls", "top_k", "min_p", "seed",
+                 "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "ignore_eos"):
+        value = getattr(req, name, None)
+        if value is not None:
+            body[name] = value
+    if req.tools:
+        body["tools"] = [_tool(t, i) for i, t in enumerate(req.tools)]
+    if req.tool_choice is not None:
+        choice = req.tool_choice
+        if isinstance(choice, dict) and choice.get("type") == "function":
+            choice = {"type": "function", "function": {"name": choice.get("name")}}
+        body["tool_choice"] = choice
+    fmt = (req.text or {}).get("format") if isinstance(req.text, dict) else None
+    if fmt and fmt.get("type") != "text":
+        if fmt.get("type") == "json_schema":
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}
+        else:
+            body["response_format"] = fmt
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise APIError(400, f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}", param=str(err["loc"][0])) from None
+
+
+def _text_of(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    parts = []
+    for j, part in enumerate(content or []):
+        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise APIError(400, f"{where}.content.{j}: {kind!r} content is not supported (text only)",
+                           param=f"{where}.content")
+        parts.append(part.get("text", ""))
+    return "".join(parts)
+
+
+def _messages(req: ResponsesRequest) -> list[dict]:
+    """`instructions` and `input` as chat messages (consecutive function calls: one assistant turn)."""
+    messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    if isinstance(req.input, str):
+        return messages + [{"role": "user", "content": req.input}]
+    for i, item in enumerate(req.input):
+        where = f"input.{i}"
+        if not isinstance(item, dict):
+            raise APIError(400, f"{where}: an input item is an object", param=where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise APIError(400, f"{where}.role: {role!r} is not a message role", param=f"{where}.role")
+            messages.append({"role": "system" if role == "developer" else role,
+                             "content": _text_of(item.get("content"), where)})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
+            last = messages[-1] if messages else None
+            if last and last["role"] == "assistant" and "tool_calls" in last and not last["content"]:
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": output if isinstance(output, str) else _text_of(output, where)})
+        else:
+            raise APIError(400, f"{where}.type: {kind!r} input items are not supported (messages, "
+                           "function_call and function_call_output are)", param=f"{where}.type")
+    return messages
+
+
+def _tool(tool, i: int) -> dict:
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+        raise APIError(400, f"tools.{i}.type: {kind!r} tools are not supported (function tools are)",
+                       param=f"tools.{i}.type")
+    fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+    return {"type": "function", "function": fn}
+
+
+# ---- the reply ------------------------------------------------------------------------------
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict:
+    content = [] if status == "in_progress" else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+    return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
+
+
+def _call_item(call, status: str = "completed") -> dict:
+    return {"type": "function_call", "id": new_id("fc"), "call_id": call.id, "name": call.function.name,
+            "arguments": call.function.arguments, "status": status}
+
+
+def _response(rid: str, req: ResponsesRequest, state: ServerState, status: str, output: list, job=None,
+              finish: str | None = None) -> dict:
+    usage = None
+    if job is not None:
+        u = job.usage()
+        cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
+        usage = {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens,
+                 "total_tokens": u.total_tokens, "input_tokens_details": {"cached_tokens": cached},
+                 "output_tokens_details": {"reasoning_tokens": 0}}
+    incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+    return {"id": rid, "object": "response", "created_at": int(time.time()), "model": state.model_name,
+            "status": status, "output": output, "error": None, "incomplete_details": incomplete,
+            "instructions": req.instructions, "metadata": (req.model_extra or {}).get("metadata") or {},
+            "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
+            "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
+            "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+            "tools": req.tools or [], "text": req.text or {"format": {"type": "text"}}, "usage": usage,
+            "store": False, "truncation": "disabled"}
+
+
+def _status(finish: str | None) -> str:
+    return "incomplete" if finish == "length" else "completed"
+
+
+async def respond(state: ServerState, req: ResponsesRequest, request) -> dict:
+    from quantserve.server import serving_chat
+
+    chat = to_chat(req)
+    job, plan = serving_chat.prepare(state, chat)
+    await run_to_reply(job, request, collect(state, job))
+    choice = job.choices[0]
+    message, finish = serving_chat.reply_message(choice.text, choice.finish_reason, plan)
+    output = []
+    if message.content:
+        output.append(_message_item(new_id("msg"), message.content, "completed"))
+    output += [_call_item(call) for call in message.tool_calls or []]
+    return _response(new_id("resp"), req, state, _status(finish), output, job, finish)
+
+
+def prepare_stream(state: ServerState, req: ResponsesRequest):
+    from quantserve.server import serving_chat
+
+    return serving_chat.prepare(state, to_chat(req))
+
+
+async def stream(state: ServerState, req: ResponsesRequest, job, plan) -> AsyncIterator[str]:
+    from quantserve.server.serving import api_error_of
+    from quantserve.server.serving_chat import ToolCallStream
+
+    rid, mid, seq = new_id("resp"), new_id("msg"), iter(range(1 << 62))
+    calls = ToolCallStream(plan) if plan is not None and plan.parses else None
+    text, opened, output = "", False, []
+
+    def event(kind: str, **fields) -> str:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': next(seq), **fields})}\n\n"
+
+    def open_message() -> list[str]:
+        return [event("response.output_item.added", output_index=0, item=_message_item(mid, "", "in_progress")),
+                event("response.content_part.added", item_id=mid, output_index=0, content_index=0,
+                      part={"type": "output_text", "text": "", "annotations": []})]
+
+    try:
+        yield event("response.created", response=_response(rid, req, state, "in_progress", []))
+        yield event("response.in_progress", response=_response(rid, req, state, "in_progress", []))
+        async for _, delta in run_job(state, job):
+            if delta.finish_reason == "error":
+                e = api_error_of(job.choices[0].error)
+                yield event("error", code=e.code, message=e.message, param=None)
+                failed = _response(rid, req, state, "failed", output, job)
+                failed["error"] = {"code": e.code or "server_error", "message": e.message}
+                yield event("response.failed", response=failed)
+                job.settle("error")
+                return
+            piece = calls.push(delta.text) if calls is not None else delta.text
+            tool_deltas, finish = [], delta.finish_reason
+            if delta.finish_reason and calls is not None:
+                rest, tool_deltas, finish = calls.finish(delta.finish_reason)
+                piece += rest
+            if piece:
+                if not opened:
+                    opened = True
+                    for e in open_message():
+                        yield e
+                text += piece
+                yield event("response.output_text.delta", item_id=mid, output_index=0, content_index=0,
+                            delta=piece, logprobs=[])
+            if delta.finish_reason:
+                if opened:
+                    item = _message_item(mid, text, "completed")
+                    yield event("response.output_text.done", item_id=mid, output_index=0, content_index=0,
+                                text=text, logprobs=[])
+                    yield event("response.content_part.done", item_id=mid, output_index=0, content_index=0,
+                                part=item["content"][0])
+                    yield event("response.output_item.done", output_index=0, item=item)
+                    output.append(item)
+                for d in tool_deltas:
+                    index = len(output)
+                    item = {"type": "function_call", "id": new_id("fc"), "call_id": d.id,
+                            "name": d.function.name, "arguments": "", "status": "in_progress"}
+                    yield event("response.output_item.added", output_index=index, item=item)
+                    yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                                delta=d.function.arguments)
+                    yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                arguments=d.function.arguments, name=d.function.name)
+                    item = {**item, "arguments": d.function.arguments, "status": "completed"}
+                    yield event("response.output_item.done", output_index=index, item=item)
+                    output.append(item)
+                status = _status(finish)
+                yield event(f"response.{status}", response=_response(rid, req, state, status, output, job, finish))
+        job.settle("success")
+    except Exception:
+        job.settle("error")
+        raise
+    finally:
+        job.cancel()
