@@ -16,12 +16,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from quantserve.server import serving_chat, serving_completions, serving_responses
+from quantserve.server import serving_chat, serving_completions, serving_embeddings, serving_responses
 from quantserve.server.errors import APIError, error_response, from_api_error
 from quantserve.server.exceptions import ModelLoadError
 from quantserve.server.metrics import Metrics
 from quantserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, JSONBodyMiddleware
-from quantserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList, ResponsesRequest, TokenizeRequest)
+from quantserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
+                                        ModelCard, ModelList, ResponsesRequest, TokenizeRequest)
 from quantserve.server.serving import ServerState, check_model
 
 log = logging.getLogger("quantserve.server")
@@ -201,6 +202,11 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_body_byt
             job, plan = serving_chat.prepare(state, body)
             return SSEResponse(serving_chat.stream(state, body, job, plan), job.cancel)
         return await serving_chat.complete(state, body, request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request):
+        ready()
+        return await serving_embeddings.embed(state, body, request)
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):

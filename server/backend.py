@@ -48,6 +48,10 @@ class DecodeBackend(Protocol):
         """Append one token per slot; return float32 logits, one row per slot, in order, on the
         backend's device (the scheduler copies to the CPU only the rows it samples there)."""
 
+    def embed(self, slot: int, ids: list[int], pooling: str):
+        """The final hidden state of `ids` (a new sequence in `slot`), pooled: "last" token or
+        "mean" of all; a float32 numpy vector, not normalized."""
+
     def free(self, slot: int) -> None: ...
 
     def cached_tokens(self) -> int:
@@ -101,6 +105,13 @@ class HFBackend(RowBackend):
         self._kv[row] = [(layer.keys, layer.values) for layer in self._cache_of(out).layers]
         self.rows.written(row, list(prompt_ids), start)
         return out.logits[0].float().cpu() if all_logits else out.logits[0, -1].float().cpu()
+
+    def embed(self, slot: int, ids: list[int], pooling: str):
+        torch = self._torch
+        with torch.inference_mode():  # the decoder alone: its last hidden state is after the final norm
+            h = self.model.get_decoder()(input_ids=torch.tensor([ids], device=self.device)).last_hidden_state[0]
+        h = h.float()
+        return (h.mean(0) if pooling == "mean" else h[-1]).cpu().numpy()
 
     def decode(self, slots: list[int], tokens: list[int]):
         from transformers import DynamicCache

@@ -71,6 +71,8 @@ def serve(
     max_batch: int = typer.Option(_D.max_batch, min=1, max=512, help="Sequences decoded together (continuous batching)."),
     prefill_chunk: int = typer.Option(_D.prefill_chunk, min=16, help="Prompt tokens prefilled between two decode steps: "
                                       "a long prompt is taken in chunks so running streams keep going."),
+    embedding_pooling: str = typer.Option(_D.embedding_pooling, help="/v1/embeddings: 'last' token's final "
+                                          "hidden state (decoder models' usual choice) or 'mean' over the input."),
     prefix_cache: bool = typer.Option(_D.prefix_cache, "--prefix-cache/--no-prefix-cache",
                                       help="Reuse the K/V of prompt prefixes computed before (a chat's system "
                                       "prompt and earlier turns); usage.prompt_tokens_details.cached_tokens says how many."),
@@ -128,6 +130,8 @@ def serve(
 
     if engine not in ENGINE_CHOICES:
         raise UsageError(f"unknown --engine {engine!r}: choose {', '.join(ENGINE_CHOICES)}")
+    if embedding_pooling not in ("last", "mean"):
+        raise UsageError(f"unknown --embedding-pooling {embedding_pooling!r}: choose last or mean")
     if weight_quant not in ("none", "int8", "int4"):
         raise UsageError(f"unknown --weight-quant {weight_quant!r}: choose none, int8 or int4")
     from quantserve.server.tool_parsers import FORMATS
@@ -139,7 +143,8 @@ def serve(
                                                         max_queue=max_queue, gpu_profile=gpu_profile,
                                                         threads=threads, engine=engine,
                                                         weight_quant=weight_quant, trust_pickle=trust_pickle,
-                                                        prefill_chunk=prefill_chunk, prefix_cache=prefix_cache))
+                                                        prefill_chunk=prefill_chunk, prefix_cache=prefix_cache,
+                                                        embedding_pooling=embedding_pooling))
     logging.getLogger("quantserve.server").debug("engine options: %s", engine.options)  # never the API key
     # The port is taken before the model loads (minutes, for a big one): a busy port is one line now.
     sock = bind_port(host, port)

@@ -21,3 +21,4 @@ class EngineOptions:
     trust_pickle: bool = False  # serve a checkpoint whose weights are only pickles (rewritten as safetensors)
     prefill_chunk: int = 512  # prompt tokens prefilled between two decode steps (chunked prefill)
     prefix_cache: bool = True  # reuse the K/V of prompt prefixes computed before (server/prefix_cache.py)
+    embedding_pooling: str = "last"  # /v1/embeddings: the last token's final hidden state, or the mean

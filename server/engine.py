@@ -46,6 +46,7 @@ class TokenEvent:
     # first event only, when asked for: (token, its logprob or None for the first, top alternatives)
     # for every prompt token
     prompt_logprobs: list[tuple[int, float | None, list[TopLogprob]]] | None = None
+    embedding: list[float] | None = None  # an embedding request's result (its only event)
     # timing filled in by the scheduler, for metrics: seconds since the request was submitted
     elapsed_s: float = 0.0
 

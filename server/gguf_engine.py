@@ -78,6 +78,7 @@ class LlamaCppBackend(RowBackend):
 
         self._llama_cpp = llama_cpp
         self.vocab_size = model.n_vocab()
+        self._n_embd = model.n_embd()
         self.kv_capacity_tokens = max_batch * context_length
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = max_batch * context_length  # split evenly: each sequence gets context_length
@@ -128,6 +129,27 @@ class LlamaCppBackend(RowBackend):
         if all_logits:
             return np.stack([self._logits(i) for i in range(n)])
         return self._logits(n - 1).copy()
+
+    def embed(self, slot: int, ids: list[int], pooling: str):
+        """llama.cpp's final hidden states (its "embeddings", before the output layer) for one
+        prompt, read with embeddings switched on for this one decode."""
+        import numpy as np
+
+        lc = self._llama_cpp
+        row = self._row_for_prefill(slot, 0)
+        self._truncate(row, 0)
+        n, every = len(ids), pooling == "mean"
+        lc.llama_set_embeddings(self.ctx.ctx, True)
+        try:
+            self._run([(t, i, row, every or i == n - 1) for i, t in enumerate(ids)])
+            dim = self._n_embd
+            outputs = range(n) if every else [n - 1]
+            vectors = [np.ctypeslib.as_array(lc.llama_get_embeddings_ith(self.ctx.ctx, i), shape=(dim,)).copy()
+                       for i in outputs]
+        finally:
+            lc.llama_set_embeddings(self.ctx.ctx, False)
+        self.rows.written(row, list(ids), 0)
+        return np.mean(vectors, axis=0).astype(np.float32) if every else vectors[0].astype(np.float32)
 
     def decode(self, slots: list[int], tokens: list[int]):
         import numpy as np
@@ -189,5 +211,6 @@ def load_gguf(path: Path, context: int | None, max_batch: int, max_queue: int, t
     info = EngineInfo(engine="gguf", model_path=str(path), context_length=context, max_batch=max_batch,
                       max_queue=max_queue, device="cuda" if gpu else "cpu", dtype=str(file_type),
                       attention="llama.cpp", quantization=str(file_type),
-                      extra={"gpu_offload": gpu, "threads": threads, "llama_cpp_python": llama_cpp.__version__})
+                      extra={"gpu_offload": gpu, "threads": threads, "llama_cpp_python": llama_cpp.__version__,
+                             "hidden_size": model.n_embd()})
     return backend, LlamaCppTokenizer(model), info

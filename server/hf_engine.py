@@ -125,7 +125,8 @@ def load_hf(path: Path, gpu_profile: str | None, context: int | None, max_batch:
                       max_batch=max_batch, max_queue=max_queue, device=caps.device,
                       dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
                       attention=model.config._attn_implementation, quantization=quant,
-                      extra={"gpu_profile": caps.profile, "gpu": caps.gpu_name})
+                      extra={"gpu_profile": caps.profile, "gpu": caps.gpu_name,
+                             "hidden_size": getattr(model.config.get_text_config(), "hidden_size", None)})
     return model, tokenizer, info
 
 
@@ -166,6 +167,7 @@ def load_fast(path: Path, gpu_profile: str | None, context: int | None, max_batc
                       quantization=None if weight_quant == "none" else f"{weight_quant} weight-only",
                       extra={"gpu_profile": caps.profile, "gpu": caps.gpu_name, "compiled": core.compile,
                              "prefill_chunk": core.prefill_chunk, "load_s": round(core.load_seconds, 1),
+                             "hidden_size": core.args.dim,
                              "warm_up_s": round(getattr(backend, "warm_up_s", 0.0), 1),
                              "compile_cache": str(compile_cache) if compile_cache else None})
     return backend, HFTokenizer(load_tokenizer(path)), info

@@ -78,6 +78,18 @@ def _check_token_ids(ids: list[int]) -> None:
         raise ValueError(f"token ids must be integers in [0, {MAX_TOKEN_ID}]")
 
 
+def _checked_prompt(prompt):
+    """A prompt (or embedding input): text, texts, token ids or lists of them; ids checked."""
+    if isinstance(prompt, list):
+        for item in prompt:
+            if isinstance(item, int):
+                _check_token_ids(prompt)
+                break
+            if isinstance(item, list):
+                _check_token_ids(item)
+    return prompt
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str
@@ -160,14 +172,7 @@ class CompletionRequest(_SamplingFields):
     @field_validator("prompt")
     @classmethod
     def _prompt_ids(cls, prompt):
-        if isinstance(prompt, list):
-            for item in prompt:
-                if isinstance(item, int):
-                    _check_token_ids(prompt)
-                    break
-                if isinstance(item, list):
-                    _check_token_ids(item)
-        return prompt
+        return _checked_prompt(prompt)
 
 
 class TextContentPart(BaseModel):
@@ -202,6 +207,19 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[Any] = None
     tool_choice: Optional[Any] = None
     parallel_tool_calls: Optional[bool] = None
+
+
+class EmbeddingRequest(_Request):
+    model: str
+    input: Union[str, list[str], list[int], list[list[int]]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = Field(None, ge=1)
+    user: Optional[str] = None
+
+    @field_validator("input")
+    @classmethod
+    def _input_ids(cls, value):
+        return _checked_prompt(value)
 
 
 class ResponsesRequest(_Request):

@@ -30,6 +30,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token and the top k
     prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob and the top k
+    embed: str | None = None  # an embedding request ("last" or "mean" pooling): no tokens generated
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit

@@ -209,8 +209,9 @@ class Scheduler:
         self._running[req.request_id] = seq
         if seq.scoring:
             seq.prompt_scores = [(req.prompt_ids[0], None, [])]  # the first token has no context
+        fresh = seq.scoring or req.params.embed is not None  # every position computed, nothing reused
         try:
-            seq.prefilled = seq.cached = self.backend.start(slot, [] if seq.scoring else req.prompt_ids)
+            seq.prefilled = seq.cached = self.backend.start(slot, [] if fresh else req.prompt_ids)
         except Exception as e:
             self._log(f"starting request {req.request_id} failed: {type(e).__name__}: {e}")
             self._fail(seq, EngineError.from_exception(e))
@@ -221,6 +222,8 @@ class Scheduler:
         cut there: each piece is a forward of its own, a whole pass over the weights.  Short
         pieces (a question after a cached system prompt, a chat's new turn) go together in one
         forward where the backend can batch them."""
+        for seq in [s for s in self._running.values() if s.stream.request.params.embed is not None]:
+            self._embed(seq)
         budget, pieces = self.prefill_chunk, []
         for seq in [s for s in self._running.values() if not s.decoding]:  # dicts keep admission order
             prompt = seq.stream.request.prompt_ids
@@ -263,6 +266,20 @@ class Scheduler:
                 self._fail(seq, EngineError.from_exception(e))
                 continue
             self._prefilled(seq, chunk, logits)
+
+    def _embed(self, seq: _Running) -> None:
+        """An embedding request: one forward over its whole input, its pooled hidden state as the
+        only event (it never joins the decode batch)."""
+        req = seq.stream.request
+        try:
+            vector = self.backend.embed(seq.slot, req.prompt_ids, req.params.embed)
+        except Exception as e:
+            self._log(f"embedding of request {req.request_id} ({len(req.prompt_ids)} tokens) failed: "
+                      f"{type(e).__name__}: {e}")
+            self._fail(seq, EngineError.from_exception(e))
+            return
+        seq.prefilled = len(req.prompt_ids)
+        self._finish(seq, TokenEvent(None, finish_reason="stop", embedding=[float(x) for x in vector]))
 
     def _scored_prefill(self, seq: _Running, chunk: list[int]):
         """Prefill with every position's logits; score the prompt tokens they predict.  Returns

@@ -31,7 +31,8 @@ REQUEST_TIMEOUT = 30.0  # seconds; no request may take longer (a hang fails the 
 EXAMPLES = {"quick": {"schema": 120, "raw": 60}, "full": {"schema": 1500, "raw": 1000}}[SIZE]
 
 ENDPOINTS = ["GET /health", "GET /metrics", "GET /v1/models", "GET /v1/models/{model_id}",
-             "POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize"]
+             "POST /v1/completions", "POST /v1/chat/completions", "POST /v1/embeddings", "POST /v1/responses",
+             "POST /tokenize", "POST /detokenize"]
 # negative cases only where the schema has something to break: a body (any string is a valid
 # model id, and the other GETs take nothing)
 CASES = [(label, "positive") for label in ENDPOINTS] + \
@@ -97,13 +98,15 @@ def _aim(case, label: str) -> None:
     if not isinstance(body, dict):
         return
     body["model"] = MODEL
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = body.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= CONTEXT:
             body[key] = min(value, SMALL_MAX_TOKENS)  # over the context stays: it must give a clean 400
     if label == "POST /v1/chat/completions" and body.get("max_tokens") is None \
             and body.get("max_completion_tokens") is None:
         body["max_tokens"] = SMALL_MAX_TOKENS  # chat's default is "all the context left", times n
+    if label == "POST /v1/responses" and body.get("max_output_tokens") is None:
+        body["max_output_tokens"] = SMALL_MAX_TOKENS
 
 
 def _send(client: httpx.Client, base_url: str, case) -> httpx.Response:
@@ -132,6 +135,11 @@ def _check_success(label: str, r: httpx.Response, body) -> None:
     if label == "GET /metrics":
         assert "quantserve:num_requests_running" in r.text
         return
+    if r.headers["content-type"].startswith("text/event-stream") and label == "POST /v1/responses":
+        events = [json.loads(line[len("data: "):]) for line in r.text.splitlines() if line.startswith("data: ")]
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        assert events[-1]["type"] in ("response.completed", "response.incomplete"), r.text[-500:]
+        return
     if r.headers["content-type"].startswith("text/event-stream"):
         chunk_type = Completion if label == "POST /v1/completions" else ChatCompletionChunk
         events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
@@ -154,6 +162,10 @@ def _check_success(label: str, r: httpx.Response, body) -> None:
     elif label == "POST /v1/chat/completions":
         out = ChatCompletion.model_validate(data)
         assert out.choices and all(c.finish_reason in ("stop", "length") for c in out.choices)
+    elif label == "POST /v1/embeddings":
+        assert data["object"] == "list" and data["data"] and data["usage"]["prompt_tokens"] > 0
+    elif label == "POST /v1/responses":
+        assert data["object"] == "response" and data["status"] in ("completed", "incomplete")
     elif label == "POST /tokenize":
         assert data["count"] == len(data["tokens"]) and all(isinstance(t, int) for t in data["tokens"])
     elif label == "POST /detokenize":

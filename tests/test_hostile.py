@@ -181,7 +181,10 @@ def _cases() -> list[Case]:
                param="logprobs"),
           Case("chat top_logprobs without logprobs", "/v1/chat/completions", chat(top_logprobs=2), param="top_logprobs"),
           Case("logprobs at the max", body=completion(logprobs=MAX_LOGPROBS), expect=200),
-          Case("echo with logprobs", body=completion(echo=True, logprobs=1), param="echo"),
+          Case("echo with logprobs", body=completion(echo=True, logprobs=1), expect=200),
+          Case("echo with logprobs and no new tokens", body=completion(echo=True, logprobs=1, max_tokens=0), expect=200),
+          Case("max_tokens 0 without echo", body=completion(max_tokens=0), param="max_tokens"),
+          Case("negative max_tokens with echo", body=completion(echo=True, max_tokens=-1), param="max_tokens"),
           Case("suffix", body=completion(suffix="x"), param="suffix")]
     # ---- OpenAI features this server does not implement: refused by name, never quietly ignored
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}

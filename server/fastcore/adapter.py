@@ -49,6 +49,12 @@ class FastCoreBackend(RowBackend):
             self.rows.written(r, list(ids), start)
         return list(logits)
 
+    def embed(self, slot: int, ids: list[int], pooling: str):
+        row = self._row_for_prefill(slot, 0)
+        vector = self.core.embed(row, ids, pooling).numpy()
+        self.rows.written(row, list(ids), 0)  # real K/V of the prompt: a later prompt may reuse them
+        return vector
+
     def decode(self, slots: list[int], tokens: list[int]):
         rows = [self.rows.row_of[s] for s in slots]
         positions = [len(self.rows.tokens[r]) for r in rows]

@@ -310,6 +310,25 @@ class FastCore:
         return torch.cat(rows) if all_logits else logits
 
     @torch.inference_mode()
+    def embed(self, slot: int, ids: list[int], pooling: str) -> torch.Tensor:
+        """Write `ids` into `slot` from position 0 (eagerly, in chunks) and return the final hidden
+        state pooled over the prompt: the last token's ("last") or the mean of all ("mean")."""
+        ids_t = torch.as_tensor(ids, dtype=torch.long)
+        if not 0 < ids_t.numel() <= self.max_seq:
+            raise ValueError(f"an embedding input of {ids_t.numel()} tokens does not fit max_seq {self.max_seq}")
+        self.in_use[slot] = True
+        total, last = None, None
+        for c0 in range(0, ids_t.numel(), self.prefill_chunk):
+            chunk = ids_t[c0:c0 + self.prefill_chunk]
+            kv_idx = torch.arange(self._kv_len(c0 + chunk.numel()), device=self.device)
+            tok, pos = (t.to(self.device) for t in self._prefill_inputs(slot, chunk, c0, chunk.numel())[:2])
+            h = self.model(tok, pos, slot, kv_idx, hidden=True)[0].float()
+            total = h.sum(0) if total is None else total + h.sum(0)
+            last = h[-1]
+        self.lengths[slot] = ids_t.numel()
+        return (total / ids_t.numel() if pooling == "mean" else last).cpu()
+
+    @torch.inference_mode()
     def prefill_many(self, items: list[tuple[int, list[int], int]]) -> torch.Tensor:
         """Several short prompt pieces, (slot, ids, start) each, in one forward: one pass over the
         weights instead of one per piece (what 32 users of one cached system prompt need: only

@@ -174,7 +174,7 @@ class Transformer(nn.Module):
         self.rope_cos = (emb.cos() * rope_scale).to(dtype)
         self.rope_sin = (emb.sin() * rope_scale).to(dtype)
 
-    def forward(self, tokens, pos, row0, kv_idx, last: torch.Tensor | None = None):
+    def forward(self, tokens, pos, row0, kv_idx, last: torch.Tensor | None = None, hidden: bool = False):
         """tokens/pos [B, C] for cache rows row0..row0+B-1 (or the rows in a [B] tensor row0) ->
         logits [B, C, vocab], or [B, 1, vocab] at index `last` [B] of each row: a prompt needs only
         its last real position's (padding may follow it), and the vocab matmul is big."""
@@ -187,4 +187,5 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, rows, pos, row0, kv_idx)
         if last is not None:
             x = x.gather(1, last.view(B, 1, 1).expand(B, 1, x.shape[-1]))
-        return self.output(self.norm(x))
+        x = self.norm(x)
+        return x if hidden else self.output(x)  # hidden: the final hidden states (embeddings)

@@ -1,0 +1,102 @@
+"""`/v1/embeddings`: each input's final hidden state, pooled (`--embedding-pooling last|mean`)
+and L2-normalized as OpenAI's embeddings are, on every engine.
+
+An embedding is a request like any other for the scheduler (a slot, one forward over the input,
+no tokens generated), so it queues and batches with the generation requests and counts in the
+same limits.  `dimensions` is honoured only where it asks for the model's own width: a causal
+LM's hidden state cannot be shortened without a model trained for it (Matryoshka), so any other
+value is a 400 rather than a silently different vector.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+from quantserve.server.engine import EngineClosedError, EngineRequest, QueueFullError
+from quantserve.server.errors import APIError, engine_status
+from quantserve.server.protocol import EmbeddingRequest
+from quantserve.server.sampling import SamplingParams
+from quantserve.server.serving import ServerState, api_error_of, check_model, until_disconnected
+
+
+def _inputs(state: ServerState, req: EmbeddingRequest) -> list[list[int]]:
+    tok = state.engine.tokenizer
+    x = req.input
+    if isinstance(x, str):
+        texts = [x]
+    elif x and all(isinstance(i, int) for i in x):
+        return [list(x)]
+    elif x and all(isinstance(i, list) for i in x):
+        return [list(i) for i in x]
+    elif x and all(isinstance(i, str) for i in x):
+        texts = list(x)
+    else:
+        raise APIError(400, "input must be a string, a list of strings, or token ids", param="input")
+    for i, t in enumerate(texts):
+        if not t:  # OpenAI's rule too: an empty string has nothing to embed
+            raise APIError(400, f"input {i} is an empty string", param="input")
+    return [tok.encode(t, add_special_tokens=True) for t in texts]
+
+
+def _width(state: ServerState) -> int | None:
+    return state.engine.info.extra.get("hidden_size")
+
+
+async def embed(state: ServerState, req: EmbeddingRequest, request) -> dict:
+    import numpy as np
+
+    check_model(state, req.model)
+    engine = state.engine
+    width = _width(state)
+    if req.dimensions is not None and req.dimensions != width:
+        raise APIError(400, f"dimensions: this model's embeddings have {width} dimensions and cannot be "
+                       "shortened (it was not trained for it)", param="dimensions")
+    prompts = _inputs(state, req)
+    context, vocab = engine.info.context_length, engine.tokenizer.vocab_size
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise APIError(400, f"input {i} is empty", param="input")
+        if any(not 0 <= t < vocab for t in ids):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="input")
+        if len(ids) > context:
+            raise APIError(400, f"input {i} is {len(ids)} tokens; this model's maximum context length is "
+                           f"{context} tokens", param="input", code="context_length_exceeded")
+    if len(prompts) > engine.info.max_batch + engine.info.max_queue:
+        raise APIError(400, f"{len(prompts)} inputs exceed what this server holds at once "
+                       f"({engine.info.max_batch} running + {engine.info.max_queue} queued)", param="input")
+    pooling = engine.options.embedding_pooling
+    streams = []
+    try:
+        for ids in prompts:
+            streams.append(engine.submit(EngineRequest(ids, SamplingParams(max_tokens=0, embed=pooling))))
+    except (QueueFullError, EngineClosedError) as e:
+        for s in streams:
+            s.cancel()
+        status, code = engine_status(e)
+        raise APIError(status, f"Server busy: {e}. Retry later." if status == 429 else str(e), code=code,
+                       headers={"Retry-After": str(state.retry_after_s)} if status == 429 else None) from e
+
+    async def result(stream) -> list[float]:
+        async for event in stream:
+            if event.finish_reason == "error":
+                raise api_error_of(event.error)
+            if event.embedding is not None:
+                return event.embedding
+        raise APIError(503, "the embedding was cancelled (the server is shutting down)", code="cancelled")
+
+    try:
+        vectors = await until_disconnected(request, asyncio.gather(*(result(s) for s in streams)))
+    finally:
+        for s in streams:
+            s.cancel()
+    data = []
+    for i, v in enumerate(vectors):
+        v = np.asarray(v, dtype=np.float32)
+        v = v / max(float(np.linalg.norm(v)), 1e-12)
+        out = base64.b64encode(v.tobytes()).decode() if req.encoding_format == "base64" else v.tolist()
+        data.append({"object": "embedding", "index": i, "embedding": out})
+    tokens = sum(len(p) for p in prompts)
+    state.metrics.prompt_tokens.inc(tokens)
+    return {"object": "list", "data": data, "model": state.model_name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
