@@ -16,11 +16,13 @@ from pathlib import Path
 from quantserve.settings import UserError, require_checkpoint
 
 # Hugging Face architecture → llama.cpp architecture.  Mistral is Llama with a different config;
-# Qwen2 adds q/k/v biases and uses the NEOX rotary layout (no Q/K permutation).
+# Qwen2 adds q/k/v biases and uses the NEOX rotary layout (no Q/K permutation); Qwen3 drops the
+# biases and adds an RMSNorm over each head of q and k (attn_q_norm / attn_k_norm), NEOX as Qwen2.
 GGUF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 
 

@@ -339,3 +339,37 @@ def test_graphed_prompts_match_eager_prompts(default_model):
                     torch.testing.assert_close(getattr(a.attention, name)[s, :, :m],
                                                getattr(b.attention, name)[s, :, :m], atol=1e-4, rtol=1e-4)
     assert len(fast._graphs) == recorded  # every prompt shape was recorded at warm-up
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])
+def test_other_families_decode_like_transformers(arch, default_model, tmp_path):
+    """Qwen2 (q/k/v biases), Qwen3 (q/k RMSNorm per head, its own head width) and Mistral, random
+    weights: the fast core's logits are transformers' and its greedy tokens generate's."""
+    from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, Qwen3Config
+
+    from quantserve.modeling import load_tokenizer
+
+    tok = load_tokenizer(default_model)
+    common = dict(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg = {"qwen2": lambda: Qwen2Config(**common), "qwen3": lambda: Qwen3Config(**common, head_dim=48),
+           "mistral": lambda: MistralConfig(**common, sliding_window=None)}[arch]()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.normal_(0 if name.endswith("bias") else 1, 0.5)  # defaults would hide a wrong mapping
+    model.save_pretrained(tmp_path / arch)
+    tok.save_pretrained(tmp_path / arch)
+    core = FastCore(str(tmp_path / arch), max_slots=2, max_seq=128, device="cpu", compile=False)
+    ids = tok("What is the capital of Keltria?")["input_ids"]
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0, -1].float()
+    torch.testing.assert_close(core.prefill(0, ids), want, atol=1e-4, rtol=1e-4)
+    tokens, logits = [], core.prefill(1, ids)
+    for i in range(8):
+        tokens.append(int(logits.argmax()))
+        logits = core.decode([1], [tokens[-1]], [len(ids) + i])[0]
+    assert tokens == reference(model, ids, 8)

@@ -56,8 +56,9 @@ def _random_tensors(cfg, device, dtype, seed: int = 0):
               "gate_proj": (a.ffn_dim, a.dim), "up_proj": (a.ffn_dim, a.dim), "down_proj": (a.dim, a.ffn_dim)}
 
     def get(name: str) -> torch.Tensor:
-        if name.endswith("norm.weight"):
-            return torch.ones(a.dim, device=device, dtype=dtype)
+        if name.endswith("norm.weight"):  # q_norm / k_norm (Qwen3) are per head
+            width = a.head_dim if name.endswith(("q_norm.weight", "k_norm.weight")) else a.dim
+            return torch.ones(width, device=device, dtype=dtype)
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             shape = (a.vocab_size, a.dim)
         else:
@@ -151,6 +152,9 @@ class FastCore:
             layer.attention.wo = lin(w(p + "self_attn.o_proj.weight"), None)
             layer.feed_forward.w13 = lin(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]), None)
             layer.feed_forward.w2 = lin(w(p + "mlp.down_proj.weight"), None)
+            if a.qk_norm:
+                layer.attention.q_norm.weight = torch.nn.Parameter(w(p + "self_attn.q_norm.weight").to(dt), requires_grad=False)
+                layer.attention.k_norm.weight = torch.nn.Parameter(w(p + "self_attn.k_norm.weight").to(dt), requires_grad=False)
             layer.attention_norm.weight = torch.nn.Parameter(w(p + "input_layernorm.weight").to(dt), requires_grad=False)
             layer.ffn_norm.weight = torch.nn.Parameter(w(p + "post_attention_layernorm.weight").to(dt), requires_grad=False)
             del qkv

@@ -6,7 +6,8 @@ last position is a *trash* row that padded (inactive) batch rows write into, so 
 always run over a contiguous slice `cache[:P]` of slots without gathering or disturbing a slot that
 is half-way through its prefill.
 
-Works for Llama / Mistral (no sliding window) / Qwen2 (q/k/v bias) configs with GQA.  Grouped
+Works for Llama / Mistral (no sliding window) / Qwen2 (q/k/v bias) / Qwen3 (q/k RMSNorm per head)
+configs with GQA.  Grouped
 queries are folded into the query-length axis (`[B, kv_heads, groups * q_len, D]`), so attention
 never copies K/V to repeat them and runs on every SDPA backend (a T4 only has efficient + math).
 """
@@ -32,12 +33,13 @@ class ModelArgs:
     norm_eps: float
     qkv_bias: bool = False
     tie_embeddings: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before the rotation
 
     @classmethod
     def from_hf(cls, cfg) -> "ModelArgs":
         # Mistral's sliding window is not applied: exact while prompt + output fit the window.
         if cfg.model_type not in FAST_MODEL_TYPES:
-            raise ValueError(f"fastcore supports llama/mistral/qwen2 configs, not {cfg.model_type!r}")
+            raise ValueError(f"fastcore supports {'/'.join(FAST_MODEL_TYPES)} configs, not {cfg.model_type!r}")
         heads = cfg.num_attention_heads
         return cls(
             vocab_size=cfg.vocab_size, dim=cfg.hidden_size, ffn_dim=cfg.intermediate_size,
@@ -45,6 +47,7 @@ class ModelArgs:
             n_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
             norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
+            qk_norm=cfg.model_type == "qwen3",
             tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         )
 
@@ -52,7 +55,7 @@ class ModelArgs:
         return self.n_layers * 2 * self.n_kv_heads * self.head_dim * dtype_bytes
 
 
-FAST_MODEL_TYPES = ("llama", "mistral", "qwen2")  # config.json model_type values this core runs
+FAST_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # config.json model_type values this core runs
 
 
 class RMSNorm(nn.Module):
@@ -80,6 +83,8 @@ class Attention(nn.Module):
         # q, k and v in one matmul: one weight read, one kernel (decode is launch-bound on big GPUs)
         self.wqkv = nn.Linear(a.dim, (a.n_heads + 2 * a.n_kv_heads) * a.head_dim, bias=a.qkv_bias)
         self.wo = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
+        self.q_norm = RMSNorm(a.head_dim, a.norm_eps) if a.qk_norm else None
+        self.k_norm = RMSNorm(a.head_dim, a.norm_eps) if a.qk_norm else None
         # buffers, not plain attributes: module state that torch.compile reads in place, so a
         # captured CUDA graph writes the cache itself (no copy in and out on every step)
         self.register_buffer("k_cache", None, persistent=False)
@@ -98,6 +103,8 @@ class Attention(nn.Module):
         q = q.view(B, C, a.n_heads, a.head_dim)
         k = k.view(B, C, a.n_kv_heads, a.head_dim)
         v = v.view(B, C, a.n_kv_heads, a.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
