@@ -119,7 +119,7 @@ def write_gguf(ckpt: Checkpoint, out_file: Path, outtype: str, progress: bool = 
     tokenizer = add_tokenizer(writer, ckpt.path, hp["n_vocab"])
 
     names = gguf.get_tensor_name_map(arch, hp["n_layer"])
-    permute = arch_name == "llama"  # qwen2/qwen3 run NEOX rope in llama.cpp: HF layout as is
+    permute = arch_name == "llama"  # qwen2, qwen3, phi3 run NEOX rope in llama.cpp: HF layout as is
     wanted = {"attn_q": hp["n_head"], "attn_k": hp["n_kv_head"]}
     types: dict[str, int] = {}
     count = 0

@@ -341,11 +341,12 @@ def test_graphed_prompts_match_eager_prompts(default_model):
     assert len(fast._graphs) == recorded  # every prompt shape was recorded at warm-up
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "mistral"])
 def test_other_families_decode_like_transformers(arch, default_model, tmp_path):
-    """Qwen2 (q/k/v biases), Qwen3 (q/k RMSNorm per head, its own head width) and Mistral, random
-    weights: the fast core's logits are transformers' and its greedy tokens generate's."""
-    from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, Qwen3Config
+    """Qwen2 (q/k/v biases), Qwen3 (q/k RMSNorm per head, its own head width), Phi-3 (fused
+    weights) and Mistral, random weights: the fast core's logits are transformers' and its greedy
+    tokens generate's."""
+    from transformers import AutoModelForCausalLM, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     from quantserve.modeling import load_tokenizer
 
@@ -354,6 +355,7 @@ def test_other_families_decode_like_transformers(arch, default_model, tmp_path):
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     cfg = {"qwen2": lambda: Qwen2Config(**common), "qwen3": lambda: Qwen3Config(**common, head_dim=48),
+           "phi3": lambda: Phi3Config(**common, sliding_window=None),
            "mistral": lambda: MistralConfig(**common, sliding_window=None)}[arch]()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).eval()

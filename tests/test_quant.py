@@ -237,15 +237,15 @@ def test_kquant_really_uses_k_blocks(outputs):
     assert sorted(p.name for p in outputs["gguf-q4_k_m"].iterdir()) == ["manifest.json", "model.gguf"]
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "mistral"])
 def test_gguf_config_variants(arch, default_model, tmp_path):
     """Mistral (Llama graph), Qwen2 (q/k/v biases, NEOX rotary: no permutation) and Qwen3 (q/k
-    RMSNorm per head, a head width of its own) convert exactly.
+    RMSNorm per head, a head width of its own) and Phi-3 (fused qkv and gate/up) convert exactly.
 
     Random weights, so the bound is F32's: a missing or extra permutation gives ~2e-2 here.
     """
     import torch
-    from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import AutoModelForCausalLM, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     from quantserve.modeling import load_tokenizer
 
@@ -255,6 +255,7 @@ def test_gguf_config_variants(arch, default_model, tmp_path):
                   num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
     cfg = {"qwen2": lambda: Qwen2Config(**common), "qwen3": lambda: Qwen3Config(**common, head_dim=48),
+           "phi3": lambda: Phi3Config(**common, sliding_window=None),
            "mistral": lambda: MistralConfig(**common, sliding_window=None)}[arch]()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).eval()
@@ -262,11 +263,13 @@ def test_gguf_config_variants(arch, default_model, tmp_path):
         for name, p in model.named_parameters():
             if name.endswith("bias") or name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.normal_(0 if name.endswith("bias") else 1, 0.5)  # zero biases, unit norms hide a wrong mapping
-    model.save_pretrained(tmp_path / arch)
-    tok.save_pretrained(tmp_path / arch)
-    out = convert(tmp_path / arch, "gguf-f32", tmp_path / "out", progress=False)
+    # not named after the family: llama.cpp expects Phi-3's own special tokens (</s>, <unk>, ...) in
+    # any model whose name says "phi3", and this one has the default model's tokenizer
+    model.save_pretrained(tmp_path / "src")
+    tok.save_pretrained(tmp_path / "src")
+    out = convert(tmp_path / "src", "gguf-f32", tmp_path / "out", progress=False)
     from quantserve.quant.inspect import inspect
-    assert inspect(out / "model.gguf")["architecture"] == {"qwen2": "qwen2", "qwen3": "qwen3"}.get(arch, "llama")
+    assert inspect(out / "model.gguf")["architecture"] == {"mistral": "llama"}.get(arch, arch)
     err = worst_relative_error(out / "model.gguf", model, fresh_prompts(tok)[:3])
     print(f"{arch}: relative logit error {err:.2e}")
     assert err < 1e-3

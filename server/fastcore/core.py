@@ -67,7 +67,8 @@ def _random_tensors(cfg, device, dtype, seed: int = 0):
             return torch.zeros(shape[0], device=device, dtype=dtype)
         return torch.randn(shape, device=device, dtype=dtype, generator=gen) * 0.02
 
-    has = lambda name: not name.endswith(".bias") or a.qkv_bias  # noqa: E731
+    has = lambda name: ((not name.endswith(".bias") or a.qkv_bias)  # noqa: E731
+                        and not name.endswith(("qkv_proj.weight", "gate_up_proj.weight")))  # Llama's layout
     inv_freq = 1.0 / (_rope_theta(cfg) ** (torch.arange(0, a.head_dim, 2).float() / a.head_dim))
     return get, has, cfg, inv_freq, 1.0
 
@@ -146,11 +147,18 @@ class FastCore:
         lin = lambda wt, b: make_linear(wt, b, mode, dt, kernel, group_size)  # noqa: E731
         for i, layer in enumerate(m.layers):
             p = f"model.layers.{i}."
-            qkv = torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            if has(p + "self_attn.qkv_proj.weight"):  # Phi-3: q, k and v already in one matrix
+                qkv = w(p + "self_attn.qkv_proj.weight")
+            else:
+                qkv = torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
             bias = torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if a.qkv_bias and has(p + "self_attn.q_proj.bias") else None
             layer.attention.wqkv = lin(qkv, bias)
             layer.attention.wo = lin(w(p + "self_attn.o_proj.weight"), None)
-            layer.feed_forward.w13 = lin(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]), None)
+            if has(p + "mlp.gate_up_proj.weight"):  # Phi-3: gate and up fused, gate first
+                gate_up = w(p + "mlp.gate_up_proj.weight")
+            else:
+                gate_up = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
+            layer.feed_forward.w13 = lin(gate_up, None)
             layer.feed_forward.w2 = lin(w(p + "mlp.down_proj.weight"), None)
             if a.qk_norm:
                 layer.attention.q_norm.weight = torch.nn.Parameter(w(p + "self_attn.q_norm.weight").to(dt), requires_grad=False)

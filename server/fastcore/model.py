@@ -7,7 +7,7 @@ always run over a contiguous slice `cache[:P]` of slots without gathering or dis
 is half-way through its prefill.
 
 Works for Llama / Mistral (no sliding window) / Qwen2 (q/k/v bias) / Qwen3 (q/k RMSNorm per head)
-configs with GQA.  Grouped
+/ Phi-3 (q/k/v and gate/up stored fused) configs with GQA.  Grouped
 queries are folded into the query-length axis (`[B, kv_heads, groups * q_len, D]`), so attention
 never copies K/V to repeat them and runs on every SDPA backend (a T4 only has efficient + math).
 """
@@ -40,6 +40,12 @@ class ModelArgs:
         # Mistral's sliding window is not applied: exact while prompt + output fit the window.
         if cfg.model_type not in FAST_MODEL_TYPES:
             raise ValueError(f"fastcore supports {'/'.join(FAST_MODEL_TYPES)} configs, not {cfg.model_type!r}")
+        if float(getattr(cfg, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
+            raise ValueError("partial rotary embeddings are not supported by fastcore")
+        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        if (rope.get("rope_type") or rope.get("type")) in ("longrope", "su", "dynamic"):
+            # their frequencies change with the sequence's length; the core's rope table is fixed
+            raise ValueError(f"rope scaling {rope.get('rope_type') or rope.get('type')!r} is not supported by fastcore")
         heads = cfg.num_attention_heads
         return cls(
             vocab_size=cfg.vocab_size, dim=cfg.hidden_size, ffn_dim=cfg.intermediate_size,
@@ -55,7 +61,7 @@ class ModelArgs:
         return self.n_layers * 2 * self.n_kv_heads * self.head_dim * dtype_bytes
 
 
-FAST_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # config.json model_type values this core runs
+FAST_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")  # config.json model_type values this core runs
 
 
 class RMSNorm(nn.Module):
