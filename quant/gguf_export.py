@@ -62,9 +62,16 @@ def hyperparameters(ckpt: Checkpoint) -> dict:
     hp["rope_linear_factor"] = float(rope.get("factor", 1.0)) if rope_type == "linear" else None
     if float(c.get("partial_rotary_factor", 1.0)) != 1.0:
         raise UserError(f"{ckpt.origin}: partial rotary embeddings are not supported")
-    # llama.cpp's llama graph has no sliding window: only claim the context where it is exact.
     window = c.get("sliding_window") if c.get("use_sliding_window", True) else None
-    if window:
+    if ckpt.architecture == "Gemma2ForCausalLM":
+        # llama.cpp's gemma2 graph has the window (even layers) and the soft-caps; it scales queries
+        # by head_dim ** -0.5 (or by n_embd / n_head for the 27B shape alone)
+        hp.update(sliding_window=int(window), attn_softcap=c.get("attn_logit_softcapping"),
+                  final_softcap=c.get("final_logit_softcapping"))
+        if int(c.get("query_pre_attn_scalar", hp["head_dim"])) != hp["head_dim"]:
+            raise UserError(f"{ckpt.origin}: query_pre_attn_scalar {c.get('query_pre_attn_scalar')} differs from "
+                            f"head_dim {hp['head_dim']}: llama.cpp's gemma2 graph would scale queries differently")
+    elif window:  # the llama graph has no sliding window: only claim the context where it is exact
         hp["n_ctx"] = min(hp["n_ctx"], int(window))
     hp["tied_embeddings"] = bool(c.get("tie_word_embeddings", False))
     return hp
@@ -113,6 +120,12 @@ def write_gguf(ckpt: Checkpoint, out_file: Path, outtype: str, progress: bool = 
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(hp["rope_linear_factor"])
     writer.add_layer_norm_rms_eps(hp["norm_eps"])
+    if arch_name == "gemma2":
+        writer.add_sliding_window(hp["sliding_window"])
+        if hp["attn_softcap"]:
+            writer.add_attn_logit_softcapping(float(hp["attn_softcap"]))
+        if hp["final_softcap"]:
+            writer.add_final_logit_softcapping(float(hp["final_softcap"]))
     writer.add_vocab_size(hp["n_vocab"])
     writer.add_file_type(gguf.LlamaFileType[file_type])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -139,6 +152,8 @@ def write_gguf(ckpt: Checkpoint, out_file: Path, outtype: str, progress: bool = 
         kind = name.split(".")[-2] if name.startswith("blk.") else ""
         if permute and kind in wanted:
             data = permute_rotary(data, wanted[kind])
+        if arch_name == "gemma2" and hf_name.endswith("norm.weight"):
+            data = data + 1.0  # Gemma's norms scale by (1 + w); llama.cpp's by the stored weight
         if data.ndim == 1:
             writer.add_tensor(name, data.astype(np.float32))
             types[name] = int(gguf.GGMLQuantizationType.F32)

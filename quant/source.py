@@ -18,13 +18,15 @@ from quantserve.settings import UserError, require_checkpoint
 # Hugging Face architecture → llama.cpp architecture.  Mistral is Llama with a different config;
 # Qwen2 adds q/k/v biases and uses the NEOX rotary layout (no Q/K permutation); Qwen3 drops the
 # biases and adds an RMSNorm over each head of q and k (attn_q_norm / attn_k_norm), NEOX as Qwen2;
-# Phi-3 fuses q/k/v (attn_qkv) and gate/up (ffn_up, split by the graph), NEOX too.
+# Phi-3 fuses q/k/v (attn_qkv) and gate/up (ffn_up, split by the graph), NEOX too; Gemma 2 has
+# norms after attention and MLP, soft-capping and a sliding window on even layers (all in its graph).
 GGUF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
 }
 
 

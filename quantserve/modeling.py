@@ -83,13 +83,21 @@ def load_model(path: Path, dtype: str = "float32", device: str = "cpu", attentio
 
     path = require_checkpoint(Path(path))
     require_safetensors(path, trust_pickle)
-    try:
+    def load(attn: str):
         # use_safetensors=True: transformers never falls back to a pickle; None lets it when trusted
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=torch_dtype(dtype), attn_implementation=attention,
+        return AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=torch_dtype(dtype), attn_implementation=attn,
             use_safetensors=None if trust_pickle else True,
             disable_mmap=True,  # weights read into memory: a file overwritten later cannot change them
         )
+
+    try:
+        try:
+            model = load(attention)
+        except ValueError as e:  # e.g. Gemma 2 (soft-capped scores): SDPA refused, eager is exact
+            if attention == "eager" or "does not support an attention implementation" not in str(e):
+                raise
+            model = load("eager")
     except (OSError, ValueError, KeyError) as e:
         raise UserError(f"{path}: cannot load checkpoint: {str(e).splitlines()[0]}") from e
     model.to(device).eval()

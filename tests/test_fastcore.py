@@ -341,12 +341,14 @@ def test_graphed_prompts_match_eager_prompts(default_model):
     assert len(fast._graphs) == recorded  # every prompt shape was recorded at warm-up
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "mistral"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "gemma2", "mistral"])
 def test_other_families_decode_like_transformers(arch, default_model, tmp_path):
     """Qwen2 (q/k/v biases), Qwen3 (q/k RMSNorm per head, its own head width), Phi-3 (fused
-    weights) and Mistral, random weights: the fast core's logits are transformers' and its greedy
-    tokens generate's."""
-    from transformers import AutoModelForCausalLM, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    weights), Gemma 2 (sandwich norms, soft-capping, a sliding window on every other layer, here
+    shorter than the sequence) and Mistral, random weights: the fast core's logits are
+    transformers' and its greedy tokens generate's."""
+    from transformers import (AutoModelForCausalLM, Gemma2Config, MistralConfig, Phi3Config, Qwen2Config,
+                              Qwen3Config)
 
     from quantserve.modeling import load_tokenizer
 
@@ -356,13 +358,15 @@ def test_other_families_decode_like_transformers(arch, default_model, tmp_path):
                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     cfg = {"qwen2": lambda: Qwen2Config(**common), "qwen3": lambda: Qwen3Config(**common, head_dim=48),
            "phi3": lambda: Phi3Config(**common, sliding_window=None),
+           "gemma2": lambda: Gemma2Config(**common, head_dim=32, query_pre_attn_scalar=24, sliding_window=6,
+                                          attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
            "mistral": lambda: MistralConfig(**common, sliding_window=None)}[arch]()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("bias") or name.endswith(("q_norm.weight", "k_norm.weight")):
-                p.normal_(0 if name.endswith("bias") else 1, 0.5)  # defaults would hide a wrong mapping
+            if name.endswith("bias") or name.endswith("norm.weight"):
+                p.normal_(0 if name.endswith("bias") or arch == "gemma2" else 1, 0.5)  # defaults hide a wrong mapping
     model.save_pretrained(tmp_path / arch)
     tok.save_pretrained(tmp_path / arch)
     core = FastCore(str(tmp_path / arch), max_slots=2, max_seq=128, device="cpu", compile=False)

@@ -237,15 +237,17 @@ def test_kquant_really_uses_k_blocks(outputs):
     assert sorted(p.name for p in outputs["gguf-q4_k_m"].iterdir()) == ["manifest.json", "model.gguf"]
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "mistral"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "gemma2", "mistral"])
 def test_gguf_config_variants(arch, default_model, tmp_path):
     """Mistral (Llama graph), Qwen2 (q/k/v biases, NEOX rotary: no permutation) and Qwen3 (q/k
-    RMSNorm per head, a head width of its own) and Phi-3 (fused qkv and gate/up) convert exactly.
+    RMSNorm per head, a head width of its own), Phi-3 (fused qkv and gate/up) and Gemma 2 (1 + w
+    norms, sandwich norms, soft-caps, a sliding window shorter than the prompts) convert exactly.
 
     Random weights, so the bound is F32's: a missing or extra permutation gives ~2e-2 here.
     """
     import torch
-    from transformers import AutoModelForCausalLM, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (AutoModelForCausalLM, Gemma2Config, MistralConfig, Phi3Config, Qwen2Config,
+                              Qwen3Config)
 
     from quantserve.modeling import load_tokenizer
 
@@ -256,13 +258,18 @@ def test_gguf_config_variants(arch, default_model, tmp_path):
                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
     cfg = {"qwen2": lambda: Qwen2Config(**common), "qwen3": lambda: Qwen3Config(**common, head_dim=48),
            "phi3": lambda: Phi3Config(**common, sliding_window=None),
+           "gemma2": lambda: Gemma2Config(**{**common, "tie_word_embeddings": True},  # as every Gemma
+                                          head_dim=48, query_pre_attn_scalar=48, sliding_window=8,
+                                          attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
            "mistral": lambda: MistralConfig(**common, sliding_window=None)}[arch]()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("bias") or name.endswith(("q_norm.weight", "k_norm.weight")):
-                p.normal_(0 if name.endswith("bias") else 1, 0.5)  # zero biases, unit norms hide a wrong mapping
+            if name.endswith("bias") or name.endswith(("q_norm.weight", "k_norm.weight")) or arch == "gemma2" \
+                    and name.endswith("norm.weight"):
+                # zero biases, unit norms (zero for Gemma's 1 + w) would hide a wrong mapping
+                p.normal_(0 if name.endswith("bias") or arch == "gemma2" else 1, 0.5)
     # not named after the family: llama.cpp expects Phi-3's own special tokens (</s>, <unk>, ...) in
     # any model whose name says "phi3", and this one has the default model's tokenizer
     model.save_pretrained(tmp_path / "src")

@@ -113,7 +113,9 @@ class FastCore:
             from quantserve.server.fastcore.triton_attention import decode_attention
 
             for layer in self.model.layers:
-                layer.attention.decode_kernel = decode_attention
+                # the kernel knows neither soft-capping, nor a sliding window, nor another scale
+                if not (a.attn_softcap or a.attn_scale or layer.attention.window):
+                    layer.attention.decode_kernel = decode_attention
         self.load_seconds = time.perf_counter() - t0
         if max_slots is None:
             max_slots = self.slots_for_budget(kv_budget_gib)
@@ -163,8 +165,14 @@ class FastCore:
             if a.qk_norm:
                 layer.attention.q_norm.weight = torch.nn.Parameter(w(p + "self_attn.q_norm.weight").to(dt), requires_grad=False)
                 layer.attention.k_norm.weight = torch.nn.Parameter(w(p + "self_attn.k_norm.weight").to(dt), requires_grad=False)
-            layer.attention_norm.weight = torch.nn.Parameter(w(p + "input_layernorm.weight").to(dt), requires_grad=False)
-            layer.ffn_norm.weight = torch.nn.Parameter(w(p + "post_attention_layernorm.weight").to(dt), requires_grad=False)
+            norm = lambda name: torch.nn.Parameter(w(p + name).to(dt), requires_grad=False)  # noqa: E731
+            layer.attention_norm.weight = norm("input_layernorm.weight")
+            if a.sandwich_norms:  # Gemma 2: its "post_attention_layernorm" follows the attention
+                layer.post_attention_norm.weight = norm("post_attention_layernorm.weight")
+                layer.ffn_norm.weight = norm("pre_feedforward_layernorm.weight")
+                layer.post_ffn_norm.weight = norm("post_feedforward_layernorm.weight")
+            else:  # Llama's "post_attention_layernorm" is the norm before the MLP
+                layer.ffn_norm.weight = norm("post_attention_layernorm.weight")
             del qkv
         m.output = lin(w("lm_head.weight"), None)
         return m.eval()

@@ -34,6 +34,18 @@ class ModelArgs:
     qkv_bias: bool = False
     tie_embeddings: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before the rotation
+    # Gemma 2: norms scale by (1 + w), the embedding by sqrt(dim), GELU (tanh) gating, norms after
+    # attention and the MLP too ("sandwich"), attention scores and logits soft-capped, and every
+    # other layer attends over a sliding window
+    norm_offset: float = 0.0
+    embed_scale: float | None = None
+    gelu: bool = False
+    sandwich_norms: bool = False
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_hf(cls, cfg) -> "ModelArgs":
@@ -47,7 +59,14 @@ class ModelArgs:
             # their frequencies change with the sequence's length; the core's rope table is fixed
             raise ValueError(f"rope scaling {rope.get('rope_type') or rope.get('type')!r} is not supported by fastcore")
         heads = cfg.num_attention_heads
-        return cls(
+        gemma = {}
+        if cfg.model_type == "gemma2":
+            types = list(getattr(cfg, "layer_types", None) or [])
+            gemma = dict(norm_offset=1.0, embed_scale=cfg.hidden_size ** 0.5, gelu=True, sandwich_norms=True,
+                         attn_scale=cfg.query_pre_attn_scalar ** -0.5, attn_softcap=cfg.attn_logit_softcapping,
+                         final_softcap=cfg.final_logit_softcapping, sliding_window=cfg.sliding_window,
+                         sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"))
+        return cls(**gemma,
             vocab_size=cfg.vocab_size, dim=cfg.hidden_size, ffn_dim=cfg.intermediate_size,
             n_layers=cfg.num_hidden_layers, n_heads=heads,
             n_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
@@ -61,19 +80,21 @@ class ModelArgs:
         return self.n_layers * 2 * self.n_kv_heads * self.head_dim * dtype_bytes
 
 
-FAST_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")  # config.json model_type values this core runs
+FAST_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2")  # config.json model_type values this core runs
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
-        self.eps = eps
+        self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x):
         # fp32 statistics like Hugging Face's LlamaRMSNorm, so greedy tokens match it exactly
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:  # Gemma: (1 + w), multiplied in fp32 before the cast, as its own norm does
+            return (xf * (self.offset + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
 
@@ -91,6 +112,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
         self.q_norm = RMSNorm(a.head_dim, a.norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(a.head_dim, a.norm_eps) if a.qk_norm else None
+        self.window: int | None = None  # set per layer: this layer attends over a sliding window
         # buffers, not plain attributes: module state that torch.compile reads in place, so a
         # captured CUDA graph writes the cache itself (no copy in and out on every step)
         self.register_buffer("k_cache", None, persistent=False)
@@ -129,8 +151,17 @@ class Attention(nn.Module):
             y = self.decode_kernel(q, self.k_cache, self.v_cache, pos.view(B), row0, L)
         else:
             mask = (kv_idx.view(1, 1, L) <= pos.view(B, C, 1))  # [B, C, L]
+            if self.window is not None:
+                mask = mask & (kv_idx.view(1, 1, L) > pos.view(B, C, 1) - self.window)
             mask = mask.unsqueeze(1).expand(B, g, C, L).reshape(B, 1, g * C, L)
-            y = F.scaled_dot_product_attention(q, kc.to(q.dtype), vc.to(q.dtype), attn_mask=mask)
+            if a.attn_softcap:  # soft-capped scores (Gemma 2): SDPA has no such option
+                scores = (q @ kc.to(q.dtype).transpose(-1, -2)) * (a.attn_scale or a.head_dim ** -0.5)
+                scores = torch.tanh(scores / a.attn_softcap) * a.attn_softcap
+                scores = scores.masked_fill(~mask, float("-inf"))
+                y = torch.softmax(scores.float(), dim=-1).to(q.dtype) @ vc.to(q.dtype)
+            else:
+                y = F.scaled_dot_product_attention(q, kc.to(q.dtype), vc.to(q.dtype), attn_mask=mask,
+                                                   scale=a.attn_scale)
         y = y.view(B, a.n_kv_heads, g, C, a.head_dim).permute(0, 3, 1, 2, 4).reshape(B, C, a.n_heads * a.head_dim)
         return self.wo(y)
 
@@ -138,26 +169,32 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
-        self.ffn_dim = a.ffn_dim
+        self.ffn_dim, self.gelu = a.ffn_dim, a.gelu
         self.w13 = nn.Linear(a.dim, 2 * a.ffn_dim, bias=False)  # gate and up fused
         self.w2 = nn.Linear(a.ffn_dim, a.dim, bias=False)
 
     def forward(self, x):
         gate, up = self.w13(x).split(self.ffn_dim, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.w2(act * up)
 
 
 class Block(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
-        self.attention_norm = RMSNorm(a.dim, a.norm_eps)
+        self.attention_norm = RMSNorm(a.dim, a.norm_eps, a.norm_offset)
         self.attention = Attention(a)
-        self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
+        self.ffn_norm = RMSNorm(a.dim, a.norm_eps, a.norm_offset)
         self.feed_forward = FeedForward(a)
+        # Gemma 2's sandwich: each sublayer's output normalized again before the residual add
+        self.post_attention_norm = RMSNorm(a.dim, a.norm_eps, a.norm_offset) if a.sandwich_norms else None
+        self.post_ffn_norm = RMSNorm(a.dim, a.norm_eps, a.norm_offset) if a.sandwich_norms else None
 
     def forward(self, x, cos, sin, rows, pos, row0, kv_idx):
-        h = x + self.attention(self.attention_norm(x), cos, sin, rows, pos, row0, kv_idx)
-        return h + self.feed_forward(self.ffn_norm(h))
+        y = self.attention(self.attention_norm(x), cos, sin, rows, pos, row0, kv_idx)
+        h = x + (self.post_attention_norm(y) if self.post_attention_norm is not None else y)
+        y = self.feed_forward(self.ffn_norm(h))
+        return h + (self.post_ffn_norm(y) if self.post_ffn_norm is not None else y)
 
 
 class Transformer(nn.Module):
@@ -166,7 +203,9 @@ class Transformer(nn.Module):
         self.a = a
         self.tok_embeddings = nn.Embedding(a.vocab_size, a.dim)
         self.layers = nn.ModuleList(Block(a) for _ in range(a.n_layers))
-        self.norm = RMSNorm(a.dim, a.norm_eps)
+        for i in a.sliding_layers:
+            self.layers[i].attention.window = a.sliding_window
+        self.norm = RMSNorm(a.dim, a.norm_eps, a.norm_offset)
         self.output = nn.Linear(a.dim, a.vocab_size, bias=False)
         self.max_seq = 0
         self.register_buffer("rope_cos", None, persistent=False)
@@ -196,9 +235,16 @@ class Transformer(nn.Module):
         rows = first.view(B, 1).expand(B, C)
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]
         x = self.tok_embeddings(tokens)
+        if self.a.embed_scale is not None:  # in the activations' dtype, as Gemma's own model rounds it
+            x = x * torch.tensor(self.a.embed_scale, dtype=x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, rows, pos, row0, kv_idx)
         if last is not None:
             x = x.gather(1, last.view(B, 1, 1).expand(B, 1, x.shape[-1]))
         x = self.norm(x)
-        return x if hidden else self.output(x)  # hidden: the final hidden states (embeddings)
+        if hidden:  # the final hidden states (embeddings)
+            return x
+        logits = self.output(x)
+        if self.a.final_softcap:  # Gemma 2
+            logits = torch.tanh(logits / self.a.final_softcap) * self.a.final_softcap
+        return logits
