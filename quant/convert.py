@@ -173,7 +173,8 @@ def convert(src: Path, fmt: str, out: Path, force: bool = False, progress: bool 
     model's own maximum).
     """
     from quantserve.quant.gguf_export import write_gguf
-    from quantserve.quant.source import parameter_count
+    from quantserve.quant.prequantized import quantization_config, write_dequantized
+    from quantserve.quant.source import hash_folder, parameter_count
 
     t0 = time.time()
     fmt = check_format(fmt)
@@ -185,7 +186,14 @@ def convert(src: Path, fmt: str, out: Path, force: bool = False, progress: bool 
             raise _disk_error(e, out) from e
     _check_target(src, out, force)
     with staging(out, force) as tmp:
-        ckpt = open_checkpoint(src, merge_dir=tmp / ".merged-source")
+        source = src
+        if (src / "config.json").is_file() and quantization_config(src) is not None:
+            # AWQ / GPTQ: dequantized by the formats' own formulas first; every format then
+            # starts from those weights (quant eval measures the cost of the new quantization)
+            source = write_dequantized(src, tmp / ".dequantized-source")
+        ckpt = open_checkpoint(source, merge_dir=tmp / ".merged-source")
+        if source is not src:  # the manifest names and hashes what the user gave
+            ckpt.origin, ckpt.source_files = src, hash_folder(src)
         if is_gguf(fmt):
             require_gguf_architecture(ckpt)
         else:
@@ -203,6 +211,7 @@ def convert(src: Path, fmt: str, out: Path, force: bool = False, progress: bool 
             summary = write_bnb(ckpt, tmp, fmt, progress)
             weights = sorted(tmp.glob("*.safetensors"))
         shutil.rmtree(tmp / ".merged-source", ignore_errors=True)
+        shutil.rmtree(tmp / ".dequantized-source", ignore_errors=True)
 
         ctx = context or int(ckpt.text_config.get("max_position_embeddings") or 2048)
         manifest = build_manifest(ckpt=ckpt, fmt=fmt, out_dir=tmp, weight_files=weights,

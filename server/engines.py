@@ -46,8 +46,12 @@ def auto_engine(path: Path) -> tuple[str, str]:
     for the architectures it runs (fp16/fp32 weights; bitsandbytes outputs stay on hf), else hf."""
     import json
 
+    from quantserve.quant.prequantized import quantization_config
     from quantserve.server.hf_engine import quantization_of
 
+    pre = quantization_config(path)
+    if pre is not None:  # transformers reads these only with AutoAWQ / GPTQModel installed
+        return "fast", f"a {pre['method'].upper()} checkpoint (the fast engine repacks its 4-bit weights)"
     try:
         import torch
 

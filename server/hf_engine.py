@@ -94,6 +94,9 @@ def load_hf(path: Path, gpu_profile: str | None, context: int | None, max_batch:
     if not any(path.glob("*.safetensors")):
         raise ModelLoadError(f"{path}: only safetensors checkpoints are served (pickle *.bin files are refused)")
     quant = quantization_of(path)
+    if quant in ("awq", "gptq"):
+        raise ModelLoadError(f"{path}: an {quant.upper()} checkpoint; the hf engine would need AutoAWQ / GPTQModel: "
+                             "serve it with --engine fast (what --engine auto picks for it)", "engine", "hf")
     # Read the weights into memory rather than mapping the file: a mapped checkpoint that is later
     # overwritten in place (`cp new.safetensors ...`) silently changes the served weights, and one
     # that is truncated kills the server with SIGBUS at the next forward pass.
@@ -138,11 +141,16 @@ def load_fast(path: Path, gpu_profile: str | None, context: int | None, max_batc
     from quantserve.modeling import load_tokenizer
     from quantserve.server.fastcore.adapter import FastCoreBackend
 
+    from quantserve.quant.prequantized import quantization_config
+
     caps = detect(gpu_profile)
     apply_profile(caps)
-    if quantization_of(path):
+    pre = quantization_config(path)
+    if pre is None and quantization_of(path):
         raise ModelLoadError(f"{path}: a bitsandbytes checkpoint; the fast engine quantizes by itself: serve the "
                         "fp16/fp32 checkpoint with --engine fast --weight-quant int8|int4, or use --engine hf")
+    if pre is not None and weight_quant == "none":
+        weight_quant = "int4"  # an AWQ / GPTQ checkpoint is served as stored, not widened to fp16
     if not any(path.glob("*.safetensors")):
         raise ModelLoadError(f"{path}: only safetensors checkpoints are served (pickle *.bin files are refused)")
     trained = json.loads((path / "config.json").read_text()).get("max_position_embeddings") or 2048
@@ -164,7 +172,8 @@ def load_fast(path: Path, gpu_profile: str | None, context: int | None, max_batc
     info = EngineInfo(engine="fast", model_path=str(path), context_length=context, max_batch=max_batch,
                       max_queue=max_queue, device=str(core.device), dtype=str(core.dtype).replace("torch.", ""),
                       attention="sdpa (fastcore static KV cache)",
-                      quantization=None if weight_quant == "none" else f"{weight_quant} weight-only",
+                      quantization=(f"{pre['method']} int4 g{pre['group_size']} (repacked)" if pre and weight_quant == "int4"
+                                    else None if weight_quant == "none" else f"{weight_quant} weight-only"),
                       extra={"gpu_profile": caps.profile, "gpu": caps.gpu_name, "compiled": core.compile,
                              "prefill_chunk": core.prefill_chunk, "load_s": round(core.load_seconds, 1),
                              "hidden_size": core.args.dim,

@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 from quantserve.server.fastcore.model import ModelArgs, Transformer
-from quantserve.server.fastcore.quant import default_kernel, int4_tinygemm_supported, linear_weight_bytes, make_linear
+from quantserve.server.fastcore.quant import (PackedInt4, cat_rows, default_kernel, int4_tinygemm_supported,
+                                              linear_weight_bytes, make_linear)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 KV_BUCKET = 256
@@ -73,6 +74,47 @@ def _random_tensors(cfg, device, dtype, seed: int = 0):
     return get, has, cfg, inv_freq, 1.0
 
 
+def _prequantized(folder: Path):
+    from quantserve.quant.prequantized import quantization_config
+
+    return quantization_config(folder) if (folder / "config.json").is_file() else None
+
+
+def _prequantized_tensors(folder: Path, keep_int4: bool):
+    """A getter over an AWQ / GPTQ checkpoint: its 4-bit layers as PackedInt4 (for int4 serving:
+    the checkpoint's own integers, no second quantization) or dequantized, the rest as stored.
+    The rotary frequencies come from the model class's own rotary embedding, built from the config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantserve.quant.prequantized import dequantize, linear_int4, quantized_layers, tensor_getter
+
+    q = _prequantized(folder)
+    raw, names = tensor_getter(folder)
+    layers = set(quantized_layers(names))
+    cfg = AutoConfig.from_pretrained(str(folder))
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config  # the structure alone: no quantizer is asked for
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(cfg)
+    rotary = type(skeleton.model.rotary_emb)(cfg)  # built for real, outside the meta device
+    inv_freq, scale = rotary.inv_freq.float().cpu(), float(getattr(rotary, "attention_scaling", 1.0))
+
+    def get(name: str):
+        prefix = name.removesuffix(".weight")
+        if name.endswith(".weight") and prefix in layers:
+            if keep_int4:
+                return PackedInt4(*linear_int4(raw, prefix, q), q["group_size"])
+            return dequantize(raw, prefix, q)
+        if name == "lm_head.weight" and name not in names:  # tied embeddings
+            return raw("model.embed_tokens.weight")
+        return raw(name)
+
+    def has(name: str) -> bool:
+        return name in names or (name.endswith(".weight") and name.removesuffix(".weight") in layers)
+
+    return get, has, cfg, inv_freq, scale
+
+
 def _rope_theta(cfg) -> float:
     params = getattr(cfg, "rope_parameters", None) or {}
     return float(params.get("rope_theta") or getattr(cfg, "rope_theta", None) or 10000.0)
@@ -98,10 +140,14 @@ class FastCore:
             raise ValueError("the tinygemm int4 kernel needs a CUDA GPU with compute capability >= 8.0 "
                              "(not a T4, not the T4 profile)")
         self.device, self.dtype, self.weight_quant, self.quant_kernel = device, dtype, weight_quant, quant_kernel
+        self.prequantized = None  # an AWQ / GPTQ checkpoint's quantization (quant/prequantized.py)
         self.prefill_chunk, self.max_seq = prefill_chunk, max_seq
         t0 = time.perf_counter()
         if random_config is not None:
             get, has, cfg, inv_freq, rope_scale = _random_tensors(random_config, device, dtype, seed)
+        elif isinstance(model, (str, Path)) and _prequantized(Path(model)) is not None:
+            self.prequantized = _prequantized(Path(model))
+            get, has, cfg, inv_freq, rope_scale = _prequantized_tensors(Path(model), weight_quant == "int4")
         else:
             hf = _load_hf(model, dtype) if isinstance(model, (str, Path)) else model
             get, has, cfg, inv_freq, rope_scale = _hf_tensors(hf)
@@ -146,20 +192,24 @@ class FastCore:
             m = Transformer(a)
         m.tok_embeddings.weight = torch.nn.Parameter(w("model.embed_tokens.weight").to(dt), requires_grad=False)
         m.norm.weight = torch.nn.Parameter(w("model.norm.weight").to(dt), requires_grad=False)
-        lin = lambda wt, b: make_linear(wt, b, mode, dt, kernel, group_size)  # noqa: E731
+        # an AWQ / GPTQ checkpoint served in int4 keeps its own 4-bit layers and the float ones
+        # (lm_head, usually) as its authors left them; any other mode quantizes everything alike
+        packed = mode == "int4" and getattr(self, "prequantized", None) is not None
+        lin = lambda wt, b: make_linear(wt, b, "int4" if isinstance(wt, PackedInt4) else  # noqa: E731
+                                        "none" if packed else mode, dt, kernel, group_size)
         for i, layer in enumerate(m.layers):
             p = f"model.layers.{i}."
             if has(p + "self_attn.qkv_proj.weight"):  # Phi-3: q, k and v already in one matrix
                 qkv = w(p + "self_attn.qkv_proj.weight")
             else:
-                qkv = torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+                qkv = cat_rows([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
             bias = torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if a.qkv_bias and has(p + "self_attn.q_proj.bias") else None
             layer.attention.wqkv = lin(qkv, bias)
             layer.attention.wo = lin(w(p + "self_attn.o_proj.weight"), None)
             if has(p + "mlp.gate_up_proj.weight"):  # Phi-3: gate and up fused, gate first
                 gate_up = w(p + "mlp.gate_up_proj.weight")
             else:
-                gate_up = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
+                gate_up = cat_rows([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
             layer.feed_forward.w13 = lin(gate_up, None)
             layer.feed_forward.w2 = lin(w(p + "mlp.down_proj.weight"), None)
             if a.qk_norm:

@@ -21,6 +21,7 @@ columns (gpt-fast / torchao layout: q in 0..15, w = (q - 8) * scale + zero).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +60,37 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
         scales[i : i + ROW_CHUNK], zeros[i : i + ROW_CHUNK] = s, lo + s * 8
         q[i : i + ROW_CHUNK] = torch.round((wg - lo[..., None]) / s[..., None]).clamp(0, 15).to(torch.uint8).reshape(-1, K)
     return q, scales, zeros
+
+
+@dataclass
+class PackedInt4:
+    """A linear layer quantized to 4 bits elsewhere (AWQ, GPTQ: quant/prequantized.py), kept as it
+    is: q [N, K] in 0..15, scales and zero points [N, K/g]; w = (q - zero) * scale."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    group_size: int
+
+    def to(self, device=None, **_) -> "PackedInt4":
+        return PackedInt4(self.q.to(device), self.scales.to(device), self.zeros.to(device), self.group_size)
+
+    @staticmethod
+    def cat(parts: list["PackedInt4"]) -> "PackedInt4":
+        """Layers stacked along their outputs (q, k and v into one matrix, as for float weights)."""
+        if len({p.group_size for p in parts}) != 1:
+            raise ValueError("layers with different group sizes cannot be fused")
+        return PackedInt4(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]),
+                          torch.cat([p.zeros for p in parts]), parts[0].group_size)
+
+    def dequantize(self) -> torch.Tensor:
+        g = self.group_size
+        return (self.q.float() - self.zeros.float().repeat_interleave(g, 1)) * self.scales.float().repeat_interleave(g, 1)
+
+
+def cat_rows(parts):
+    """torch.cat along the output rows, for float weights and PackedInt4 layers alike."""
+    return PackedInt4.cat(parts) if isinstance(parts[0], PackedInt4) else torch.cat(parts)
 
 
 @functools.cache
@@ -125,13 +157,20 @@ class Int4Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
                  group_size: int = 128, kernel: str = "torch"):
         super().__init__()
-        N, K = weight.shape
+        if isinstance(weight, PackedInt4):  # repacked as stored: the checkpoint's own integers
+            group_size = weight.group_size
+            q, scales = weight.q.to(torch.uint8), weight.scales.float()
+            mins = -weight.zeros.float() * scales  # (q - z) * s = q * s + mins
+        N, K = weight.q.shape if isinstance(weight, PackedInt4) else weight.shape
         if K % group_size:
             raise ValueError(f"int4 needs in_features ({K}) divisible by group_size ({group_size})")
         if kernel == "triton" and (K % 64 or group_size < 64):
             kernel = "torch"  # the Triton kernel walks K in blocks of >= 64 inside one group
         self.kernel, self.group_size, self.out_features = kernel, group_size, N
-        q, scales, zeros = quantize_int4(weight, group_size)
+        if not isinstance(weight, PackedInt4):
+            q, scales, zeros = quantize_int4(weight, group_size)
+            mins = zeros - 8 * scales  # the group minimum: dequant is one multiply-add
+        zeros = mins + 8 * scales  # tinygemm's convention: (q - 8) * scale + zero
         if kernel == "tinygemm":
             if N % 8 or K % (8 * 16):
                 raise ValueError(f"tinygemm int4 needs out % 8 == 0 and in % 128 == 0 (got {N}x{K})")
@@ -143,8 +182,7 @@ class Int4Linear(nn.Module):
         elif kernel in ("triton", "torch"):
             self.register_buffer("weight", (q[:, ::2] << 4 | q[:, 1::2]).contiguous())  # [N, K/2]
             self.register_buffer("scales", scales.to(dtype))
-            # store (zero - 8*scale) = the group minimum, so dequant is one multiply-add
-            self.register_buffer("mins", (zeros - 8 * scales).to(dtype))
+            self.register_buffer("mins", mins.to(dtype))
         else:
             raise ValueError(f"unknown int4 kernel {kernel!r} (triton, tinygemm or torch)")
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
@@ -172,7 +210,10 @@ class Int4Linear(nn.Module):
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, mode: str, dtype: torch.dtype,
                 kernel: str = "torch", group_size: int = 128) -> nn.Module:
-    """An nn.Module computing x @ weight.T (+ bias) with weights stored as `mode`."""
+    """An nn.Module computing x @ weight.T (+ bias) with weights stored as `mode`.  A PackedInt4
+    weight stays as packed under int4, and is dequantized for any other mode."""
+    if isinstance(weight, PackedInt4) and mode != "int4":
+        weight = weight.dequantize().to(dtype)
     if mode == "int8":
         return Int8Linear(weight, bias, dtype, "torch" if kernel == "tinygemm" else kernel)
     if mode == "int4":
