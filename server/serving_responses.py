@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from quantserve.server.errors import APIError
 from quantserve.server.protocol import ChatCompletionRequest, ResponsesRequest
 from quantserve.server.serving import ServerState, collect, new_id, run_job, run_to_reply
+from quantserve.server.unsupported import refuse_fields
 
 # fields with no chat counterpart: allowed at these values only (value -> why refused otherwise)
 _REFUSED = {
@@ -42,16 +43,7 @@ _HINTS = {"user", "metadata", "safety_identifier", "prompt_cache_key", "stream_o
 
 def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     """The chat completion request that answers `req`, or a 400 naming what cannot be served."""
-    extras = dict(req.model_extra or {})
-    for name, value in extras.items():
-        if name in _HINTS:
-            continue
-        if name not in _REFUSED:
-            raise APIError(400, f"unknown field {name!r}: not part of the Responses API nor of this "
-                           "server's extras", param=name)
-        off, why = _REFUSED[name]
-        if value not in off:
-            raise APIError(400, f"{name}: {why}", param=name)
+    refuse_fields(dict(req.model_extra or {}), _REFUSED, _HINTS, "the Responses API")
     body: dict[str, Any] = {"model": req.model, "messages": _messages(req), "stream": req.stream,
                             "max_completion_tokens": req.max_output_tokens}
     for name in ("temperature", "top_p", "parallel_tool_calls", "top_k", "min_p", "seed",

@@ -79,19 +79,23 @@ MESSAGE_OFF = {"function_call": ((None,), "the deprecated function_call " + _NOT
                "audio": ((None,), "audio " + _NOT_YET)}
 
 
-def refuse_unsupported(req, chat: bool) -> None:
-    """Raise a 400 naming the first field of `req` that this server would otherwise ignore."""
-    extras = dict(req.model_extra or {})
-    table = {**OFF_VALUES, **(CHAT_ONLY_OFF if chat else {})}
+def refuse_fields(extras: dict, table: dict, hints: set, api: str = "OpenAI's API") -> None:
+    """A 400 for the first field of `extras` (what the request model did not declare) that is not
+    a hint and not at one of its "off" values in `table`; unknown fields are refused too."""
     for name, value in extras.items():
-        if name in HINTS:
+        if name in hints:
             continue
         if name not in table:
-            raise APIError(400, f"unknown field {name!r}: not part of OpenAI's API nor of this server's "
-                           "extras", param=name)
+            raise APIError(400, f"unknown field {name!r}: not part of {api} nor of this server's extras",
+                           param=name)
         off, why = table[name]
         if value not in off:
             raise APIError(400, f"{name}: {why}", param=name)
+
+
+def refuse_unsupported(req, chat: bool) -> None:
+    """Raise a 400 naming the first field of `req` that this server would otherwise ignore."""
+    refuse_fields(dict(req.model_extra or {}), {**OFF_VALUES, **(CHAT_ONLY_OFF if chat else {})}, HINTS)
     if getattr(req, "best_of", None) not in (None, req.n):
         raise APIError(400, "best_of other than n is not supported by this server (no server-side "
                        "selection of the best choices)", param="best_of")

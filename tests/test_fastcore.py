@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_families import FAMILIES
 
 from quantserve.server.fastcore import FastCore
 from quantserve.server.fastcore.quant import Int4Linear, quantize_int4
@@ -341,34 +342,18 @@ def test_graphed_prompts_match_eager_prompts(default_model):
     assert len(fast._graphs) == recorded  # every prompt shape was recorded at warm-up
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "gemma2", "mistral"])
+@pytest.mark.parametrize("arch", FAMILIES)
 def test_other_families_decode_like_transformers(arch, default_model, tmp_path):
     """Qwen2 (q/k/v biases), Qwen3 (q/k RMSNorm per head, its own head width), Phi-3 (fused
     weights), Gemma 2 (sandwich norms, soft-capping, a sliding window on every other layer, here
     shorter than the sequence) and Mistral, random weights: the fast core's logits are
     transformers' and its greedy tokens generate's."""
-    from transformers import (AutoModelForCausalLM, Gemma2Config, MistralConfig, Phi3Config, Qwen2Config,
-                              Qwen3Config)
+    from model_families import family_checkpoint
 
     from quantserve.modeling import load_tokenizer
 
     tok = load_tokenizer(default_model)
-    common = dict(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    cfg = {"qwen2": lambda: Qwen2Config(**common), "qwen3": lambda: Qwen3Config(**common, head_dim=48),
-           "phi3": lambda: Phi3Config(**common, sliding_window=None),
-           "gemma2": lambda: Gemma2Config(**common, head_dim=32, query_pre_attn_scalar=24, sliding_window=6,
-                                          attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
-           "mistral": lambda: MistralConfig(**common, sliding_window=None)}[arch]()
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or name.endswith("norm.weight"):
-                p.normal_(0 if name.endswith("bias") or arch == "gemma2" else 1, 0.5)  # defaults hide a wrong mapping
-    model.save_pretrained(tmp_path / arch)
-    tok.save_pretrained(tmp_path / arch)
+    model = family_checkpoint(arch, tok, tmp_path / arch)
     core = FastCore(str(tmp_path / arch), max_slots=2, max_seq=128, device="cpu", compile=False)
     ids = tok("What is the capital of Keltria?")["input_ids"]
     with torch.no_grad():

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from model_families import FAMILIES
 
 from quantserve.quant import llamacpp
 from quantserve.quant.convert import FORMATS, convert
@@ -237,7 +238,7 @@ def test_kquant_really_uses_k_blocks(outputs):
     assert sorted(p.name for p in outputs["gguf-q4_k_m"].iterdir()) == ["manifest.json", "model.gguf"]
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "gemma2", "mistral"])
+@pytest.mark.parametrize("arch", FAMILIES)
 def test_gguf_config_variants(arch, default_model, tmp_path):
     """Mistral (Llama graph), Qwen2 (q/k/v biases, NEOX rotary: no permutation) and Qwen3 (q/k
     RMSNorm per head, a head width of its own), Phi-3 (fused qkv and gate/up) and Gemma 2 (1 + w
@@ -245,35 +246,17 @@ def test_gguf_config_variants(arch, default_model, tmp_path):
 
     Random weights, so the bound is F32's: a missing or extra permutation gives ~2e-2 here.
     """
-    import torch
-    from transformers import (AutoModelForCausalLM, Gemma2Config, MistralConfig, Phi3Config, Qwen2Config,
-                              Qwen3Config)
+    from model_families import family_checkpoint
 
     from quantserve.modeling import load_tokenizer
 
     tok = load_tokenizer(default_model)
-    common = dict(vocab_size=len(tok) + 8,  # padded embedding rows: [PADn] tokens in the GGUF
-                  hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    cfg = {"qwen2": lambda: Qwen2Config(**common), "qwen3": lambda: Qwen3Config(**common, head_dim=48),
-           "phi3": lambda: Phi3Config(**common, sliding_window=None),
-           "gemma2": lambda: Gemma2Config(**{**common, "tie_word_embeddings": True},  # as every Gemma
-                                          head_dim=48, query_pre_attn_scalar=48, sliding_window=8,
-                                          attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
-           "mistral": lambda: MistralConfig(**common, sliding_window=None)}[arch]()
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or name.endswith(("q_norm.weight", "k_norm.weight")) or arch == "gemma2" \
-                    and name.endswith("norm.weight"):
-                # zero biases, unit norms (zero for Gemma's 1 + w) would hide a wrong mapping
-                p.normal_(0 if name.endswith("bias") or arch == "gemma2" else 1, 0.5)
     # not named after the family: llama.cpp expects Phi-3's own special tokens (</s>, <unk>, ...) in
     # any model whose name says "phi3", and this one has the default model's tokenizer
-    model.save_pretrained(tmp_path / "src")
-    tok.save_pretrained(tmp_path / "src")
+    model = family_checkpoint(arch, tok, tmp_path / "src", vocab_pad=8,  # [PADn] rows in the GGUF
+                              hidden=256, ffn=768, context=512,
+                              # llama.cpp scales queries by head_dim ** -0.5; every Gemma ties its embeddings
+                              gemma2={"head_dim": 48, "query_pre_attn_scalar": 48, "sliding_window": 8, "tie": True})
     out = convert(tmp_path / "src", "gguf-f32", tmp_path / "out", progress=False)
     from quantserve.quant.inspect import inspect
     assert inspect(out / "model.gguf")["architecture"] == {"mistral": "llama"}.get(arch, arch)
