@@ -9,7 +9,7 @@ FAMILIES = ("qwen2", "qwen3", "phi3", "gemma2", "mistral")
 
 
 def family_checkpoint(arch: str, tokenizer, out: Path, *, vocab_pad: int = 0, hidden: int = 128, ffn: int = 256,
-                      context: int = 256, gemma2: dict | None = None):
+                      context: int = 256, gemma2: dict | None = None, mistral: dict | None = None):
     """Save a 2-layer `arch` model with the tokenizer in `out`; returns the transformers model.
 
     Biases and norm weights are drawn at random: zero biases and unit norms (zero for Gemma's
@@ -27,7 +27,7 @@ def family_checkpoint(arch: str, tokenizer, out: Path, *, vocab_pad: int = 0, hi
     cfg = {"qwen2": lambda: Qwen2Config(**common), "qwen3": lambda: Qwen3Config(**common, head_dim=48),
            "phi3": lambda: Phi3Config(**common, sliding_window=None),
            "gemma2": lambda: Gemma2Config(**{**common, "tie_word_embeddings": gemma.pop("tie", False)}, **gemma),
-           "mistral": lambda: MistralConfig(**common, sliding_window=None)}[arch]()
+           "mistral": lambda: MistralConfig(**common, **{"sliding_window": None, **(mistral or {})})}[arch]()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():

@@ -342,7 +342,7 @@ def test_graphed_prompts_match_eager_prompts(default_model):
     assert len(fast._graphs) == recorded  # every prompt shape was recorded at warm-up
 
 
-@pytest.mark.parametrize("arch", FAMILIES)
+@pytest.mark.parametrize("arch", [*FAMILIES, "mistral-window"])
 def test_other_families_decode_like_transformers(arch, default_model, tmp_path):
     """Qwen2 (q/k/v biases), Qwen3 (q/k RMSNorm per head, its own head width), Phi-3 (fused
     weights), Gemma 2 (sandwich norms, soft-capping, a sliding window on every other layer, here
@@ -353,7 +353,10 @@ def test_other_families_decode_like_transformers(arch, default_model, tmp_path):
     from quantserve.modeling import load_tokenizer
 
     tok = load_tokenizer(default_model)
-    model = family_checkpoint(arch, tok, tmp_path / arch)
+    if arch == "mistral-window":  # Mistral's sliding window, shorter than the prompt here
+        model = family_checkpoint("mistral", tok, tmp_path / arch, mistral={"sliding_window": 6})
+    else:
+        model = family_checkpoint(arch, tok, tmp_path / arch)
     core = FastCore(str(tmp_path / arch), max_slots=2, max_seq=128, device="cpu", compile=False)
     ids = tok("What is the capital of Keltria?")["input_ids"]
     with torch.no_grad():

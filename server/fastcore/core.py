@@ -159,8 +159,8 @@ class FastCore:
             from quantserve.server.fastcore.triton_attention import decode_attention
 
             for layer in self.model.layers:
-                # the kernel knows neither soft-capping, nor a sliding window, nor another scale
-                if not (a.attn_softcap or a.attn_scale or layer.attention.window):
+                # the kernel knows neither soft-capping nor another scale (nor a window: forward checks)
+                if not (a.attn_softcap or a.attn_scale):
                     layer.attention.decode_kernel = decode_attention
         self.load_seconds = time.perf_counter() - t0
         if max_slots is None:

@@ -49,7 +49,6 @@ class ModelArgs:
 
     @classmethod
     def from_hf(cls, cfg) -> "ModelArgs":
-        # Mistral's sliding window is not applied: exact while prompt + output fit the window.
         if cfg.model_type not in FAST_MODEL_TYPES:
             raise ValueError(f"fastcore supports {'/'.join(FAST_MODEL_TYPES)} configs, not {cfg.model_type!r}")
         if float(getattr(cfg, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
@@ -66,6 +65,8 @@ class ModelArgs:
                          attn_scale=cfg.query_pre_attn_scalar ** -0.5, attn_softcap=cfg.attn_logit_softcapping,
                          final_softcap=cfg.final_logit_softcapping, sliding_window=cfg.sliding_window,
                          sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"))
+        elif cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None):  # every layer slides
+            gemma = dict(sliding_window=cfg.sliding_window, sliding_layers=tuple(range(cfg.num_hidden_layers)))
         return cls(**gemma,
             vocab_size=cfg.vocab_size, dim=cfg.hidden_size, ffn_dim=cfg.intermediate_size,
             n_layers=cfg.num_hidden_layers, n_heads=heads,
@@ -147,7 +148,7 @@ class Attention(nn.Module):
         g = a.n_heads // a.n_kv_heads
         # [B, C, Hkv*g, D] -> [B, Hkv, g*C, D]: query heads of one kv head share its K/V
         q = q.view(B, C, a.n_kv_heads, g, a.head_dim).permute(0, 2, 3, 1, 4).reshape(B, a.n_kv_heads, g * C, a.head_dim)
-        if C == 1 and self.decode_kernel is not None and isinstance(row0, int):
+        if C == 1 and self.decode_kernel is not None and self.window is None and isinstance(row0, int):
             y = self.decode_kernel(q, self.k_cache, self.v_cache, pos.view(B), row0, L)
         else:
             mask = (kv_idx.view(1, 1, L) <= pos.view(B, C, 1))  # [B, C, L]
@@ -203,8 +204,6 @@ class Transformer(nn.Module):
         self.a = a
         self.tok_embeddings = nn.Embedding(a.vocab_size, a.dim)
         self.layers = nn.ModuleList(Block(a) for _ in range(a.n_layers))
-        for i in a.sliding_layers:
-            self.layers[i].attention.window = a.sliding_window
         self.norm = RMSNorm(a.dim, a.norm_eps, a.norm_offset)
         self.output = nn.Linear(a.dim, a.vocab_size, bias=False)
         self.max_seq = 0
@@ -216,6 +215,8 @@ class Transformer(nn.Module):
         """Allocate the static KV cache and the rotary tables (max_seq + 1: the trash row)."""
         a = self.a
         self.max_seq = max_seq
+        for i in a.sliding_layers:  # a window as long as the context changes nothing: left off then
+            self.layers[i].attention.window = a.sliding_window if max_seq > a.sliding_window else None
         shape = (max_slots, a.n_kv_heads, max_seq + 1, a.head_dim)
         for layer in self.layers:
             layer.attention.k_cache = torch.zeros(shape, dtype=dtype, device=device)
