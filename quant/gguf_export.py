@@ -54,6 +54,9 @@ def hyperparameters(ckpt: Checkpoint) -> dict:
     hp["head_dim"] = int(c.get("head_dim") or hp["n_embd"] // n_head)
     # transformers ≥5 keeps rope settings in `rope_parameters`; 4.x at the top level.
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    local_rope = rope.get("sliding_attention") if isinstance(rope.get("sliding_attention"), dict) else None
+    if isinstance(rope.get("full_attention"), dict):  # per layer type (Gemma 3): the global layers'
+        rope = rope["full_attention"]
     hp["rope_theta"] = float(rope.get("rope_theta") or c.get("rope_theta") or 10000.0)
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     if rope_type not in ("default", "linear"):
@@ -63,7 +66,20 @@ def hyperparameters(ckpt: Checkpoint) -> dict:
     if float(c.get("partial_rotary_factor", 1.0)) != 1.0:
         raise UserError(f"{ckpt.origin}: partial rotary embeddings are not supported")
     window = c.get("sliding_window") if c.get("use_sliding_window", True) else None
-    if ckpt.architecture == "Gemma2ForCausalLM":
+    if ckpt.architecture == "Gemma3ForCausalLM":
+        # llama.cpp's gemma3 graph fixes what the config may vary: five sliding layers then a global
+        # one, the sliding layers rotated with base 10000, queries scaled by head_dim ** -0.5
+        types = list(c.get("layer_types") or [])
+        pattern = ["sliding_attention" if i % 6 < 5 else "full_attention" for i in range(hp["n_layer"])]
+        local_base = float((local_rope or {}).get("rope_theta", 10000.0))
+        if types and types != pattern or local_base != 10000.0:
+            raise UserError(f"{ckpt.origin}: this Gemma 3 differs from what llama.cpp's gemma3 graph assumes "
+                            "(5 sliding layers then a global one, local rope base 10000)")
+        if int(c.get("query_pre_attn_scalar", hp["head_dim"])) != hp["head_dim"]:
+            raise UserError(f"{ckpt.origin}: query_pre_attn_scalar {c.get('query_pre_attn_scalar')} differs from "
+                            f"head_dim {hp['head_dim']}: llama.cpp's gemma3 graph would scale queries differently")
+        hp.update(sliding_window=int(window), attn_softcap=None, final_softcap=c.get("final_logit_softcapping"))
+    elif ckpt.architecture == "Gemma2ForCausalLM":
         # llama.cpp's gemma2 graph has the window (even layers) and the soft-caps; it scales queries
         # by head_dim ** -0.5 (or by n_embd / n_head for the 27B shape alone)
         hp.update(sliding_window=int(window), attn_softcap=c.get("attn_logit_softcapping"),
@@ -120,7 +136,7 @@ def write_gguf(ckpt: Checkpoint, out_file: Path, outtype: str, progress: bool = 
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(hp["rope_linear_factor"])
     writer.add_layer_norm_rms_eps(hp["norm_eps"])
-    if arch_name == "gemma2":
+    if arch_name in ("gemma2", "gemma3"):
         writer.add_sliding_window(hp["sliding_window"])
         if hp["attn_softcap"]:
             writer.add_attn_logit_softcapping(float(hp["attn_softcap"]))
@@ -152,7 +168,7 @@ def write_gguf(ckpt: Checkpoint, out_file: Path, outtype: str, progress: bool = 
         kind = name.split(".")[-2] if name.startswith("blk.") else ""
         if permute and kind in wanted:
             data = permute_rotary(data, wanted[kind])
-        if arch_name == "gemma2" and hf_name.endswith("norm.weight"):
+        if arch_name in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
             data = data + 1.0  # Gemma's norms scale by (1 + w); llama.cpp's by the stored weight
         if data.ndim == 1:
             writer.add_tensor(name, data.astype(np.float32))

@@ -27,6 +27,7 @@ GGUF_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
     "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",  # the text model (Gemma 3 1B); the multimodal ones are not read
 }
 
 

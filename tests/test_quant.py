@@ -242,7 +242,8 @@ def test_kquant_really_uses_k_blocks(outputs):
 def test_gguf_config_variants(arch, default_model, tmp_path):
     """Mistral (Llama graph), Qwen2 (q/k/v biases, NEOX rotary: no permutation) and Qwen3 (q/k
     RMSNorm per head, a head width of its own), Phi-3 (fused qkv and gate/up) and Gemma 2 (1 + w
-    norms, sandwich norms, soft-caps, a sliding window shorter than the prompts) convert exactly.
+    norms, sandwich norms, soft-caps, a sliding window shorter than the prompts) and Gemma 3 (q/k
+    norms, a local rope on its sliding layers) convert exactly.
 
     Random weights, so the bound is F32's: a missing or extra permutation gives ~2e-2 here.
     """

@@ -35,16 +35,23 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 KV_BUCKET = 256
 
 
+def _rope_of(rot) -> dict:
+    """{"full": (inv_freq, scale)} from a transformers rotary embedding, plus "sliding" where the
+    model rotates its sliding-window layers with frequencies of their own (Gemma 3)."""
+    if hasattr(rot, "full_attention_inv_freq"):
+        return {kind: (getattr(rot, f"{name}_inv_freq").detach().float().cpu(),
+                       float(getattr(rot, f"{name}_attention_scaling", 1.0)))
+                for kind, name in (("full", "full_attention"), ("sliding", "sliding_attention"))
+                if hasattr(rot, f"{name}_inv_freq")}
+    return {"full": (rot.inv_freq.detach().float().cpu(), float(getattr(rot, "attention_scaling", 1.0)))}
+
+
 def _hf_tensors(hf_model):
     """name -> tensor getter over a Hugging Face Llama-style model, plus its config and rope."""
     sd = hf_model.state_dict()
-    cfg = hf_model.config
-    rot = hf_model.model.rotary_emb
-    inv_freq = rot.inv_freq.detach().float().cpu()
-    scale = float(getattr(rot, "attention_scaling", 1.0))
     if "lm_head.weight" not in sd:  # tied embeddings
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-    return sd.__getitem__, sd.__contains__, cfg, inv_freq, scale
+    return sd.__getitem__, sd.__contains__, hf_model.config, _rope_of(hf_model.model.rotary_emb)
 
 
 def _random_tensors(cfg, device, dtype, seed: int = 0):
@@ -71,7 +78,7 @@ def _random_tensors(cfg, device, dtype, seed: int = 0):
     has = lambda name: ((not name.endswith(".bias") or a.qkv_bias)  # noqa: E731
                         and not name.endswith(("qkv_proj.weight", "gate_up_proj.weight")))  # Llama's layout
     inv_freq = 1.0 / (_rope_theta(cfg) ** (torch.arange(0, a.head_dim, 2).float() / a.head_dim))
-    return get, has, cfg, inv_freq, 1.0
+    return get, has, cfg, {"full": (inv_freq, 1.0)}
 
 
 def _prequantized(folder: Path):
@@ -96,8 +103,7 @@ def _prequantized_tensors(folder: Path, keep_int4: bool):
         del cfg.quantization_config  # the structure alone: no quantizer is asked for
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(cfg)
-    rotary = type(skeleton.model.rotary_emb)(cfg)  # built for real, outside the meta device
-    inv_freq, scale = rotary.inv_freq.float().cpu(), float(getattr(rotary, "attention_scaling", 1.0))
+    rope = _rope_of(type(skeleton.model.rotary_emb)(cfg))  # built for real, outside the meta device
 
     def get(name: str):
         prefix = name.removesuffix(".weight")
@@ -112,7 +118,7 @@ def _prequantized_tensors(folder: Path, keep_int4: bool):
     def has(name: str) -> bool:
         return name in names or (name.endswith(".weight") and name.removesuffix(".weight") in layers)
 
-    return get, has, cfg, inv_freq, scale
+    return get, has, cfg, rope
 
 
 def _rope_theta(cfg) -> float:
@@ -144,13 +150,13 @@ class FastCore:
         self.prefill_chunk, self.max_seq = prefill_chunk, max_seq
         t0 = time.perf_counter()
         if random_config is not None:
-            get, has, cfg, inv_freq, rope_scale = _random_tensors(random_config, device, dtype, seed)
+            get, has, cfg, rope = _random_tensors(random_config, device, dtype, seed)
         elif isinstance(model, (str, Path)) and _prequantized(Path(model)) is not None:
             self.prequantized = _prequantized(Path(model))
-            get, has, cfg, inv_freq, rope_scale = _prequantized_tensors(Path(model), weight_quant == "int4")
+            get, has, cfg, rope = _prequantized_tensors(Path(model), weight_quant == "int4")
         else:
             hf = _load_hf(model, dtype) if isinstance(model, (str, Path)) else model
-            get, has, cfg, inv_freq, rope_scale = _hf_tensors(hf)
+            get, has, cfg, rope = _hf_tensors(hf)
         self.config = cfg
         self.args = a = ModelArgs.from_hf(cfg)
         self.model = self._build(get, has, a, weight_quant, quant_kernel, group_size)
@@ -166,7 +172,7 @@ class FastCore:
         if max_slots is None:
             max_slots = self.slots_for_budget(kv_budget_gib)
         self.max_slots = max_slots
-        self.model.setup_caches(max_slots, max_seq, inv_freq, rope_scale, dtype, device)
+        self.model.setup_caches(max_slots, max_seq, rope, dtype, device)
         self.buckets = tuple(b for b in BATCH_BUCKETS if b < max_slots) + (max_slots,)
         # at most 8 attended lengths: each (batch, length) pair is one CUDA graph to record
         self.kv_bucket = max(KV_BUCKET, -(-max_seq // (8 * KV_BUCKET)) * KV_BUCKET)

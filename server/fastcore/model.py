@@ -7,7 +7,7 @@ always run over a contiguous slice `cache[:P]` of slots without gathering or dis
 is half-way through its prefill.
 
 Works for Llama / Mistral (no sliding window) / Qwen2 (q/k/v bias) / Qwen3 (q/k RMSNorm per head)
-/ Phi-3 (q/k/v and gate/up stored fused) configs with GQA.  Grouped
+/ Phi-3 (q/k/v and gate/up stored fused) / Gemma 2 and 3 (text) configs with GQA.  Grouped
 queries are folded into the query-length axis (`[B, kv_heads, groups * q_len, D]`), so attention
 never copies K/V to repeat them and runs on every SDPA backend (a T4 only has efficient + math).
 """
@@ -59,7 +59,7 @@ class ModelArgs:
             raise ValueError(f"rope scaling {rope.get('rope_type') or rope.get('type')!r} is not supported by fastcore")
         heads = cfg.num_attention_heads
         gemma = {}
-        if cfg.model_type == "gemma2":
+        if cfg.model_type in ("gemma2", "gemma3_text"):  # Gemma 3 adds q/k norms and a local rope
             types = list(getattr(cfg, "layer_types", None) or [])
             gemma = dict(norm_offset=1.0, embed_scale=cfg.hidden_size ** 0.5, gelu=True, sandwich_norms=True,
                          attn_scale=cfg.query_pre_attn_scalar ** -0.5, attn_softcap=cfg.attn_logit_softcapping,
@@ -73,7 +73,7 @@ class ModelArgs:
             n_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
             norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
-            qk_norm=cfg.model_type == "qwen3",
+            qk_norm=cfg.model_type in ("qwen3", "gemma3_text"),
             tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         )
 
@@ -81,7 +81,7 @@ class ModelArgs:
         return self.n_layers * 2 * self.n_kv_heads * self.head_dim * dtype_bytes
 
 
-FAST_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2")  # config.json model_type values this core runs
+FAST_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")  # config.json model_type values this core runs
 
 
 class RMSNorm(nn.Module):
@@ -111,8 +111,8 @@ class Attention(nn.Module):
         # q, k and v in one matmul: one weight read, one kernel (decode is launch-bound on big GPUs)
         self.wqkv = nn.Linear(a.dim, (a.n_heads + 2 * a.n_kv_heads) * a.head_dim, bias=a.qkv_bias)
         self.wo = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
-        self.q_norm = RMSNorm(a.head_dim, a.norm_eps) if a.qk_norm else None
-        self.k_norm = RMSNorm(a.head_dim, a.norm_eps) if a.qk_norm else None
+        self.q_norm = RMSNorm(a.head_dim, a.norm_eps, a.norm_offset) if a.qk_norm else None
+        self.k_norm = RMSNorm(a.head_dim, a.norm_eps, a.norm_offset) if a.qk_norm else None
         self.window: int | None = None  # set per layer: this layer attends over a sliding window
         # buffers, not plain attributes: module state that torch.compile reads in place, so a
         # captured CUDA graph writes the cache itself (no copy in and out on every step)
@@ -209,10 +209,12 @@ class Transformer(nn.Module):
         self.max_seq = 0
         self.register_buffer("rope_cos", None, persistent=False)
         self.register_buffer("rope_sin", None, persistent=False)
+        self.register_buffer("rope_cos_local", None, persistent=False)  # Gemma 3's sliding layers
+        self.register_buffer("rope_sin_local", None, persistent=False)
 
-    def setup_caches(self, max_slots: int, max_seq: int, inv_freq: torch.Tensor, rope_scale: float,
-                     dtype: torch.dtype, device) -> None:
-        """Allocate the static KV cache and the rotary tables (max_seq + 1: the trash row)."""
+    def setup_caches(self, max_slots: int, max_seq: int, rope: dict, dtype: torch.dtype, device) -> None:
+        """Allocate the static KV cache and the rotary tables (max_seq + 1: the trash row).  rope:
+        {"full": (inv_freq, scale)}, and "sliding" for sliding-window layers rotated otherwise."""
         a = self.a
         self.max_seq = max_seq
         for i in a.sliding_layers:  # a window as long as the context changes nothing: left off then
@@ -222,10 +224,15 @@ class Transformer(nn.Module):
             layer.attention.k_cache = torch.zeros(shape, dtype=dtype, device=device)
             layer.attention.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         t = torch.arange(max_seq + 1, device=device, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq.to(device=device, dtype=torch.float32))
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.rope_cos = (emb.cos() * rope_scale).to(dtype)
-        self.rope_sin = (emb.sin() * rope_scale).to(dtype)
+
+        def table(inv_freq, scale):
+            freqs = torch.outer(t, inv_freq.to(device=device, dtype=torch.float32))
+            emb = torch.cat((freqs, freqs), dim=-1)
+            return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+        self.rope_cos, self.rope_sin = table(*rope["full"])
+        if "sliding" in rope:
+            self.rope_cos_local, self.rope_sin_local = table(*rope["sliding"])
 
     def forward(self, tokens, pos, row0, kv_idx, last: torch.Tensor | None = None, hidden: bool = False):
         """tokens/pos [B, C] for cache rows row0..row0+B-1 (or the rows in a [B] tensor row0) ->
@@ -235,11 +242,13 @@ class Transformer(nn.Module):
         first = row0 if torch.is_tensor(row0) else torch.arange(B, device=tokens.device) + row0
         rows = first.view(B, 1).expand(B, C)
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]
+        local = (self.rope_cos_local[pos], self.rope_sin_local[pos]) if self.rope_cos_local is not None else None
         x = self.tok_embeddings(tokens)
         if self.a.embed_scale is not None:  # in the activations' dtype, as Gemma's own model rounds it
             x = x * torch.tensor(self.a.embed_scale, dtype=x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, rows, pos, row0, kv_idx)
+        for i, layer in enumerate(self.layers):
+            c, s = local if local is not None and i in self.a.sliding_layers else (cos, sin)
+            x = layer(x, c, s, rows, pos, row0, kv_idx)
         if last is not None:
             x = x.gather(1, last.view(B, 1, 1).expand(B, 1, x.shape[-1]))
         x = self.norm(x)
