@@ -210,6 +210,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class EmbeddingRequest(_Request):
+    model_config = ConfigDict(extra="allow")  # what is left over is refused by name (serving_embeddings)
+
     model: str
     input: Union[str, list[str], list[int], list[list[int]]]
     encoding_format: Literal["float", "base64"] = "float"

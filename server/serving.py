@@ -81,6 +81,29 @@ class Job:
         return sum(c.completion_tokens for c in self.choices)
 
 
+def tokenized(tokenizer, value, param: str) -> tuple[list[list[int]], list[str]]:
+    """Token ids and text of a prompt-shaped field (a string, strings, token ids or lists of them:
+    completions' `prompt`, embeddings' `input`); texts get the tokenizer's special tokens."""
+    if isinstance(value, str):
+        texts = [value]
+    elif value and all(isinstance(x, int) for x in value):
+        return [_in_vocab(tokenizer, list(value), param)], [tokenizer.decode(list(value))]
+    elif value and all(isinstance(x, list) for x in value):
+        return [_in_vocab(tokenizer, list(x), param) for x in value], [tokenizer.decode(list(x)) for x in value]
+    elif value and all(isinstance(x, str) for x in value):
+        texts = list(value)
+    else:
+        raise APIError(400, f"{param} must be a string, a list of strings, or token ids", param=param)
+    return [tokenizer.encode(t, add_special_tokens=True) for t in texts], texts
+
+
+def _in_vocab(tokenizer, ids: list[int], param: str) -> list[int]:
+    """Checked before anything decodes them: llama.cpp's detokenizer crashes on an id past its vocabulary."""
+    if any(not 0 <= t < tokenizer.vocab_size for t in ids):
+        raise APIError(400, f"token ids must be in [0, {tokenizer.vocab_size})", param=param)
+    return ids
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 

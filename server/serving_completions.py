@@ -7,28 +7,11 @@ from typing import AsyncIterator
 from quantserve.server.errors import APIError
 from quantserve.server.protocol import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
 from quantserve.server.serving import (Job, ServerState, check_model, collect, new_id, run_job,
-                            run_to_reply, sse_error, start_job)
+                            run_to_reply, sse_error, start_job, tokenized)
 from quantserve.server.textstream import LogprobEntry
 from quantserve.server.unsupported import refuse_unsupported
 
 DEFAULT_MAX_TOKENS = 16  # the OpenAI completions default
-
-
-def _prompts(state: ServerState, req: CompletionRequest) -> tuple[list[list[int]], list[str]]:
-    """Token ids and text of every prompt in the request."""
-    tok = state.engine.tokenizer
-    p = req.prompt
-    if isinstance(p, str):
-        texts = [p]
-    elif p and all(isinstance(x, int) for x in p):
-        return [list(p)], [tok.decode(list(p))]
-    elif p and all(isinstance(x, list) for x in p):
-        return [list(x) for x in p], [tok.decode(list(x)) for x in p]
-    elif p and all(isinstance(x, str) for x in p):
-        texts = list(p)
-    else:
-        raise APIError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
-    return [tok.encode(t, add_special_tokens=True) for t in texts], texts
 
 
 def _legacy_logprobs(entries: list[LogprobEntry], offset: int) -> CompletionLogprobs:
@@ -51,7 +34,7 @@ def prepare(state: ServerState, req: CompletionRequest) -> tuple[Job, list[str]]
     if req.max_tokens == 0 and not req.echo:
         raise APIError(400, "max_tokens 0 asks for nothing: it is only allowed with echo (to score the prompt)",
                        param="max_tokens")
-    prompts, texts = _prompts(state, req)
+    prompts, texts = tokenized(state.engine.tokenizer, req.prompt, "prompt")
     max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS
     # echo with logprobs: the prompt's own log-probabilities too (lm-evaluation-harness's log-likelihood)
     scored = req.logprobs if req.echo and req.logprobs is not None else None

@@ -17,26 +17,15 @@ from quantserve.server.engine import EngineClosedError, EngineRequest, QueueFull
 from quantserve.server.errors import APIError, engine_status
 from quantserve.server.protocol import EmbeddingRequest
 from quantserve.server.sampling import SamplingParams
-from quantserve.server.serving import ServerState, api_error_of, check_model, until_disconnected
+from quantserve.server.serving import ServerState, api_error_of, check_model, tokenized, until_disconnected
+from quantserve.server.unsupported import refuse_fields
 
 
 def _inputs(state: ServerState, req: EmbeddingRequest) -> list[list[int]]:
-    tok = state.engine.tokenizer
-    x = req.input
-    if isinstance(x, str):
-        texts = [x]
-    elif x and all(isinstance(i, int) for i in x):
-        return [list(x)]
-    elif x and all(isinstance(i, list) for i in x):
-        return [list(i) for i in x]
-    elif x and all(isinstance(i, str) for i in x):
-        texts = list(x)
-    else:
-        raise APIError(400, "input must be a string, a list of strings, or token ids", param="input")
-    for i, t in enumerate(texts):
-        if not t:  # OpenAI's rule too: an empty string has nothing to embed
-            raise APIError(400, f"input {i} is an empty string", param="input")
-    return [tok.encode(t, add_special_tokens=True) for t in texts]
+    if req.input == "" or (isinstance(req.input, list) and "" in req.input):
+        # OpenAI's rule too: an empty string has nothing to embed (it would be a lone BOS)
+        raise APIError(400, "input holds an empty string", param="input")
+    return tokenized(state.engine.tokenizer, req.input, "input")[0]
 
 
 def _width(state: ServerState) -> int | None:
@@ -47,6 +36,7 @@ async def embed(state: ServerState, req: EmbeddingRequest, request) -> dict:
     import numpy as np
 
     check_model(state, req.model)
+    refuse_fields(dict(req.model_extra or {}), {}, set(), "OpenAI's embeddings API")
     engine = state.engine
     width = _width(state)
     if req.dimensions is not None and req.dimensions != width:

@@ -97,6 +97,7 @@ def test_embeddings_while_generating(server):
     ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
     ({"input": "x", "model": "nope"}, "model"),
     ({"input": "x " * 5000}, "input"),
+    ({"input": "x", "pooling": "mean"}, "pooling"),
 ])
 def test_bad_embedding_requests_are_400s(server, body, param):
     r = httpx.post(server.base_url + "/v1/embeddings", json={"model": "default", **body}, timeout=30)

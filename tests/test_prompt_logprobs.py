@@ -177,3 +177,10 @@ def test_lm_eval_scores_a_local_task_through_the_server_as_in_process(default_mo
     assert all(math.isclose(x, y, rel_tol=0.01, abs_tol=1e-3) for x, y in zip(a, b)), list(zip(a, b))
     acc = lambda out: out["results"]["keltria_capitals"]["acc,none"]  # noqa: E731
     assert acc(remote) == pytest.approx(acc(local))
+
+
+def test_token_ids_past_the_vocabulary_are_a_400_before_anything_decodes_them(server):
+    """On every engine (llama.cpp's detokenizer crashes the process on such an id)."""
+    r = completions(server, prompt=[1, 10 ** 6], max_tokens=1, echo=True)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert httpx.get(server.base_url + "/health").status_code == 200

@@ -377,9 +377,7 @@ class FastCore:
         for c0 in range(0, n, self.prefill_chunk):
             chunk, at = ids[c0:c0 + self.prefill_chunk], start + c0
             if all_logits:
-                kv_idx = torch.arange(self._kv_len(at + chunk.numel()), device=self.device)
-                tok, pos = (t.to(self.device) for t in self._prefill_inputs(slot, chunk, at, chunk.numel())[:2])
-                rows.append(self.model(tok, pos, slot, kv_idx)[0].float())
+                rows.append(self._eager_chunk(slot, chunk, at))
             else:
                 logits = self._prefill_chunk(slot, chunk, at)
         self.lengths[slot] = start + n
@@ -395,14 +393,19 @@ class FastCore:
         self.in_use[slot] = True
         total, last = None, None
         for c0 in range(0, ids_t.numel(), self.prefill_chunk):
-            chunk = ids_t[c0:c0 + self.prefill_chunk]
-            kv_idx = torch.arange(self._kv_len(c0 + chunk.numel()), device=self.device)
-            tok, pos = (t.to(self.device) for t in self._prefill_inputs(slot, chunk, c0, chunk.numel())[:2])
-            h = self.model(tok, pos, slot, kv_idx, hidden=True)[0].float()
+            h = self._eager_chunk(slot, ids_t[c0:c0 + self.prefill_chunk], c0, hidden=True)
             total = h.sum(0) if total is None else total + h.sum(0)
             last = h[-1]
         self.lengths[slot] = ids_t.numel()
         return (total / ids_t.numel() if pooling == "mean" else last).cpu()
+
+    def _eager_chunk(self, slot: int, chunk: torch.Tensor, start: int, hidden: bool = False) -> torch.Tensor:
+        """One prompt chunk at positions start.., eagerly, with every position's output ([n, vocab]
+        logits, or [n, dim] final hidden states): scoring and embeddings, which the compiled
+        graphs (last position only) do not give."""
+        kv_idx = torch.arange(self._kv_len(start + chunk.numel()), device=self.device)
+        tok, pos = (t.to(self.device) for t in self._prefill_inputs(slot, chunk, start, chunk.numel())[:2])
+        return self.model(tok, pos, slot, kv_idx, hidden=hidden)[0].float()
 
     @torch.inference_mode()
     def prefill_many(self, items: list[tuple[int, list[int], int]]) -> torch.Tensor:
