@@ -1,4 +1,4 @@
-"""`quantserve bench decode|serve|plot`: thin wrappers that hand their arguments to the scripts.
+"""`quantserve bench decode|serve|kernels|plot`: thin wrappers that hand their arguments to the scripts.
 
 Only typer is imported here; each script loads torch/httpx/matplotlib when it runs.
 """
@@ -9,7 +9,7 @@ import typer
 
 from quantserve.cli_util import new_app
 
-app = new_app("Benchmarks: in-process decode speed, serving load, plots.")
+app = new_app("Benchmarks: in-process decode speed, serving load, weight kernels, plots.")
 PASS = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
 
 
@@ -31,6 +31,14 @@ def decode(ctx: typer.Context) -> None:
 def serve(ctx: typer.Context) -> None:
     """Load an OpenAI-compatible server: TTFT/TPOT/ITL and throughput vs concurrency (see --help)."""
     from quantserve.bench.serve import main
+
+    _forward(main, ctx)
+
+
+@app.command(context_settings=PASS)
+def kernels(ctx: typer.Context) -> None:
+    """Per-layer µs and % of copy bandwidth: fp16 vs int8 / 4-bit kernels, ours and libraries' (GPU; see --help)."""
+    from quantserve.bench.kernels import main
 
     _forward(main, ctx)
 

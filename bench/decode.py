@@ -245,7 +245,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="1b,8b", help="comma list of 1b, 8b, tiny")
     ap.add_argument("--quants", default="none,int8,int4", help="comma list of none, int8, int4")
     ap.add_argument("--kernels", default="auto",
-                    help="int8/int4 kernels, comma list of auto, triton, torch, tinygemm (int4; sm_80+, not under t4)")
+                    help="int8/int4 kernels, comma list of auto, triton, gemlite, torch, tinygemm (int4; sm_80+, not under t4)")
     ap.add_argument("--attention", default="auto",
                     help="decode attention, comma list of auto, triton, sdpa (the first is the one other rows compare to)")
     ap.add_argument("--batches", default="1,8,32")
@@ -262,7 +262,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="bench/results/decode.json")
     args = ap.parse_args(argv)
     checks = {"models": choice_list(*SHAPES), "quants": choice_list("none", "int8", "int4"),
-              "kernels": choice_list("auto", "triton", "torch", "tinygemm"),
+              "kernels": choice_list("auto", "triton", "gemlite", "torch", "tinygemm"),
               "attention": choice_list("auto", "triton", "sdpa"), "batches": int_list,
               "generate_batches": int_list}
     for name, check in checks.items():  # the comma lists stay text (the JSON's settings); checked here

@@ -168,18 +168,24 @@ def _decode_side_by_side(core_a, core_b, prompts, steps: int = 4):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton int8/int4 kernels run on a CUDA GPU only")
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_triton_weight_kernels_match_torch_ops(mode):
-    from quantserve.server.fastcore.quant import make_linear
+@pytest.mark.parametrize("kernel", ["triton", "gemlite"])
+def test_triton_weight_kernels_match_torch_ops(mode, kernel):
+    from quantserve.server.fastcore.quant import gemlite_available, make_linear
 
+    if kernel == "gemlite" and not gemlite_available():
+        pytest.skip("gemlite is not installed")
     torch.manual_seed(0)
     for N, K in ((3072, 2048), (2048, 8192), (1000, 256)):
         w = torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02
         ref = make_linear(w, None, mode, torch.float16, "torch")
-        tri = make_linear(w, None, mode, torch.float16, "triton")
-        assert tri.kernel == "triton"
-        for M in (1, 8, 33, 64, 200):  # 200: a prompt (tiled or dequantize + cuBLAS, whichever is faster)
+        tri = make_linear(w, None, mode, torch.float16, kernel)
+        assert tri.kernel == kernel
+        # 200, 512: prompts (tiled or dequantize + cuBLAS, whichever is faster)
+        for M in (1, 2, 8, 33, 64, 200, 512):
             x = torch.randn(M, K, device="cuda", dtype=torch.float16)
             torch.testing.assert_close(tri(x), ref(x), atol=2e-2, rtol=2e-2)
+        if mode == "int4":  # the same integers: the unpacked weights agree too
+            torch.testing.assert_close(tri.dequantize(torch.float16), ref.dequantize(torch.float16), atol=2e-3, rtol=0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton int8/int4 kernels run on a CUDA GPU only")
@@ -207,12 +213,17 @@ def test_every_batch1_matrix_vector_config_matches_torch_ops():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.compile + CUDA graph decode needs a CUDA GPU")
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_compiled_triton_decode_matches_eager_torch_ops(hf, prompts, mode):
+@pytest.mark.parametrize("kernel", ["triton", "gemlite"])
+def test_compiled_triton_decode_matches_eager_torch_ops(hf, prompts, mode, kernel):
     """The Triton kernels inside the compiled, CUDA-graphed step give the eager torch path's logits."""
+    from quantserve.server.fastcore.quant import gemlite_available
+
+    if kernel == "gemlite" and not gemlite_available():
+        pytest.skip("gemlite is not installed")
     model, _ = hf
     eager = FastCore(model, max_slots=4, max_seq=256, device="cuda", weight_quant=mode, quant_kernel="torch",
                      compile=False)
-    fast = FastCore(model, max_slots=4, max_seq=256, device="cuda", weight_quant=mode, quant_kernel="triton",
+    fast = FastCore(model, max_slots=4, max_seq=256, device="cuda", weight_quant=mode, quant_kernel=kernel,
                     compile=True)
     fast.warm_up()
     for a, b in _decode_side_by_side(eager, fast, prompts[:3]):

@@ -532,7 +532,7 @@ class FastCore:
                 # compile per (batch, KV length) that took minutes and hit dynamo's recompile limit,
                 # and trees assert when the server's scheduler thread replays a graph recorded on
                 # another thread (pytorch#123177).  `decode_padded` captures its own graphs instead.
-                fuse = batch == 1 and (self.weight_quant == "none" or self.quant_kernel != "triton")
+                fuse = batch == 1 and (self.weight_quant == "none" or self.quant_kernel not in ("triton", "gemlite"))
                 # should a size still be specialized somewhere, one compile per shape beats failing;
                 # dynamo counts compiles per code object, so every FastCore in a process adds its own
                 torch._dynamo.config.recompile_limit += len(self.decode_shapes()) + 2

@@ -9,6 +9,10 @@ Decode at small batch reads every weight once per step, so bytes are time.  Kern
   coordinate-descent tuning; measured 0.86x fp16 on an H200, so it did not); int4 unpacks the
   nibbles and scales them (the same fusion hope).  On the CPU int8 uses torch's
   `_weight_int8pack_mm`, a real kernel there.
+- "gemlite" (CUDA): GemLite's Triton kernels (matrix-vector at batch 1, split-K and tiled above),
+  on the same integers and scales: int8 shares our [N, K] buffer (GemLite reads its transpose),
+  int4 is repacked into GemLite's int32 words of 8 nibbles along K.  bench/kernels.py times it
+  against "triton" per layer shape (bench/RESULTS.md says which won where).
 - "tinygemm" (int4 only): `torch._weight_int4pack_mm`, tensor-core int4; CUDA sm_80+ with bf16
   activations only, so never on a T4 or under the T4 profile.
 (torch's CUDA `_weight_int8pack_mm` is a naive one-thread-per-output kernel, and bitsandbytes
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -105,6 +110,41 @@ def triton_ops():
     return triton_mm
 
 
+@functools.cache
+def gemlite_available() -> bool:
+    """GemLite imports (it reads the GPU's name at import, so only where CUDA runs)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import gemlite
+    except ImportError:
+        return False
+    # GemLite ships tuned configs per GPU, found by name; an H200 is an H100's chip (sm_90, 132
+    # multiprocessors) with more memory, so it takes the H100's table instead of tuning every shape
+    name = torch.cuda.get_device_name().lower()
+    configs = Path(gemlite.__file__).parent / "configs"
+    if not any(p.stem in name for p in configs.glob("*.json")) and "h200" in name and (configs / "h100.json").exists():
+        gemlite.GemLiteLinear.load_config(str(configs / "h100.json"))
+    return True
+
+
+def _gemlite_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> nn.Module:
+    """GemLite's weight-only int8 layer over our int8 [N, K] and per-row scales (no copy of q)."""
+    from gemlite.helper import A16W8_INT8
+
+    return A16W8_INT8(device=q.device, dtype=dtype).from_weights(weight=q, scales=scales.to(dtype)[:, None])
+
+
+def _gemlite_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, dtype: torch.dtype) -> nn.Module:
+    """GemLite's 4-bit layer for w = q * scale + min: its fused form is q * scale + zero', with
+    zero' = -z * scale for its HQQ zero point z, so z = -min / scale gives back our min."""
+    from gemlite.helper import A16W4_HQQ_INT
+
+    zeros = (-mins.float() / scales.float()).to(dtype)
+    return A16W4_HQQ_INT(device=q.device, dtype=dtype).from_weights(W_q=q.to(torch.uint8), scales=scales.to(dtype),
+                                                                     zeros=zeros)
+
+
 def default_kernel(device: torch.device) -> str:
     """triton on a GPU where it runs, else plain torch ops."""
     if device.type == "cuda" and triton_ops() is not None:
@@ -122,17 +162,23 @@ def int8_linear_torch(x, weight, scales):
 class Int8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, kernel: str = "torch"):
         super().__init__()
-        if kernel not in ("triton", "torch"):
-            raise ValueError(f"unknown int8 kernel {kernel!r} (triton or torch)")
-        # the Triton kernel walks K in whole blocks of 64
+        if kernel not in ("triton", "gemlite", "torch"):
+            raise ValueError(f"unknown int8 kernel {kernel!r} (triton, gemlite or torch)")
+        # both Triton kernels walk K in whole blocks of 64
         self.kernel = kernel if weight.shape[1] % 64 == 0 else "torch"
+        if self.kernel == "gemlite" and not weight.is_cuda:
+            raise ValueError("the gemlite kernel needs the weights on a CUDA GPU")
         q, scales = quantize_int8(weight)
         self.register_buffer("weight", q)
         self.register_buffer("scales", scales.to(dtype))
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
+        # not a submodule: its buffers are views of ours, and state_dict() should stay ours
+        self._gemlite = (_gemlite_int8(q, self.scales, dtype),) if self.kernel == "gemlite" else None
 
     def forward(self, x):
-        if self.kernel == "triton" and x.is_cuda:
+        if self.kernel == "gemlite" and x.is_cuda:
+            y = self._gemlite[0](x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+        elif self.kernel == "triton" and x.is_cuda:
             y = triton_ops().int8_weight_mm(x.reshape(-1, x.shape[-1]), self.weight,
                                             self.scales).view(*x.shape[:-1], -1)
         elif x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -144,6 +190,10 @@ class Int8Linear(nn.Module):
 
     def weight_bytes(self) -> int:
         return self.weight.numel() + self.scales.numel() * self.scales.element_size()
+
+
+def q_device(weight) -> torch.device:
+    return weight.q.device if isinstance(weight, PackedInt4) else weight.device
 
 
 def int4_tinygemm_supported(device: torch.device, profile: str = "native") -> bool:
@@ -164,8 +214,10 @@ class Int4Linear(nn.Module):
         N, K = weight.q.shape if isinstance(weight, PackedInt4) else weight.shape
         if K % group_size:
             raise ValueError(f"int4 needs in_features ({K}) divisible by group_size ({group_size})")
-        if kernel == "triton" and (K % 64 or group_size < 64):
-            kernel = "torch"  # the Triton kernel walks K in blocks of >= 64 inside one group
+        if kernel in ("triton", "gemlite") and (K % 64 or group_size < 64):
+            kernel = "torch"  # both Triton kernels walk K in blocks of >= 64 inside one group
+        if kernel == "gemlite" and q_device(weight).type != "cuda":
+            raise ValueError("the gemlite kernel needs the weights on a CUDA GPU")
         self.kernel, self.group_size, self.out_features = kernel, group_size, N
         if not isinstance(weight, PackedInt4):
             q, scales, zeros = quantize_int4(weight, group_size)
@@ -179,16 +231,23 @@ class Int4Linear(nn.Module):
             self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack(packed, 8))
             sz = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
             self.register_buffer("scales_and_zeros", sz.to(torch.bfloat16))
+        elif kernel == "gemlite":
+            # GemLite's own int32 packing only (ours would double the weights' memory);
+            # `dequantize` unpacks from it
+            self.gemlite = _gemlite_int4(q, scales, mins, dtype)
         elif kernel in ("triton", "torch"):
             self.register_buffer("weight", (q[:, ::2] << 4 | q[:, 1::2]).contiguous())  # [N, K/2]
             self.register_buffer("scales", scales.to(dtype))
             self.register_buffer("mins", mins.to(dtype))
         else:
-            raise ValueError(f"unknown int4 kernel {kernel!r} (triton, tinygemm or torch)")
+            raise ValueError(f"unknown int4 kernel {kernel!r} (triton, gemlite, tinygemm or torch)")
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
 
     def dequantize(self, dtype) -> torch.Tensor:
         N = self.out_features
+        if self.kernel == "gemlite":  # its layer times the identity is its weight, transposed
+            eye = torch.eye(self.gemlite.in_features, device=self.gemlite.W_q.device, dtype=dtype)
+            return self.gemlite(eye).t()
         w = torch.stack([self.weight >> 4, self.weight & 0xF], dim=-1).view(N, -1, self.group_size)
         return (w.to(dtype) * self.scales.to(dtype)[..., None] + self.mins.to(dtype)[..., None]).view(N, -1)
 
@@ -197,6 +256,8 @@ class Int4Linear(nn.Module):
             x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
             y = torch.ops.aten._weight_int4pack_mm(x2, self.weight, self.group_size, self.scales_and_zeros)
             y = y.to(x.dtype).view(*x.shape[:-1], -1)
+        elif self.kernel == "gemlite" and x.is_cuda:
+            y = self.gemlite(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
         elif self.kernel == "triton" and x.is_cuda:
             y = triton_ops().int4_weight_mm(x.reshape(-1, x.shape[-1]), self.weight, self.scales, self.mins,
                                             self.group_size).view(*x.shape[:-1], -1)
@@ -205,6 +266,8 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def weight_bytes(self) -> int:
+        if self.kernel == "gemlite":
+            return sum(t.numel() * t.element_size() for t in (self.gemlite.W_q, self.gemlite.scales, self.gemlite.zeros))
         return sum(b.numel() * b.element_size() for n, b in self.named_buffers() if n != "bias")
 
 
