@@ -13,10 +13,12 @@ PIP := $(PY) -m pip
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 ifeq ($(HAS_GPU),1)
 TORCH_SPEC ?= torch
+EXTRAS ?= all,gpu
 # llama.cpp with CUDA for compute capability 7.5 (T4) and newer
 LLAMA_CMAKE_ARGS ?= -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=75;80;86;89;90
 else
 TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= all
 # Portable x86-64 build: the default -march=native build dies with "Illegal instruction" on some
 # CPUs (AMX) at the first quantized eval.
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
@@ -34,7 +36,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV); \
 	$(PIP) install -q --upgrade pip wheel setuptools && \
 	$(PIP) install -q "$(TORCH_SPEC)" && \
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install -q -e ".[all]" && \
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install -q -e ".[$(EXTRAS)]" && \
 	echo "install took $$(( $$(date +%s) - start )) s" && touch $@
 
 install: $(VENV)/.installed

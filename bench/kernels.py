@@ -107,11 +107,17 @@ def available(kinds: list[str]) -> tuple[list[str], dict]:
     return keep, skipped
 
 
-def run_shape(shape: str, kinds: list[str], batches: list[int], copy_bw: float) -> list[dict]:
+def write(path: str, result: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=1))
+
+
+def run_shape(shape: str, kinds: list[str], batches: list[int], copy_bw: float, rows: list, save) -> None:
+    """Append a row per (layer, kind, M) to `rows`, calling save() after each layer: a run cut
+    short by a time limit keeps what it measured."""
     import torch
 
     layers, _, head = SHAPES[shape]
-    rows = []
     for name, N, K in layers + [head]:
         w = torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02
         ref = {M: None for M in batches}
@@ -150,7 +156,7 @@ def run_shape(shape: str, kinds: list[str], batches: list[int], copy_bw: float) 
             del layer
         del w
         torch.cuda.empty_cache()
-    return rows
+        save()
 
 
 def summarize(rows: list[dict], shapes: list[str], kinds: list[str], batches: list[int]) -> dict:
@@ -212,8 +218,9 @@ def main(argv=None) -> int:
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s on {torch.cuda.get_device_name()}")
     rows = []
+    partial = {"gpu": torch.cuda.get_device_name(), "copy_GBps": copy_bw / 1e9, "skipped": skipped, "rows": rows}
     for shape in args.shapes:
-        rows += run_shape(shape, kinds, args.batches, copy_bw)
+        run_shape(shape, kinds, args.batches, copy_bw, rows, save=lambda: write(args.out, partial))
     summary = summarize(rows, args.shapes, kinds, args.batches)
     table = markdown(rows, kinds)
     print(table)
@@ -225,8 +232,7 @@ def main(argv=None) -> int:
 
         result["sass"] = recompile_all(args.sass)
         print(json.dumps(result["sass"], indent=1))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write(args.out, result)
     return 0
 
 

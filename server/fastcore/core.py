@@ -141,7 +141,7 @@ class FastCore:
             dtype = torch.float16 if device.type == "cuda" else torch.float32
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         if quant_kernel == "auto":
-            quant_kernel = default_kernel(device)
+            quant_kernel = default_kernel(device, weight_quant)
         if quant_kernel == "tinygemm" and not int4_tinygemm_supported(device, profile):
             raise ValueError("the tinygemm int4 kernel needs a CUDA GPU with compute capability >= 8.0 "
                              "(not a T4, not the T4 profile)")
