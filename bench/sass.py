@@ -80,3 +80,118 @@ def recompile_all(arch: str) -> list[dict]:
             row["error"] = repr(e)[:300]
         out.append(row)
     return out
+
+
+# ---- without a GPU: our decode kernels and GemLite's batch-1 4-bit kernel, at 8B qkv's shape ----
+
+def _ours() -> dict[str, tuple]:
+    """(ASTSource, options) of each of our weight kernels, at a config the tuners pick on the 8B shape."""
+    from triton.compiler import ASTSource
+
+    from quantserve.server.fastcore import triton_gemv, triton_mm
+
+    base = {"x_ptr": "*fp16", "w_ptr": "*i8", "s_ptr": "*fp16", "out_ptr": "*fp16", "M": "i32", "N": "i32",
+            "K": "i32", "M_BUCKET": "i32", "stride_xm": "i32", "stride_om": "i32"}
+    int4 = {**base, "w_ptr": "*u8", "z_ptr": "*fp16", "GROUP": "constexpr"}
+    int4 = {k: int4[k] for k in ("x_ptr", "w_ptr", "s_ptr", "z_ptr", "out_ptr", "M", "N", "K", "M_BUCKET",
+                                 "stride_xm", "stride_om", "GROUP")}
+    meta = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "BIT_DEQUANT")
+    out = {}
+    for name, fn, sig, bm, extra in (
+            ("ours int8 batch-1 matrix-vector", triton_gemv._int8_gemv_kernel, base, 1, {}),
+            ("ours int8 tiled (tl.dot)", triton_mm._int8_kernel, base, 16, {}),
+            ("ours int4 batch-1 matrix-vector", triton_gemv._int4_gemv_kernel, int4, 1, {"GROUP": 128}),
+            ("ours int4 tiled (tl.dot)", triton_mm._int4_kernel, int4, 16, {"GROUP": 128})):
+        const = {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1, "BIT_DEQUANT": True, **extra}
+        out[name] = (ASTSource(fn=fn, signature={**sig, **{m: "constexpr" for m in meta}}, constexprs=const),
+                     {"num_warps": 4})
+    return out
+
+
+def _gemlite_gemv(N: int = 6144, K: int = 4096) -> tuple:
+    """GemLite's batch-1 4-bit kernel (GEMV_REVSPLITK) as its forward launches it for our int4 layer."""
+    import triton.language as tl
+    from triton.compiler import ASTSource
+
+    from gemlite.triton_kernels import gemv_revsplitK_kernels as rk
+
+    fn = rk.gemv_INT_revsplitK_kernel.fn
+    ptrs = {"a_ptr": "*fp16", "b_ptr": "*i32", "c_ptr": "*fp16", "scales_ptr": "*fp16", "zeros_ptr": "*fp16",
+            "scales_a_ptr": "*fp16", "M": "i32"}
+    const = dict(N=N, K=K, W_nbits=4, group_size=128, unpack_mask=15, elements_per_sample=8, type_id=104,
+                 use_prehook=False, stride_am=K, stride_ak=1, stride_bk=N, stride_bn=1, stride_cm=N, stride_cn=1,
+                 stride_meta_a_m=0, stride_meta_a_g=0, stride_meta_g=N, stride_meta_n=1, input_dtype=tl.float16,
+                 output_dtype=tl.float16, acc_dtype=tl.float32, meta_dtype=tl.float16, channel_scale_mode=0,
+                 W_group_mode=4, zero_is_scalar=False, BLOCK_SIZE_M=1, BLOCK_SIZE_N=256, BLOCK_SIZE_K=32,
+                 A_load_order=0, dot_prod_mode=0, data_contiguous=True, dump_b_val=0, meta_evict_policy="",
+                 atomic_mode="relaxed", a_evict="evict_last", b_evict="evict_first", EVEN_K=True, EVEN_N=True,
+                 block_quant_size=rk.BLOCK_QUANT_SIZE)
+    return ASTSource(fn=fn, signature={n: ptrs.get(n, "constexpr") for n in fn.arg_names}, constexprs=const), \
+        {"num_warps": 2, "num_stages": 1}
+
+
+def _import_gemlite_without_a_gpu() -> None:
+    """GemLite asks torch and Triton about the GPU when its modules load; where there is none, answer
+    as a T4 would (sm_75, 40 multiprocessors, 64 KiB shared memory) and skip its package __init__,
+    which loads per-GPU configs.  Only for compiling its kernels here, never for running them."""
+    import importlib.util
+    import sys
+    import types
+
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    if torch.cuda.is_available():
+        return
+    spec = importlib.util.find_spec("gemlite")
+    if spec is None:
+        raise ImportError("gemlite is not installed")
+    pkg = types.ModuleType("gemlite")
+    pkg.__path__ = list(spec.submodule_search_locations)
+    sys.modules["gemlite"] = pkg
+
+    class Props:
+        name, multi_processor_count, shared_memory_per_block_optin = "Tesla T4", 40, 65536
+
+    class Utils:
+        def get_device_properties(self, _):
+            return {"max_shared_mem": 65536, "multiprocessor_count": 40}
+
+    class Driver:
+        utils = Utils()
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 75, 32)
+
+        def get_current_device(self):
+            return 0
+
+    torch.cuda.get_device_capability = lambda *_: (7, 5)
+    torch.cuda.get_device_properties = lambda *_: Props()
+    triton.runtime.driver.set_active(Driver())
+
+
+def main(argv=None) -> int:
+    from quantserve.bench.args import Parser
+
+    ap = Parser(description="Compile our weight kernels and GemLite's batch-1 4-bit kernel for GPU architectures "
+                            "and count their SASS instructions (no GPU needed: Triton cross-compiles).")
+    ap.add_argument("--arch", default="sm_75,sm_90", help="comma list, e.g. sm_75,sm_90")
+    args = ap.parse_args(argv)
+    kernels = _ours()
+    try:
+        _import_gemlite_without_a_gpu()
+        kernels["GemLite int4 GEMV_REVSPLITK (batch 1)"] = _gemlite_gemv()
+    except ImportError as e:
+        print(f"GemLite left out: {e}")
+    for arch in [a.strip() for a in args.arch.split(",") if a.strip()]:
+        for name, (src, options) in kernels.items():
+            c = compile_for(src, arch, options)
+            shown = " ".join(f"{k} {c.get(k, 0)}" for k in WATCH)
+            print(f"{arch}  {name:40} {'tensor cores' if c.get('HMMA') or c.get('IMMA') else 'no tensor cores':16} {shown}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
