@@ -88,7 +88,7 @@ def test_cli_prints_the_verdicts_and_fails_in_one_line(default_model, tmp_path):
 def test_a_gguf_output_is_for_the_gguf_engine(tokenizer, tmp_path):
     from quantserve.quant.convert import convert
 
-    family_checkpoint("qwen2", tokenizer, tmp_path / "qwen2")
+    family_checkpoint("qwen2", tokenizer, tmp_path / "qwen2", vocab_pad=8)
     out = convert(tmp_path / "qwen2", "gguf-f16", tmp_path / "gguf", progress=False)
     for path in (out, out / "model.gguf"):
         report = model_support(path)
