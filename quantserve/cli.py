@@ -23,15 +23,18 @@ ProfileOpt = typer.Option(None, "--gpu-profile", help="'t4' makes a bigger GPU b
 
 
 @app.command()
-def info(model: Optional[Path] = typer.Argument(None, help="A checkpoint folder, .gguf file or adapter: say "
-                                                "which engines and formats take it, and why not where not."),
+def info(model: Optional[str] = typer.Argument(None, help="A checkpoint folder, .gguf file or adapter ('default': "
+                                               "the embedded model): which engines and formats take it, and why not."),
          gpu_profile: Optional[str] = ProfileOpt,
          as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:
     """Show what this machine can do (torch/CUDA, GPU, dtype, attention, packages), or what a MODEL is."""
     if model is not None:
         from quantserve.support import format_support, model_support
 
-        report = model_support(model)
+        from quantserve.settings import resolve_checkpoint
+
+        path = Path(model) if Path(model).exists() else resolve_checkpoint(model, progress=False)  # "default"
+        report = model_support(path)
         print(json.dumps(report, indent=1) if as_json else format_support(report))
         return
     from quantserve.capabilities import detect
