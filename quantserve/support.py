@@ -63,10 +63,26 @@ def _gguf_formats(ckpt, bnb: str | None) -> Verdict:
     try:
         arch = require_gguf_architecture(ckpt)
         hyperparameters(ckpt)
+        tokenizer = _gguf_tokenizer_kind(ckpt.path)
     except UserError as e:
         return Verdict("formats gguf-*", False, str(e))
-    return Verdict("formats gguf-*", True, f"llama.cpp architecture {arch!r} (F16, Q8_0, k-quants; "
-                   "served by the gguf engine)")
+    return Verdict("formats gguf-*", True, f"llama.cpp architecture {arch!r}, {tokenizer} tokenizer "
+                   "(F16, Q8_0, k-quants; served by the gguf engine)")
+
+
+def _gguf_tokenizer_kind(folder: Path) -> str:
+    """The tokenizer kind the GGUF writer will write, or its UserError."""
+    import json
+
+    from quantserve.quant.gguf_vocab import is_sentencepiece_style, pre_tokenizer_name
+
+    tok_file = folder / "tokenizer.json"
+    if not tok_file.is_file():
+        raise UserError(f"{folder}: no tokenizer.json (GGUF carries the tokenizer; a fast tokenizer is required)")
+    tokenizer_json = json.loads(tok_file.read_text(encoding="utf-8"))
+    if is_sentencepiece_style(tokenizer_json):
+        return "SentencePiece"
+    return f"byte-level BPE ({pre_tokenizer_name(tokenizer_json, folder)})"
 
 
 def _bnb_formats(ckpt, pre: dict | None, bnb: str | None) -> Verdict:
