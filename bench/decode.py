@@ -170,6 +170,7 @@ def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], p
                     weight_quant=quant, quant_kernel=kernel, compile=compile, profile=caps.profile,
                     attention=attention)
     build_s = time.perf_counter() - t0
+    print(f"  {quant}: weights ready in {build_s:.1f} s", file=sys.stderr, flush=True)
     wbytes = core.weight_bytes_per_token()
     kv_tok = core.args.kv_bytes_per_token(torch.finfo(core.dtype).bits // 8)
     prompt = torch.randint(0, cfg.vocab_size, (prompt_len,))
@@ -178,7 +179,9 @@ def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], p
         row = {"batch": b, "weight_bytes": wbytes, "build_s": round(build_s, 1), "attention": core.attention,
                "kernel": core.quant_kernel if quant != "none" else None}
         try:
+            t1 = time.perf_counter()
             first = [int(core.prefill(s, prompt).argmax()) for s in range(b)]
+            row["first_prompts_s"] = round(time.perf_counter() - t1, 1)  # the prompt path's compile, first time
             tok = torch.tensor(first, device=device)
             pos = torch.full((b,), prompt_len, device=device)
             L = core._kv_len(prompt_len + new_tokens + 1)
@@ -189,6 +192,9 @@ def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], p
                 pos = pos + 1
             sync(device)
             row["warmup_s"] = round(time.perf_counter() - t1, 1)
+            # as it happens: a run cut short by a time limit still says where its minutes went
+            print(f"  batch {b}: built in {build_s:.1f} s, first prompts {row['first_prompts_s']} s, "
+                  f"decode compile + record {row['warmup_s']} s", file=sys.stderr, flush=True)
             n = new_tokens - 3
             t1 = time.perf_counter()
             for _ in range(n):
