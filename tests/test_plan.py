@@ -29,6 +29,43 @@ def test_param_count_matches_transformers():
         assert shape(name).params == real
 
 
+# Real layouts of the families the engines take (sizes from their public configs), on the meta device
+FAMILY_CONFIGS = {
+    "Qwen2.5-7B": ("Qwen2Config", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064)),
+    "Qwen3-8B": ("Qwen3Config", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936)),
+    "Mistral-7B": ("MistralConfig", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                         num_attention_heads=32, num_key_value_heads=8, vocab_size=32768)),
+    "Phi-3-mini": ("Phi3Config", dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                                      num_attention_heads=32, num_key_value_heads=32, vocab_size=32064)),
+    "Gemma-2-9B": ("Gemma2Config", dict(hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+                                        num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+                                        vocab_size=256000)),
+    "Gemma-3-4B (text)": ("Gemma3TextConfig", dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+                                                   num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                                                   vocab_size=262208)),
+}
+
+
+@pytest.mark.parametrize("family", FAMILY_CONFIGS)
+def test_param_count_of_every_family_within_a_tenth_of_a_percent(family):
+    """Biases (Qwen2), per-head q/k norms (Qwen3, Gemma 3), sandwich norms (Gemma), fused q/k/v and
+    gate/up (Phi-3) and tied embeddings change the count by little: the planner's Llama arithmetic
+    with the config's own head width stays within 0.1 % of transformers' count."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    cls, kwargs = FAMILY_CONFIGS[family]
+    config = getattr(transformers, cls)(**kwargs)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    real = sum(dict((id(p), p.numel()) for p in model.parameters()).values())
+    planned = Shape.from_config(config).params
+    assert abs(planned - real) / real < 1e-3, (family, planned, real)
+
+
 @pytest.mark.parametrize("n", [1, 2, 8])
 def test_model_states_follow_the_zero_paper(n):
     s = shape()
