@@ -170,6 +170,10 @@ def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], p
                     weight_quant=quant, quant_kernel=kernel, compile=compile, profile=caps.profile,
                     attention=attention)
     build_s = time.perf_counter() - t0
+    # Prompts eagerly: this measures decode, and the compiled prompt path (torch.compile with
+    # dynamic shapes over the whole model) is a minute or more of compile on the 8B shape before
+    # the first step, which ran two GPU calls' rows out of their time (bench/RESULTS.md).
+    core.compile_prefill = False
     print(f"  {quant}: weights ready in {build_s:.1f} s", file=sys.stderr, flush=True)
     wbytes = core.weight_bytes_per_token()
     kv_tok = core.args.kv_bytes_per_token(torch.finfo(core.dtype).bits // 8)
