@@ -198,14 +198,15 @@ def markdown(rows: list[dict], kinds: list[str]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = Parser(description=__doc__.splitlines()[0])
+    ap = Parser(prog="quantserve bench kernels", description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="8b,1b", type=choice_list(*SHAPES), help="comma list of 8b, 1b")
-    ap.add_argument("--kinds", default=",".join(KINDS), type=choice_list(*KINDS))
-    ap.add_argument("--batches", default="1,8,32,512", type=int_list)
+    ap.add_argument("--kinds", default=",".join(KINDS), type=choice_list(*KINDS),
+                    help=f"comma list of {', '.join(KINDS)}")
+    ap.add_argument("--batches", default="1,8,32,512", type=int_list, help="comma list of M (rows of x)")
     ap.add_argument("--sass", default=None, metavar="sm_XY",
                     help="afterwards compile every Triton kernel that ran for this GPU arch and count its "
                          "instructions (e.g. sm_75: are there tensor-core MMAs on a T4?)")
-    ap.add_argument("--out", default="bench/results/kernels.json")
+    ap.add_argument("--out", default="bench/results/kernels.json", help="JSON file to write")
     args = ap.parse_args(argv)
 
     import torch

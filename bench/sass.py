@@ -175,7 +175,7 @@ def _import_gemlite_without_a_gpu() -> None:
 def main(argv=None) -> int:
     from quantserve.bench.args import Parser
 
-    ap = Parser(description="Compile our weight kernels and GemLite's batch-1 4-bit kernel for GPU architectures "
+    ap = Parser(prog="python -m bench.sass", description="Compile our weight kernels and GemLite's batch-1 4-bit kernel for GPU architectures "
                             "and count their SASS instructions (no GPU needed: Triton cross-compiles).")
     ap.add_argument("--arch", default="sm_75,sm_90", help="comma list, e.g. sm_75,sm_90")
     args = ap.parse_args(argv)

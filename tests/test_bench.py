@@ -177,7 +177,7 @@ def test_failed_requests_make_the_run_exit_1(llama_server, capsys):
     assert code == 1 and err[-1].startswith("error: 2 of 2 requests failed, e.g. "), err
 
 
-@pytest.mark.parametrize("name", ["decode", "serve", "plot"])
+@pytest.mark.parametrize("name", ["decode", "serve", "kernels", "plot"])
 def test_bench_help_names_its_command(name):
     proc = subprocess.run([sys.executable, "-m", "quantserve", "bench", name, "--help"], capture_output=True,
                           text=True, timeout=60)
@@ -193,3 +193,16 @@ def test_gpu_bench_refuses_a_cpu_in_one_line():
                           timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "error: bench decode measures the 1B/8B shapes on a CUDA GPU; on a CPU use --quick"]
+
+
+def test_kernel_bench_refuses_a_cpu_in_one_line():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the benchmark would run")
+    proc = subprocess.run([sys.executable, "-m", "quantserve", "bench", "kernels", "--batches", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == ["error: needs a CUDA GPU (see --help)"]
+    bad = subprocess.run([sys.executable, "-m", "quantserve", "bench", "kernels", "--kinds", "int3-magic"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "choose from" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
