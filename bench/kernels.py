@@ -6,6 +6,9 @@ path we can run.
     quantserve bench kernels --shapes 8b,1b --batches 1,8,32,512 --out bench/results/kernels.json
     quantserve bench kernels --sass sm_75      # also: every Triton kernel it ran, compiled for a T4
 
+Cold (empty Triton caches) each layer took ~80 s with every kind and four batch sizes on an H200,
+most of it the autotuners' first calls: one shape per 10-minute GPU call.
+
 Kinds (a name is `weights-library`):
   fp16            torch.nn.functional.linear (cuBLAS)
   int8-triton     ours: server/fastcore/triton_mm.py + triton_gemv.py (per-shape choice at first call)
