@@ -121,9 +121,14 @@ def bench_generate(cfg, device, dtype, batch: int, prompt_len: int, new_tokens: 
         return time.perf_counter() - t0
 
     timed(2)  # warm-up
-    # the best of three of each: one stall in a single t(1) made the difference negative (seen on CI)
-    t1 = min(timed(1) for _ in range(3))
-    tn = min(timed(new_tokens) for _ in range(3))
+    # the best of five of each, interleaved: one stall in a single t(1) made the difference negative
+    # (seen on CI), and a burst of load on the machine once made all three t(1) in a row slower
+    # than t(N) (seen with other tests running beside it)
+    t1s, tns = [], []
+    for _ in range(5):
+        t1s.append(timed(1))
+        tns.append(timed(new_tokens))
+    t1, tn = min(t1s), min(tns)
     step = (tn - t1) / (new_tokens - 1)
     if step <= 0:
         raise RuntimeError(f"timing too noisy: {new_tokens} tokens took {tn:.4f} s, 1 token {t1:.4f} s")
