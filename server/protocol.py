@@ -252,6 +252,9 @@ class ResponsesRequest(_Request):
 
 
 class TokenizeRequest(_Request):
+    """vLLM's /tokenize body; any other field is refused by name (never silently ignored)."""
+
+    model_config = ConfigDict(extra="forbid")
     model: str
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
@@ -259,6 +262,7 @@ class TokenizeRequest(_Request):
 
 
 class DetokenizeRequest(_Request):
+    model_config = ConfigDict(extra="forbid")
     model: str
     tokens: list[int]
 
