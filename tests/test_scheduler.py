@@ -125,11 +125,15 @@ def test_a_full_queue_refuses_at_submit_time(sched):
 
 
 def test_a_cancelled_request_frees_its_slot_for_the_next(sched):
+    # decode held until the cancel is in: the fake backend is instant, and on a loaded machine the
+    # request once ran into its context limit ("length") before this thread got to cancel it
+    sched.backend.gate.clear()
     long = Collect([1], max_tokens=10_000)
     sched.submit(long)
     while not long.tokens:
         threading.Event().wait(0.005)
     sched.cancel(long.request.request_id)
+    sched.backend.gate.set()
     assert long.done.wait(10) and long.finish == "cancelled"
     after = Collect([5], max_tokens=3)
     sched.submit(after)
