@@ -99,6 +99,7 @@ def sentencepiece_scores(folder: Path, by_id: dict[int, str], merges: list) -> t
 
 def add_tokenizer(writer, folder: Path, n_vocab: int) -> dict:
     """Write the tokenizer metadata of checkpoint `folder` into `writer`; return a summary."""
+    import gguf
     from transformers import AutoTokenizer
 
     tok_file = folder / "tokenizer.json"
@@ -113,8 +114,6 @@ def add_tokenizer(writer, folder: Path, n_vocab: int) -> dict:
     pre = "default" if spm else pre_tokenizer_name(tokenizer_json, folder)
 
     tok = AutoTokenizer.from_pretrained(str(folder))
-    import gguf
-
     by_id = {i: t for t, i in tok.get_vocab().items()}
     added = tok.added_tokens_decoder  # id → AddedToken, for special and user-added tokens
     if len(by_id) > n_vocab:

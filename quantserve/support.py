@@ -143,12 +143,7 @@ def model_support(path: Path) -> dict:
         out["verdicts"] = [Verdict("engine hf", True, "served on its base model (quantserve serve ADAPTER)"),
                            Verdict("formats", True, "quant convert merges it into its base first")]
         out["auto_engine"] = ("hf", "a LoRA adapter")
-    elif info.get("manifest"):  # a bitsandbytes output folder of `quant convert`
-        from quantserve.server.engines import auto_engine
-
-        out["verdicts"] = checkpoint_support(path)
-        out["auto_engine"] = auto_engine(path)
-    elif "config" in info:
+    elif "config" in info or info.get("manifest"):  # a checkpoint, or a bitsandbytes output of `quant convert`
         from quantserve.server.engines import auto_engine
 
         out["verdicts"] = checkpoint_support(path)

@@ -200,10 +200,6 @@ class Int8Linear(nn.Module):
         return self.weight.numel() + self.scales.numel() * self.scales.element_size()
 
 
-def q_device(weight) -> torch.device:
-    return weight.q.device if isinstance(weight, PackedInt4) else weight.device
-
-
 def int4_tinygemm_supported(device: torch.device, profile: str = "native") -> bool:
     """torch's int4 kernel: CUDA sm_80+ only, and never under the T4 profile (a T4 is sm_75)."""
     if device.type != "cuda" or profile == "t4":
@@ -224,7 +220,7 @@ class Int4Linear(nn.Module):
             raise ValueError(f"int4 needs in_features ({K}) divisible by group_size ({group_size})")
         if kernel in ("triton", "gemlite") and (K % 64 or group_size < 64):
             kernel = "torch"  # both Triton kernels walk K in blocks of >= 64 inside one group
-        if kernel == "gemlite" and q_device(weight).type != "cuda":
+        if kernel == "gemlite" and not (weight.q if isinstance(weight, PackedInt4) else weight).is_cuda:
             raise ValueError("the gemlite kernel needs the weights on a CUDA GPU")
         self.kernel, self.group_size, self.out_features = kernel, group_size, N
         if not isinstance(weight, PackedInt4):
