@@ -162,9 +162,10 @@ def step_profile(step, device, steps: int = 16, top: int = 12) -> dict:
 
 
 def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], prompt_len: int,
-               new_tokens: int, compile: bool, profile_steps: int = 0, attention: str = "auto") -> list[dict]:
+               new_tokens: int, compile: bool, profile_steps: int = 0, attention: str = "auto"):
     """FastCore decode at each batch size: prefill `prompt_len` tokens per slot, then time
-    `new_tokens` steps feeding the argmax back on the device (no host sync inside the loop)."""
+    `new_tokens` steps feeding the argmax back on the device (no host sync inside the loop).
+    Yields one row per batch size as it is measured, so a run cut short keeps the rows it finished."""
     import torch
 
     from quantserve.server.fastcore import FastCore
@@ -183,10 +184,10 @@ def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], p
     wbytes = core.weight_bytes_per_token()
     kv_tok = core.args.kv_bytes_per_token(torch.finfo(core.dtype).bits // 8)
     prompt = torch.randint(0, cfg.vocab_size, (prompt_len,))
-    rows = []
+    resident_gib = round(core.resident_bytes() / 2**30, 2)
     for b in batches:
         row = {"batch": b, "weight_bytes": wbytes, "build_s": round(build_s, 1), "attention": core.attention,
-               "kernel": core.quant_kernel if quant != "none" else None}
+               "kernel": core.quant_kernel if quant != "none" else None, "resident_gib": resident_gib}
         try:
             t1 = time.perf_counter()
             first = [int(core.prefill(s, prompt).argmax()) for s in range(b)]
@@ -228,11 +229,8 @@ def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], p
             traceback.print_exc(file=sys.stderr)
         for s in range(max(batches)):
             core.release(s)
-        rows.append(row)
-    row0 = rows[0]
-    row0["resident_gib"] = round(core.resident_bytes() / 2**30, 2)
+        yield row
     del core
-    return rows
 
 
 def fit_check(cfg, device, caps, quant: str, kernel: str, slots: int = 8, seq: int = 2048) -> dict:
@@ -345,16 +343,21 @@ def main(argv=None) -> int:
                     engine += f"-{kernel}"
                 if attention != "auto":
                     engine += f"-{attention}"
+                done = set()
                 try:
                     cap.set(capped)
-                    rows = bench_core(cfg, device, caps, quant, kernel if kernel != "-" else "auto", batches,
-                                      args.prompt_len, args.new_tokens, compile, args.profile_steps, attention)
-                except Exception as e:
+                    for r in bench_core(cfg, device, caps, quant, kernel if kernel != "-" else "auto", batches,
+                                        args.prompt_len, args.new_tokens, compile, args.profile_steps, attention):
+                        add({"model": shape, "engine": engine, "quant": quant, "capped": cap.active and capped, **r})
+                        done.add(r["batch"])
+                except Exception as e:  # the engine failed to build: every batch size not measured says why
                     traceback.print_exc(file=sys.stderr)
-                    rows = [{"batch": b, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"} for b in batches]
+                    err = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                    for b in batches:
+                        if b not in done:
+                            add({"model": shape, "engine": engine, "quant": quant, "capped": cap.active and capped,
+                                 "batch": b, "error": err})
                 free(device)
-                for r in rows:
-                    add({"model": shape, "engine": engine, "quant": quant, "capped": cap.active and capped, **r})
                 if not args.no_fit_check and device.type == "cuda" and quant != "none" and shape == "8b":
                     try:
                         cap.set(True)
