@@ -31,12 +31,15 @@ help:
 	@echo "make test  - install and run the test suite"
 	@echo "make reliability - fuzzing, hostile input, security, soak and faults at full size (~13 min on 2 cores)"
 
-$(VENV)/.installed: pyproject.toml Makefile
+# The versions the Docker image ships (requirements-docker.txt) are constraints here too: a fresh
+# clone tests what ships, not whatever the package index holds that day (a newer accelerate once
+# broke tests/test_docker.py's check on a fresh machine).
+$(VENV)/.installed: pyproject.toml Makefile requirements-docker.txt
 	@start=$$(date +%s); \
 	test -x $(PY) || $(PYTHON) -m venv $(VENV); \
 	$(PIP) install -q --upgrade pip wheel setuptools && \
 	$(PIP) install -q "$(TORCH_SPEC)" && \
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install -q -e ".[$(EXTRAS)]" && \
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install -q -c requirements-docker.txt -e ".[$(EXTRAS)]" && \
 	echo "install took $$(( $$(date +%s) - start )) s" && touch $@
 
 install: $(VENV)/.installed
