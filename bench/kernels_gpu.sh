@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# First of two back-to-back calls on the lent GPU (the second is bench/decode_vs_llama.sh):
+# First of two back-to-back calls on the lent GPU (the second is bench/decode_gpu.sh OUT 2):
 # the per-layer kernel race (ours, GemLite, bitsandbytes) with every Triton kernel that ran
 # recompiled for sm_75, then the GPU tests of the weight kernels.  Detached meanwhile: llama.cpp's
 # tools (llama-bench, llama-quantize) and the GGUFs of random 8B / 1B checkpoints for the second call.
