@@ -24,7 +24,6 @@ done
 setsid nohup bash bench/llama_ggufs.sh "$site" > /tmp/ggufs.log 2>&1 < /dev/null &
 (cd /tmp && timeout 330 python3 -m quantserve.bench.kernels --shapes 8b,1b --batches 1,8,32,512 --sass sm_75 \
     --out "$out/kernels.json") > "$out/kernels.log" 2>&1 || echo "bench kernels: rc=$?" | tee -a "$out/gpu.txt"
-cp "$out/kernels.json" /tmp/kernels.json 2>/dev/null || true  # the second call picks each format's library from it
 if [ $SECONDS -lt 440 ]; then  # the tests only in the time left of a 10-minute call
   # from /tmp: in the source tree `quantserve` would be the bare folder, not the installed package
   (cd /tmp && timeout $((550 - SECONDS)) python3 -m pytest -q -p no:cacheprovider "$repo/tests/test_fastcore.py" \
