@@ -6,6 +6,10 @@
 - DeepSpeed, imported by transformers whenever it is installed, prints "Setting accelerator to
   CPU" on *stdout* (inside tables other programs read) on every machine without a GPU: telling it
   the accelerator up front (`DS_ACCELERATOR=cpu`, its own switch) makes it choose silently.
+- DeepSpeed's ZeRO calls torch collectives torch has deprecated: that FutureWarning once, not per call.
+- Under `--nproc N` every process imports the same libraries and would print the same warnings N
+  times: ranks other than 0 keep only errors (what transformers' `log_level_replica` does for its
+  own logger, here for every library's, Python warnings included).
 Every command calls `quiet_libraries()` first; it imports none of these libraries.
 """
 
@@ -33,6 +37,18 @@ class OncePerMessage(logging.Filter):
         return True
 
 
+def _once_per_message(show):
+    seen: set[tuple[type, str]] = set()
+
+    def showwarning(message, category, *args, **kwargs):
+        key = (category, str(message))
+        if key not in seen:
+            seen.add(key)
+            show(message, category, *args, **kwargs)
+
+    return showwarning
+
+
 def has_gpu_device() -> bool:
     """An NVIDIA or AMD GPU device node, without importing torch."""
     return bool(glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd"))
@@ -48,3 +64,15 @@ def quiet_libraries() -> None:
     if not has_gpu_device():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     logging.getLogger("bitsandbytes.autograd._functions").addFilter(OncePerMessage(("MatMul8bitLt:",)))
+    import warnings
+
+    # DeepSpeed's ZeRO calls torch collectives that torch has renamed: a FutureWarning per call
+    # (dozens per step), about DeepSpeed's code, not the user's.  A filter does not hold (they are
+    # printed even under PYTHONWARNINGS=ignore), so the printer itself shows each message once.
+    warnings.showwarning = _once_per_message(warnings.showwarning)
+    if os.environ.get("RANK", "0") != "0":
+        logging.disable(logging.WARNING)
+        warnings.simplefilter("ignore")
+        if os.environ.get("QUANTSERVE_LAUNCHED"):  # rank 0 prints the same lines to stdout
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)

@@ -85,7 +85,9 @@ def launch(argv: list[str], nproc: int, hostfile: Path | None, master_port: int 
     if not _cuda_visible():
         env.setdefault("DS_ACCELERATOR", "cpu")
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    return subprocess.call(cmd, env=env)
+    # stdout is the command's answer (the output folder, printed once by this process): what the
+    # ranks' libraries print there (DeepSpeed's op builds, per rank) goes to stderr
+    return subprocess.call(cmd, env=env, stdout=sys.stderr.fileno())
 
 
 def _cuda_visible() -> bool:

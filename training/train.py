@@ -123,6 +123,9 @@ def training_args(cfg: TrainConfig, res: Resolved):
         # under DeepSpeed the group comes from deepspeed.comm instead.
         use_cpu=res.device == "cpu" and cfg.zero is None,
         ddp_backend="gloo" if res.device == "cpu" and res.world_size > 1 else None,
+        # Every parameter that trains takes part in each forward (full, LoRA and QLoRA alike), so
+        # DDP's search for unused ones is wasted work, and it warns so on every rank each run.
+        ddp_find_unused_parameters=False,
         logging_steps=cfg.logging_steps,
         # 0: no resumable checkpoints (a DeepSpeed one holds the optimizer state: 12+ bytes/param)
         save_strategy="steps" if cfg.save_steps else "no",
@@ -135,6 +138,7 @@ def training_args(cfg: TrainConfig, res: Resolved):
         include_num_input_tokens_seen="non_padding",
         remove_unused_columns=False,
         dataloader_num_workers=0,
+        dataloader_pin_memory=res.device == "cuda",  # pinned memory needs a GPU (a warning per run without)
     )
 
 
