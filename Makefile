@@ -3,7 +3,8 @@
 #   make test  - set up the same virtualenv and run the whole test suite
 #
 # torch is installed first and on its own: a CPU build (`torch==2.13.0`) when no NVIDIA GPU is
-# visible, the default CUDA build from PyPI when one is.  Override with TORCH_SPEC=... if needed.
+# visible, the default CUDA build from PyPI when one is.  Override with TORCH_SPEC=... if needed
+# (pip arguments: TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cpu").
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -38,7 +39,7 @@ $(VENV)/.installed: pyproject.toml Makefile requirements-docker.txt
 	@start=$$(date +%s); \
 	test -x $(PY) || $(PYTHON) -m venv $(VENV); \
 	$(PIP) install -q --upgrade pip wheel setuptools && \
-	$(PIP) install -q "$(TORCH_SPEC)" && \
+	$(PIP) install -q $(TORCH_SPEC) && \
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install -q -c requirements-docker.txt -e ".[$(EXTRAS)]" && \
 	echo "install took $$(( $$(date +%s) - start )) s" && touch $@
 

@@ -81,3 +81,20 @@ def test_served_block_works_as_pasted(lang, body, default_server, tmp_path):
         for want in (wants if lang == "python" else [wants[i]]):
             if want:
                 assert want in proc.stdout, (cmd[-1], proc.stdout)
+
+
+def test_the_readme_torch_line_reaches_pip_as_separate_arguments(tmp_path):
+    """The README's install line for the public index (a CPU torch from PyTorch's own index) is a
+    spec plus pip options: `make` must pass them to pip as separate words (quoted as one, pip
+    refused it as an invalid requirement)."""
+    import shlex
+
+    line = re.search(r'make\s+TORCH_SPEC="([^"]+)"', (REPO / "README.md").read_text().replace("\n", " "))
+    assert line, "the README no longer shows the public-index torch line"
+    dry = subprocess.run(["make", "-n", "-B", "install", f"TORCH_SPEC={line.group(1)}", f"VENV={tmp_path / 'v'}"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    # the install recipe's pip calls: upgrade pip, then torch alone, then the project
+    pip_calls = [shlex.split(cmd.strip().rstrip("\\").strip()) for cmd in dry.stdout.split("&&") if "pip install" in cmd]
+    words = pip_calls[1]
+    assert words[words.index("-q") + 1:] == shlex.split(line.group(1)), words
