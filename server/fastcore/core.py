@@ -504,7 +504,8 @@ class FastCore:
         time: under load the server spent most of its time there (bench/RESULTS.md)."""
         if "prefill" not in self._steps:
             torch._dynamo.config.recompile_limit += 2
-            compiled = torch.compile(self._prefill_forward, fullgraph=True, dynamic=True)
+            compiled = torch.compile(self._prefill_forward, fullgraph=True, dynamic=True,
+                                     options=_cpu_compile_options(self.device))
 
             def step(*inputs):
                 # no "duck sizing": a prompt as long as its KV prefix must not tie the two sizes
@@ -625,3 +626,15 @@ def _load_hf(path, dtype: torch.dtype):
     from quantserve.modeling import load_model
 
     return load_model(Path(path), dtype=str(dtype).removeprefix("torch."), device="cpu")
+
+
+def _cpu_compile_options(device: torch.device) -> dict:
+    """inductor's options for the dynamic-shape prompt graph.  On a CPU whose vector ISA inductor
+    picks as AVX2 (no AVX-512: many AMD EPYCs), torch 2.13's vectorized C++ for this graph gave
+    garbage K/V (NaN logits) where the eager path and the scalar code agree (measured with
+    ATEN_CPU_CAPABILITY=avx2 on an AVX-512 Xeon); scalar code there.  GPUs: inductor's defaults."""
+    if device.type != "cpu":
+        return {}
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return {"cpp.simdlen": 1} if str(pick_vec_isa()) == "avx2" else {}
