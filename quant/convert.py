@@ -19,7 +19,7 @@ from quantserve.quant.bnb import BNB_FORMATS, write_bnb
 from quantserve.quant.llamacpp import KQUANT_FTYPES
 from quantserve.quant.manifest import build_manifest, write_manifest
 from quantserve.quant.source import open_checkpoint, require_causal_lm, require_gguf_architecture
-from quantserve.settings import UserError, make_readable
+from quantserve.settings import UsageError, UserError, make_readable
 
 GGUF_WRITTEN = {"gguf-f32": "f32", "gguf-f16": "f16", "gguf-q8_0": "q8_0"}  # by our own writer
 GGUF_KQUANTS = {f"gguf-{k}": k for k in KQUANT_FTYPES}                     # by llama.cpp from F16
@@ -60,7 +60,7 @@ def is_gguf(fmt: str) -> bool:
 def check_format(fmt: str) -> str:
     fmt = fmt.strip().lower()
     if fmt not in FORMATS:
-        raise UserError(f"unknown format {fmt!r} (known: {', '.join(FORMATS)})")
+        raise UsageError(f"unknown format {fmt!r} (known: {', '.join(FORMATS)})")
     return fmt
 
 

@@ -46,11 +46,15 @@ class Capabilities:
 
 
 def resolve_profile(profile: str | None = None) -> str:
+    asked = profile
     profile = (profile or os.environ.get("QUANTSERVE_GPU_PROFILE") or "native").lower()
     if profile not in PROFILES:
-        from quantserve.settings import UserError
+        from quantserve.settings import UsageError, UserError
 
-        raise UserError(f"unknown GPU profile {profile!r}; choose one of {', '.join(PROFILES)}")
+        # an option's value is a usage error (exit 2); the environment's is a setting (exit 1)
+        where = "" if asked else "QUANTSERVE_GPU_PROFILE: "
+        raise (UsageError if asked else UserError)(
+            f"{where}unknown GPU profile {profile!r}; choose one of {', '.join(PROFILES)}")
     return profile
 
 

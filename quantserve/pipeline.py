@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from quantserve.settings import UserError
+from quantserve.settings import UsageError, UserError
 
 DEFAULT_FORMATS = ("bnb-int8", "bnb-nf4", "gguf-q8_0", "gguf-q4_k_m")
 SOURCE = "source"  # the fine-tuned checkpoint itself, served unquantized
@@ -122,14 +122,17 @@ def say(msg: str) -> None:
 
 def run_pipeline(cfg: PipelineConfig) -> dict:
     from quantserve.quant.convert import FORMATS
+    from quantserve.training.config import METHODS
     from quantserve.demo import corpus
     from quantserve.demo.default_model import resolve_model
 
     unknown = [f for f in cfg.formats if f not in FORMATS]
     if unknown:
-        raise UserError(f"unknown format(s) {unknown}; choose from {', '.join(FORMATS)}")
+        raise UsageError(f"unknown format(s) {unknown}; choose from {', '.join(FORMATS)}")
+    if cfg.method not in METHODS:
+        raise UsageError(f"--method must be one of {', '.join(METHODS)}, not {cfg.method!r}")
     if cfg.serve and cfg.serve_format not in (SOURCE, *cfg.formats):
-        raise UserError(f"--serve-format {cfg.serve_format} is not among the formats built "
+        raise UsageError(f"--serve-format {cfg.serve_format} is not among the formats built "
                         f"({', '.join((SOURCE, *cfg.formats))})")
     for path in (cfg.data, cfg.eval_data):
         if path is not None and not Path(path).is_file():

@@ -63,7 +63,7 @@ def test_info_json_reports_the_environment():
 def test_info_table_and_t4_profile():
     proc = cli("info", "--gpu-profile", "t4")
     assert proc.returncode == 0 and "t4" in proc.stdout and "attention" in proc.stdout
-    assert_one_line_error(cli("info", "--gpu-profile", "a100"), 1, "unknown GPU profile")
+    assert_one_line_error(cli("info", "--gpu-profile", "a100"), 2, "unknown GPU profile")
     assert_one_line_error(cli("info", env={"QUANTSERVE_GPU_PROFILE": "h100"}), 1, "unknown GPU profile")
 
 
@@ -110,6 +110,8 @@ def test_bench_commands_refuse_bad_input_in_one_line(tmp_path):
     ("serve", "default", "--engine", "bogus"), ("serve", "default", "--weight-quant", "int3"),
     ("serve", "default", "--log-level", "loud"), ("serve", "default", "--max-queue", "0"),
     ("train", "--data", "x.jsonl", "--out", "o", "--method", "dora"),
+    ("train", "--data", "x.jsonl", "--out", "o", "--nproc", "0"),
+    ("convert", "default", "-f", "bogus", "-o", "o"), ("pipeline", "--formats", "gguf-q3_xs", "--no-serve"),
     ("plan", "--seq-len", "128", "--gpu", "tpu"),
 ])
 def test_a_value_an_option_cannot_take_exits_2(args):

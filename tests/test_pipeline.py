@@ -87,7 +87,9 @@ def test_bad_data_stops_at_train_and_keeps_earlier_stages(run_dir, tmp_path):
 
 def test_bad_arguments_are_refused_before_any_work(tmp_path):
     proc = pipeline(tmp_path / "x", "--formats", "gguf-q3_xs")
-    assert proc.returncode == 1 and "unknown format" in proc.stderr
+    assert proc.returncode == 2 and "unknown format" in proc.stderr
+    proc = pipeline(tmp_path / "x", "--method", "dora")
+    assert proc.returncode == 2 and "--method must be one of" in proc.stderr
     proc = pipeline(tmp_path / "x", "--data", str(tmp_path / "missing.jsonl"))
     assert proc.returncode == 1 and "no such data file" in proc.stderr
     assert not (tmp_path / "x").exists()

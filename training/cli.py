@@ -14,7 +14,7 @@ from typing import Optional
 
 import typer
 
-from quantserve.settings import UserError
+from quantserve.settings import UsageError, UserError
 from quantserve.training.config import TrainConfig as D  # the one source of defaults
 
 
@@ -73,9 +73,9 @@ def train_command(
         lora_alpha=lora_alpha, lora_targets=lora_targets, merge=merge, skip_bad_lines=skip_bad_lines,
         resume=resume, force=force, save_steps=save_steps, seed=seed, audit_data=audit_data, progress=not quiet,
     )
-    cfg.validate()  # bad requests fail here, before any process is launched
     if nproc < 1:
-        raise UserError("--nproc must be at least 1")
+        raise UsageError("--nproc must be at least 1")
+    cfg.validate()  # bad requests fail here, before any process is launched
     if (nproc > 1 or hostfile is not None) and not distributed.launched():
         argv = _strip_launch_args(sys.argv[1:])
         code = distributed.launch(argv, nproc, hostfile)  # children print nothing to stdout
