@@ -8,7 +8,23 @@ import sys
 from pathlib import Path
 
 
+class _ShowDefaults(argparse.HelpFormatter):
+    """Each option's default after its help, unless the help already says it or there is none."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit 2) and each option's default in its help."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _ShowDefaults)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):
         print(f"error: {message} (see --help)", file=sys.stderr)
         raise SystemExit(2)

@@ -261,18 +261,19 @@ def main(argv=None) -> int:
                     help="int8/int4 kernels, comma list of auto, triton, gemlite, torch, tinygemm (int4; sm_80+, not under t4)")
     ap.add_argument("--attention", default="auto",
                     help="decode attention, comma list of auto, triton, sdpa (the first is the one other rows compare to)")
-    ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--prompt-len", type=positive_int, default=128)
-    ap.add_argument("--new-tokens", type=positive_int, default=128)
+    ap.add_argument("--batches", default="1,8,32", help="comma list of batch sizes (sequences decoded together)")
+    ap.add_argument("--prompt-len", type=positive_int, default=128, help="tokens of each prompt before decoding")
+    ap.add_argument("--new-tokens", type=positive_int, default=128, help="decode steps timed per batch size")
     ap.add_argument("--generate-tokens", type=positive_int, default=16, help="tokens per plain-generate baseline")
     ap.add_argument("--generate-batches", default="1", help="batches for the generate baseline ('' = none)")
     ap.add_argument("--gpu-profile", default=None, help="'t4': fp16, 15 GiB cap, T4 attention kernels")
     ap.add_argument("--no-compile", action="store_true", help="eager decode steps (no torch.compile)")
-    ap.add_argument("--no-fit-check", action="store_true")
+    ap.add_argument("--no-fit-check", action="store_true",
+                    help="skip the check that weights + 8 slots x 2,048 tokens of KV fit the memory budget")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="also profile this many steps at the first batch size (kernel time vs idle)")
     ap.add_argument("--quick", action="store_true", help="tiny model, few tokens: runs on a CPU in seconds")
-    ap.add_argument("--out", default="bench/results/decode.json")
+    ap.add_argument("--out", default="bench/results/decode.json", help="JSON file to write (saved after each row)")
     args = ap.parse_args(argv)
     checks = {"models": choice_list(*SHAPES), "quants": choice_list("none", "int8", "int4"),
               "kernels": choice_list("auto", "triton", "gemlite", "torch", "tinygemm"),
@@ -300,7 +301,7 @@ def main(argv=None) -> int:
         # the 1B/8B shapes at fp32 on a CPU would grind for hours and measure nothing useful
         print("error: bench decode measures the 1B/8B shapes on a CUDA GPU; on a CPU use --quick",
               file=sys.stderr)
-        return 2
+        return 1  # the machine, not the command line: exit 1 as for any other refusal
     apply_profile(caps)
     device = torch.device(caps.device)
     dtype = torch.float16 if device.type == "cuda" else torch.float32

@@ -55,7 +55,7 @@ def plot(paths: list[str], out: str, labels: list[str] | None = None) -> str:
 def main(argv=None) -> int:
     ap = Parser(prog="quantserve bench plot", description=__doc__.split("\n")[0])
     ap.add_argument("results", nargs="+", type=existing_file, help="bench.serve JSON files")
-    ap.add_argument("-o", "--out", default="serve.png")
+    ap.add_argument("-o", "--out", default="serve.png", help="PNG file to write")
     ap.add_argument("--labels", default=None, help="comma list, one per file (default: each file's label)")
     args = ap.parse_args(argv)
     try:

@@ -240,13 +240,13 @@ def print_table(result: dict) -> None:
 
 def main(argv=None) -> int:
     ap = Parser(prog="quantserve bench serve", description=__doc__.split("\n")[0])
-    ap.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    ap.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the server's OpenAI API root")
     ap.add_argument("--model", default=None, help="model id; default: the first of /v1/models")
     ap.add_argument("--label", default=None, help="name in tables and plots (default: the model id)")
     ap.add_argument("--concurrency", type=int_list, default="1,8,32,64", help="comma list of levels")
     ap.add_argument("--num-prompts", type=non_negative_int, default=0, help="requests per level; 0: max(16, 4 x concurrency)")
     ap.add_argument("--input-len", type=positive_int, default=128, help="words per random prompt")
-    ap.add_argument("--output-len", type=positive_int, default=128)
+    ap.add_argument("--output-len", type=positive_int, default=128, help="max_tokens per request")
     ap.add_argument("--corpus", type=existing_file, default=None, help="a text or JSONL file of prompts instead of random words")
     ap.add_argument("--shared-prefix-len", type=non_negative_int, default=0,
                     help="words of one system text put before every prompt (0: none)")
@@ -255,10 +255,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json-schema", type=json_schema_arg, default=None,
                     help="ask for structured output: a JSON schema file, or 'fixed-length' (an array that "
                     "never completes before --output-len, to compare with --ignore-eos free text)")
-    ap.add_argument("--api-key", default=None)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--api-key", default=None, help="sent as a bearer token (servers started with --api-key)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts and their order")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per request")
-    ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--no-warmup", action="store_true", help="skip the untimed requests sent before each level")
     ap.add_argument("--out", default=None, help="JSON file to write")
     ap.add_argument("--save-records", action="store_true", help="also store every request's timings")
     args = ap.parse_args(argv)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -182,6 +183,13 @@ def test_bench_help_names_its_command(name):
     proc = subprocess.run([sys.executable, "-m", "quantserve", "bench", name, "--help"], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.startswith(f"usage: quantserve bench {name}"), proc.stdout[:200]
+    # every option says what it does: argparse prints its help on the option's line or the next
+    lines = proc.stdout.split("options:", 1)[1].splitlines()
+    for i, line in enumerate(lines):
+        if re.match(r"\s{2}-", line):
+            described = re.match(r"\s{2}-\S.*?\s{2,}\S", line) or (
+                i + 1 < len(lines) and re.match(r"\s{10,}\S", lines[i + 1]))
+            assert described, f"bench {name}: {line.strip()} has no help"
 
 
 def test_gpu_bench_refuses_a_cpu_in_one_line():
@@ -191,7 +199,7 @@ def test_gpu_bench_refuses_a_cpu_in_one_line():
         pytest.skip("a GPU is present: the benchmark would run")
     proc = subprocess.run([sys.executable, "-m", "quantserve", "bench", "decode"], capture_output=True, text=True,
                           timeout=120)
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
         "error: bench decode measures the 1B/8B shapes on a CUDA GPU; on a CPU use --quick"]
 
 
@@ -202,7 +210,7 @@ def test_kernel_bench_refuses_a_cpu_in_one_line():
         pytest.skip("a GPU is present: the benchmark would run")
     proc = subprocess.run([sys.executable, "-m", "quantserve", "bench", "kernels", "--batches", "1"],
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == ["error: needs a CUDA GPU (see --help)"]
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == ["error: bench kernels needs a CUDA GPU"]
     bad = subprocess.run([sys.executable, "-m", "quantserve", "bench", "kernels", "--kinds", "int3-magic"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "choose from" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
