@@ -218,7 +218,7 @@ def _train(base: Path, data: Path, out: Path, cfg: PipelineConfig, heldout, file
     from quantserve.demo import corpus
     from quantserve.modeling import load_model, load_tokenizer, reference_run, task_accuracy
     from quantserve.training.config import TrainConfig
-    from quantserve.training.train import train
+    from quantserve.training.train import other_run, train
 
     tok = load_tokenizer(base)
     with reference_run(load_model(base)) as model:
@@ -232,9 +232,11 @@ def _train(base: Path, data: Path, out: Path, cfg: PipelineConfig, heldout, file
     else:  # other data gets training's defaults
         extra = {}
     t0 = time.time()
-    train(TrainConfig(data=data, out=out, model=str(base), method=cfg.method,
-                      merge=cfg.method != "full", gpu_profile=cfg.gpu_profile, progress=cfg.progress,
-                      resume=not cfg.force, **extra))
+    tc = TrainConfig(data=data, out=out, model=str(base), method=cfg.method, merge=cfg.method != "full",
+                     gpu_profile=cfg.gpu_profile, progress=cfg.progress, resume=not cfg.force, **extra)
+    # the stage's folder is the pipeline's own: a run of other inputs left there is replaced
+    tc.force = cfg.force or other_run(tc) is not None
+    train(tc)
     seconds = round(time.time() - t0, 1)
     with reference_run(load_model(out)) as model:
         tuned = task_accuracy(model, load_tokenizer(out), heldout)

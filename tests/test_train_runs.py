@@ -138,7 +138,17 @@ def test_rerun_of_a_finished_train_is_a_no_op_and_force_retrains(small_data, tmp
     assert json.loads((out / "train_log.json").read_text())["global_step"] == 4
     # another config (or other data) in the same folder is a new run, not a no-op
     changed = small_data.with_name("changed.jsonl")
-    changed.write_text(small_data.read_text().replace("last", "final", 1))
+    changed.write_text("".join(small_data.read_text().splitlines(keepends=True)[1:]))  # one record less
+    # without --force it is refused: resuming the old run's checkpoint-4 would train nothing and
+    # leave the old model under the new command (and another --lr likewise)
+    for extra in (("--data", str(changed), *args[2:]), (*args, "--lr", "7e-4")):
+        refused = subprocess.run([sys.executable, "-m", "quantserve", "train", "--quiet", *extra],
+                                 capture_output=True, text=True, timeout=300)
+        assert refused.returncode == 1 and "holds a run of another config" in refused.stderr, refused.stderr[-500:]
+        assert (out / "model.safetensors").stat().st_mtime_ns == stamp
+    assert "its data differs" in subprocess.run(
+        [sys.executable, "-m", "quantserve", "train", "--quiet", "--data", str(changed), *args[2:]],
+        capture_output=True, text=True, timeout=300).stderr
     other = run_train("--data", str(changed), *args[2:], "--force")
     assert "already trained" not in other.stderr
     log = json.loads((out / "train_log.json").read_text())

@@ -156,6 +156,12 @@ def train(cfg: TrainConfig) -> Path:
         log(f"already trained: {cfg.out} holds a finished run of this config ({done} steps); "
             "nothing to do (--force retrains)")
         return cfg.out
+    other = other_run(cfg)
+    if other and not cfg.force:
+        # resuming its checkpoint would train the old run on (with max_steps reached, not at all)
+        # and leave its model under the new command's name
+        raise UserError(f"{cfg.out} holds a run of another config ({other}); pass --force to replace "
+                        "it, or choose another --out")
     if cfg.force and cfg.out.is_dir():
         for old in cfg.out.glob("checkpoint-*"):
             shutil.rmtree(old, ignore_errors=True)  # a forced run starts over, never resumes
@@ -207,6 +213,8 @@ def train(cfg: TrainConfig) -> Path:
     apply_profile(caps)
     set_seed(cfg.seed)
     cfg.out.mkdir(parents=True, exist_ok=True)
+    if rank == 0:  # what this folder's checkpoints belong to (other_run reads it)
+        (cfg.out / RUN_FILE).write_text(json.dumps(run_identity(cfg), indent=1, default=str))
     args = training_args(cfg, res)
     _ = args.device  # builds accelerate's state (and DeepSpeed's process group)
     distributed.fix_accelerate_state(args)
@@ -290,6 +298,34 @@ def finished_run(cfg: TrainConfig) -> int | None:
     same = same and record.get("data_fingerprint") == data_fingerprint(cfg.data)
     weights = any(cfg.out.glob("*.safetensors")) or (cfg.out / "adapter_config.json").is_file()
     return record.get("global_step") if same and weights else None
+
+
+RUN_FILE = "run.json"
+
+
+def run_identity(cfg: TrainConfig) -> dict:
+    """What makes two runs the same run: the config (minus bookkeeping) and the data's content."""
+    config = {k: v for k, v in cfg.as_dict().items() if k not in _BOOKKEEPING}
+    return {"config": json.loads(json.dumps(config, default=str)), "data_fingerprint": data_fingerprint(cfg.data)}
+
+
+def other_run(cfg: TrainConfig) -> str | None:
+    """If `cfg.out` holds the start of (or a finished) run of another config or data: what differs."""
+    path = cfg.out / RUN_FILE
+    if not path.is_file():
+        return None  # nothing there, or a run from before run.json existed
+    try:
+        theirs = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    ours = run_identity(cfg)
+    if theirs == ours:
+        return None
+    if theirs.get("data_fingerprint") != ours["data_fingerprint"]:
+        return "its data differs"
+    old = theirs.get("config", {})
+    changed = sorted(k for k in set(old) | set(ours["config"]) if old.get(k) != ours["config"].get(k))
+    return "different " + ", ".join(f"--{k.replace('_', '-')}" for k in changed[:4])
 
 
 def data_fingerprint(path: Path) -> str | None:
