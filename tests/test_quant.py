@@ -487,7 +487,7 @@ def test_bad_inputs_fail_clearly(fmt, default_model, tmp_path, monkeypatch, caps
         assert leftovers(tmp_path / "out") == [], problem
     code, _, err = run_cli(monkeypatch, capsys, "convert", str(default_model), "-f", "gguf-q3_14", "-o",
                            str(tmp_path / "out" / "x"))
-    assert code == 1 and "unknown format 'gguf-q3_14'" in err and leftovers(tmp_path / "out") == []
+    assert code == 2 and "unknown format 'gguf-q3_14'" in err and leftovers(tmp_path / "out") == []
 
 
 def _unshare_works() -> bool:
