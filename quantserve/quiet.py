@@ -37,12 +37,17 @@ class OncePerMessage(logging.Filter):
         return True
 
 
+# warnings that our own settings cause: huggingface_hub says so when transformers asks for the
+# progress bars that HF_HUB_DISABLE_PROGRESS_BARS (which quiet_libraries sets off a terminal) turned off
+OWN_DOING = ("Cannot enable progress bars",)
+
+
 def _once_per_message(show):
     seen: set[tuple[type, str]] = set()
 
     def showwarning(message, category, *args, **kwargs):
         key = (category, str(message))
-        if key not in seen:
+        if key not in seen and not str(message).startswith(OWN_DOING):
             seen.add(key)
             show(message, category, *args, **kwargs)
 

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -124,6 +125,11 @@ def test_a_value_an_option_cannot_take_exits_2(args):
 def test_an_empty_command_line_prints_the_help(args):
     proc = cli(*args)
     assert proc.returncode == 0 and proc.stdout.startswith("Usage: quantserve") and "Commands:" in proc.stdout
+
+
+def test_quant_alone_prints_its_help():
+    proc = subprocess.run([str(Path(sys.executable).parent / "quant")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("Usage: quant") and "convert" in proc.stdout
 
 
 def test_a_busy_port_is_refused_before_the_model_loads():

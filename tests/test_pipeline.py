@@ -22,6 +22,7 @@ def run_dir(tmp_path_factory, default_model):
     proc = pipeline(out, "--formats", FORMATS)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "…" not in proc.stdout and "gguf-q4_k_m" in proc.stdout  # the piped summary is never cut
+    assert "\r" not in proc.stdout + proc.stderr  # piped: status lines, no progress bars redrawn in place
     return out
 
 

@@ -547,3 +547,17 @@ def test_quant_formats_says_bits_and_engine_for_every_format():
     rows = json.loads(proc.stdout)
     assert [r["format"] for r in rows] == list(FORMATS)
     assert all(r["engine"] in ("hf", "gguf") and 2 < r["bits_per_weight"] <= 32 and r["description"] for r in rows)
+
+
+def test_a_piped_bnb_convert_prints_its_answer_and_no_library_noise(default_model, tmp_path):
+    """A fresh `quant convert -f bnb-int8` process, piped: stdout is its one-line answer (DeepSpeed,
+    imported through transformers, used to print "Setting accelerator to CPU" there), and stderr
+    holds no warning our own settings cause (huggingface_hub's "Cannot enable progress bars", once
+    a line per bnb convert) and no bar redrawn in place."""
+    out = tmp_path / "bnb"
+    proc = subprocess.run([str(Path(sys.executable).parent / "quant"), "convert", str(default_model), "-f", "bnb-int8",
+                           "-o", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == [proc.stdout.strip()] and proc.stdout.startswith(f"{out}: bnb-int8"), proc.stdout
+    assert "accelerator" not in proc.stdout + proc.stderr
+    assert "Cannot enable progress bars" not in proc.stderr and "\r" not in proc.stderr, proc.stderr
