@@ -17,6 +17,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from quantserve.server import serving_chat, serving_completions, serving_embeddings, serving_responses
+from quantserve.server.config import APIOptions as _API
 from quantserve.server.errors import APIError, error_response, from_api_error
 from quantserve.server.exceptions import ModelLoadError
 from quantserve.server.metrics import Metrics
@@ -80,8 +81,8 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
     return f"Invalid request: {param + ': ' if param else ''}{msg}", param
 
 
-def create_app(engine, model_name: str, api_key: str | None = None, max_body_bytes: int = 4 << 20,
-               max_logprobs: int = 20, shutdown_grace_s: float = 10.0, on_load_error=None,
+def create_app(engine, model_name: str, api_key: str | None = None, max_body_bytes: int = _API.max_body_bytes,
+               max_logprobs: int = _API.max_logprobs, shutdown_grace_s: float = _API.shutdown_grace_s, on_load_error=None,
                cors_origins: list[str] | None = None, tool_call_parser: str = "auto",
                wait_for_load: bool = False) -> FastAPI:
     """The server's app over `engine`.  The model loads in the app's start-up; with `wait_for_load`

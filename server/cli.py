@@ -10,7 +10,8 @@ from typing import Optional
 
 import typer
 
-from quantserve.server.config import EngineOptions as _D  # the one source of defaults
+from quantserve.server.config import APIOptions as _A  # the one source of defaults
+from quantserve.server.config import EngineOptions as _D
 from quantserve.settings import UsageError, UserError
 
 
@@ -84,12 +85,12 @@ def serve(
     threads: Optional[int] = typer.Option(None, min=1, help="CPU threads for the model (default: torch's "
                                           "choice; llama.cpp: half the cores)."),
     served_model_name: Optional[str] = typer.Option(None, help="Name clients use; default: the model's folder or file name."),
-    max_logprobs: int = typer.Option(20, min=0, help="Most top logprobs one request may ask for."),
+    max_logprobs: int = typer.Option(_A.max_logprobs, min=0, help="Most top logprobs one request may ask for."),
     tool_call_parser: str = typer.Option(
         "auto", help="How the model writes tool calls: hermes (Qwen, Hermes), llama3_json (Llama 3.x), "
         "mistral, or auto (guessed from the chat template; hermes when it has no tool support)."),
-    max_body_bytes: int = typer.Option(4 << 20, min=1024, help="Largest request body accepted (413 above)."),
-    shutdown_grace: float = typer.Option(10.0, min=0, help="Seconds in-flight requests get to finish on shutdown."),
+    max_body_bytes: int = typer.Option(_A.max_body_bytes, min=1024, help="Largest request body accepted (413 above)."),
+    shutdown_grace: float = typer.Option(_A.shutdown_grace_s, min=0, help="Seconds in-flight requests get to finish on shutdown."),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
     cors_origin: Optional[list[str]] = typer.Option(
         None, "--cors-origin", show_default=False,

@@ -1,4 +1,5 @@
-"""`EngineOptions`: every setting of a served engine, and the one home of their defaults.
+"""`EngineOptions`: every setting of a served engine, and `APIOptions`: the HTTP layer's limits;
+the one home of their defaults.
 
 `quantserve serve`'s options take their defaults from here (server/cli.py), and the engines read
 nothing else.  Only the standard library is imported, so `--help` stays instant.
@@ -22,3 +23,10 @@ class EngineOptions:
     prefill_chunk: int = 512  # prompt tokens prefilled between two decode steps (chunked prefill)
     prefix_cache: bool = True  # reuse the K/V of prompt prefixes computed before (server/prefix_cache.py)
     embedding_pooling: str = "last"  # /v1/embeddings: the last token's final hidden state, or the mean
+
+
+@dataclass
+class APIOptions:
+    max_body_bytes: int = 4 << 20  # largest request body accepted (413 above)
+    max_logprobs: int = 20  # most top logprobs one request may ask for
+    shutdown_grace_s: float = 10.0  # seconds in-flight requests get to finish on shutdown

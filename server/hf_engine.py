@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from quantserve.server.config import EngineOptions
 from quantserve.server.engine import EngineInfo
 from quantserve.server.exceptions import ModelLoadError, NoChatTemplateError
 
@@ -134,7 +135,7 @@ def load_hf(path: Path, gpu_profile: str | None, context: int | None, max_batch:
 
 
 def load_fast(path: Path, gpu_profile: str | None, context: int | None, max_batch: int, max_queue: int,
-              weight_quant: str, prefill_chunk: int = 512, prefix_cache: bool = True):
+              weight_quant: str, prefill_chunk: int = EngineOptions.prefill_chunk, prefix_cache: bool = True):
     """The `fast` engine: server/fastcore's static-KV-cache decoder behind the same seam.
     Returns (FastCoreBackend, HFTokenizer, EngineInfo)."""
     from quantserve.capabilities import apply_profile, detect

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 from quantserve.server.backend import DecodeBackend
+from quantserve.server.config import EngineOptions
 from quantserve.server.engine import (EngineClosedError, EngineError, EngineStats, OutOfMemoryError, QueueFullError,
                            TokenEvent, TokenStream, TopLogprob)
 from quantserve.server.sampling import SequenceSampler, masked_argmax
@@ -56,7 +57,7 @@ SHORT_PIECE = 64  # prompt pieces up to this many tokens are prefilled together 
 
 class Scheduler:
     def __init__(self, backend: DecodeBackend, eos_token_ids: set[int], max_batch: int, max_queue: int,
-                 log=None, prefill_chunk: int = 512):
+                 log=None, prefill_chunk: int = EngineOptions.prefill_chunk):
         self.backend = backend
         self.eos_token_ids = set(eos_token_ids)
         self.max_batch = max_batch

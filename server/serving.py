@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from quantserve.server.config import APIOptions
 from quantserve.server.engine import EngineClosedError, EngineError, EngineRequest, QueueFullError, TokenStream
 from quantserve.server.errors import APIError, engine_status, error_body
 from quantserve.server.metrics import Metrics
@@ -30,7 +31,7 @@ class ServerState:
     engine: object  # an Engine
     model_name: str
     metrics: Metrics
-    max_logprobs: int = 20
+    max_logprobs: int = APIOptions.max_logprobs
     retry_after_s: int = 1
     tool_call_parser: str = "auto"  # a tool_parsers.FORMATS name, or auto: guessed from the chat template
 

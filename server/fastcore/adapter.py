@@ -8,13 +8,14 @@ that row's K/V positions on the device.
 
 from __future__ import annotations
 
+from quantserve.server.config import EngineOptions
 from quantserve.server.fastcore.core import FastCore
 from quantserve.server.prefix_cache import RowBackend
 
 
 class FastCoreBackend(RowBackend):
     def __init__(self, model, max_batch: int, context_length: int, weight_quant: str = "none",
-                 profile: str = "native", compile: bool | None = None, prefill_chunk: int = 512,
+                 profile: str = "native", compile: bool | None = None, prefill_chunk: int = EngineOptions.prefill_chunk,
                  device: str | None = None, prefix_cache: bool = True):
         """model: a checkpoint folder or a loaded (not bitsandbytes-quantized) HF Llama-family model."""
         if getattr(getattr(model, "config", None), "quantization_config", None):

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from quantserve.server.config import EngineOptions
 from quantserve.server.fastcore.model import ModelArgs, Transformer
 from quantserve.server.fastcore.quant import (PackedInt4, cat_rows, default_kernel, int4_tinygemm_supported,
                                               linear_weight_bytes, make_linear)
@@ -130,7 +131,7 @@ class FastCore:
     def __init__(self, model, max_slots: int | None = 8, max_seq: int = 2048, dtype: str | torch.dtype | None = None,
                  device: str | torch.device | None = None, weight_quant: str = "none",
                  compile: bool | None = None, quant_kernel: str = "auto", group_size: int = 128,
-                 prefill_chunk: int = 512, profile: str = "native", kv_budget_gib: float | None = None,
+                 prefill_chunk: int = EngineOptions.prefill_chunk, profile: str = "native", kv_budget_gib: float | None = None,
                  random_config=None, seed: int = 0, attention: str = "auto"):
         """model: a checkpoint folder, a loaded HF LlamaForCausalLM, or None with `random_config`
         (an HF config: random weights, for benchmarks).  max_slots=None sizes the KV cache from the
