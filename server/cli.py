@@ -190,9 +190,10 @@ def load_error_message(error: Exception) -> str:
     from quantserve.server.exceptions import ModelLoadError
 
     if isinstance(error, ModelLoadError):
-        if error.setting:
-            return f"--{error.setting.replace('_', '-')} {error.value} {error.problem}"
-        return error.problem
+        text = f"--{error.setting.replace('_', '-')} {error.value} {error.problem}" if error.setting else error.problem
+        if error.allowed_by:
+            text += f"; pass --{error.allowed_by.replace('_', '-')} if you trust its source"
+        return text
     return f"{type(error).__name__}: {error}"
 
 

@@ -18,7 +18,7 @@ log = logging.getLogger("quantserve.server")
 
 def detect_model_kind(path: Path, trust_pickle: bool = False) -> tuple[str, Path]:
     """('gguf' | 'hf', the file or folder to load), or a ModelLoadError saying what is wrong."""
-    from quantserve.modeling import PICKLE_WEIGHTS, require_safetensors
+    from quantserve.modeling import PICKLE_WEIGHTS, pickle_weights
 
     path = Path(path)
     if not path.exists():
@@ -28,7 +28,7 @@ def detect_model_kind(path: Path, trust_pickle: bool = False) -> tuple[str, Path
             return "gguf", path
         if any(path.match(pattern) for pattern in PICKLE_WEIGHTS):
             raise ModelLoadError(f"{path}: a pickle weight file; serve a .gguf file or a Hugging Face checkpoint "
-                            "folder (safetensors; pickle weights only with --trust-pickle)")
+                                 "folder (safetensors; pickle weights only when trusted)", allowed_by="trust_pickle")
         raise ModelLoadError(f"{path}: not a model (serve a .gguf file or a Hugging Face checkpoint folder)")
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1 and not (path / "config.json").is_file():
@@ -37,7 +37,14 @@ def detect_model_kind(path: Path, trust_pickle: bool = False) -> tuple[str, Path
         raise ModelLoadError(f"{path}: holds {len(ggufs)} .gguf files; name the one to serve")
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path}: not a Hugging Face checkpoint (no config.json) and no .gguf file")
-    require_safetensors(path, trust_pickle, flag="--trust-pickle")
+    pickles = pickle_weights(path)
+    if not any(path.glob("*.safetensors")):
+        if not pickles:
+            raise ModelLoadError(f"{path}: no *.safetensors weight files")
+        if not trust_pickle:
+            names = ", ".join(p.name for p in pickles[:3]) + (" ..." if len(pickles) > 3 else "")
+            raise ModelLoadError(f"{path}: weights are pickle files ({names}), which can run code when loaded; "
+                                 "only safetensors are loaded", allowed_by="trust_pickle")
     return "hf", path
 
 

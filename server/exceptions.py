@@ -49,11 +49,13 @@ class RequestFieldError(ValueError):
 
 class ModelLoadError(Exception):
     """The model cannot be loaded as asked.  `setting` names the option at fault (an
-    `EngineOptions` field such as "context"), so a CLI can say which flag to change."""
+    `EngineOptions` field such as "context"), so a CLI can say which flag to change; `allowed_by`
+    names a boolean one that would let it load (such as "trust_pickle")."""
 
-    def __init__(self, problem: str, setting: str | None = None, value=None):
-        self.problem, self.setting, self.value = problem, setting, value
-        super().__init__(f"{setting} {value} {problem}" if setting else problem)
+    def __init__(self, problem: str, setting: str | None = None, value=None, allowed_by: str | None = None):
+        self.problem, self.setting, self.value, self.allowed_by = problem, setting, value, allowed_by
+        text = f"{setting} {value} {problem}" if setting else problem
+        super().__init__(f"{text} ({allowed_by} allows it)" if allowed_by else text)
 
 
 def is_out_of_memory(e: BaseException) -> bool:
