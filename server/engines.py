@@ -27,8 +27,9 @@ def detect_model_kind(path: Path, trust_pickle: bool = False) -> tuple[str, Path
         if path.suffix == ".gguf":
             return "gguf", path
         if any(path.match(pattern) for pattern in PICKLE_WEIGHTS):
+            # not `allowed_by`: a bare weight file is no checkpoint, trusted or not
             raise ModelLoadError(f"{path}: a pickle weight file; serve a .gguf file or a Hugging Face checkpoint "
-                                 "folder (safetensors; pickle weights only when trusted)", allowed_by="trust_pickle")
+                                 "folder (safetensors; its pickle weights only when trusted)")
         raise ModelLoadError(f"{path}: not a model (serve a .gguf file or a Hugging Face checkpoint folder)")
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1 and not (path / "config.json").is_file():
