@@ -25,22 +25,27 @@ def pickle_weights(folder: Path) -> list[Path]:
     return sorted(f for f in found if f.is_file() and f.name not in _NOT_WEIGHTS)
 
 
-def require_safetensors(folder: Path, trust_pickle: bool = False, flag: str | None = None) -> None:
-    """Refuse a checkpoint whose weights are only pickles (one clear line), unless trusted.
-
-    `flag` names the command's option that trusts them, where it has one.
-    """
+def weights_problem(folder: Path, trust_pickle: bool = False) -> tuple[str, bool] | None:
+    """Why a checkpoint's weights are refused, or None: (the problem, whether trusting pickles
+    would let them load).  The callers add their remedy (a flag, a re-save)."""
     folder = Path(folder)
     if any(folder.glob("*.safetensors")) or trust_pickle:
-        return
+        return None
     pickles = pickle_weights(folder)
     if pickles:
         names = ", ".join(p.name for p in pickles[:3]) + (" ..." if len(pickles) > 3 else "")
-        remedy = (f"pass {flag} if you trust its source" if flag else
-                  "if you trust its source, re-save it with save_pretrained(safe_serialization=True)")
-        raise UserError(f"{folder}: weights are pickle files ({names}), which can run code when loaded; "
-                        f"only safetensors are loaded: {remedy}")
-    raise UserError(f"{folder}: no *.safetensors weight files")
+        return (f"{folder}: weights are pickle files ({names}), which can run code when loaded; "
+                "only safetensors are loaded"), True
+    return f"{folder}: no *.safetensors weight files", False
+
+
+def require_safetensors(folder: Path, trust_pickle: bool = False) -> None:
+    """Refuse a checkpoint whose weights are only pickles (one clear line), unless trusted."""
+    problem = weights_problem(folder, trust_pickle)
+    if problem:
+        text, trusting_helps = problem
+        raise UserError(f"{text}: if you trust its source, re-save it with save_pretrained(safe_serialization=True)"
+                        if trusting_helps else text)
 
 
 def safetensors_copy(folder: Path, out: Path) -> Path:

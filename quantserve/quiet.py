@@ -18,6 +18,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import warnings
 
 
 class OncePerMessage(logging.Filter):
@@ -69,8 +70,6 @@ def quiet_libraries() -> None:
     if not has_gpu_device():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     logging.getLogger("bitsandbytes.autograd._functions").addFilter(OncePerMessage(("MatMul8bitLt:",)))
-    import warnings
-
     # DeepSpeed's ZeRO calls torch collectives that torch has renamed: a FutureWarning per call
     # (dozens per step), about DeepSpeed's code, not the user's.  A filter does not hold (they are
     # printed even under PYTHONWARNINGS=ignore), so the printer itself shows each message once.

@@ -18,7 +18,7 @@ log = logging.getLogger("quantserve.server")
 
 def detect_model_kind(path: Path, trust_pickle: bool = False) -> tuple[str, Path]:
     """('gguf' | 'hf', the file or folder to load), or a ModelLoadError saying what is wrong."""
-    from quantserve.modeling import PICKLE_WEIGHTS, pickle_weights
+    from quantserve.modeling import PICKLE_WEIGHTS, weights_problem
 
     path = Path(path)
     if not path.exists():
@@ -38,14 +38,10 @@ def detect_model_kind(path: Path, trust_pickle: bool = False) -> tuple[str, Path
         raise ModelLoadError(f"{path}: holds {len(ggufs)} .gguf files; name the one to serve")
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path}: not a Hugging Face checkpoint (no config.json) and no .gguf file")
-    pickles = pickle_weights(path)
-    if not any(path.glob("*.safetensors")):
-        if not pickles:
-            raise ModelLoadError(f"{path}: no *.safetensors weight files")
-        if not trust_pickle:
-            names = ", ".join(p.name for p in pickles[:3]) + (" ..." if len(pickles) > 3 else "")
-            raise ModelLoadError(f"{path}: weights are pickle files ({names}), which can run code when loaded; "
-                                 "only safetensors are loaded", allowed_by="trust_pickle")
+    problem = weights_problem(path, trust_pickle)
+    if problem:
+        text, trusting_helps = problem
+        raise ModelLoadError(text, allowed_by="trust_pickle" if trusting_helps else None)
     return "hf", path
 
 

@@ -151,12 +151,13 @@ def cfg_profile(cfg: TrainConfig) -> str:
 def train(cfg: TrainConfig) -> Path:
     """Fine-tune `cfg.model` on `cfg.data`; return `cfg.out`, a loadable Hugging Face checkpoint."""
     cfg.validate()
-    done = finished_run(cfg)
+    identity = run_identity(cfg)  # hashes the data file: once
+    done = finished_run(cfg, identity)
     if done is not None:
         log(f"already trained: {cfg.out} holds a finished run of this config ({done} steps); "
             "nothing to do (--force retrains)")
         return cfg.out
-    other = other_run(cfg)
+    other = other_run(cfg, identity)
     if other and not cfg.force:
         # resuming its checkpoint would train the old run on (with max_steps reached, not at all)
         # and leave its model under the new command's name
@@ -214,7 +215,7 @@ def train(cfg: TrainConfig) -> Path:
     set_seed(cfg.seed)
     cfg.out.mkdir(parents=True, exist_ok=True)
     if rank == 0:  # what this folder's checkpoints belong to (other_run reads it)
-        (cfg.out / RUN_FILE).write_text(json.dumps(run_identity(cfg), indent=1, default=str))
+        (cfg.out / RUN_FILE).write_text(json.dumps(identity, indent=1))
     args = training_args(cfg, res)
     _ = args.device  # builds accelerate's state (and DeepSpeed's process group)
     distributed.fix_accelerate_state(args)
@@ -282,7 +283,7 @@ def train(cfg: TrainConfig) -> Path:
 _BOOKKEEPING = ("progress", "resume", "force", "threads", "save_steps", "save_total_limit", "logging_steps")
 
 
-def finished_run(cfg: TrainConfig) -> int | None:
+def finished_run(cfg: TrainConfig, identity: dict) -> int | None:
     """The step count of a finished run of this same config in `cfg.out` (its train_log.json and
     weights are there), or None.  A rerun of a finished command must not train on: resuming from
     its last checkpoint would add a step and overwrite the model."""
@@ -293,9 +294,8 @@ def finished_run(cfg: TrainConfig) -> int | None:
         record = json.loads(log_file.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    same = {k: v for k, v in record.get("config", {}).items() if k not in _BOOKKEEPING} == \
-        {k: v for k, v in cfg.as_dict().items() if k not in _BOOKKEEPING}
-    same = same and record.get("data_fingerprint") == data_fingerprint(cfg.data)
+    same = identity == {"config": {k: v for k, v in record.get("config", {}).items() if k not in _BOOKKEEPING},
+                        "data_fingerprint": record.get("data_fingerprint")}
     weights = any(cfg.out.glob("*.safetensors")) or (cfg.out / "adapter_config.json").is_file()
     return record.get("global_step") if same and weights else None
 
@@ -309,8 +309,9 @@ def run_identity(cfg: TrainConfig) -> dict:
     return {"config": json.loads(json.dumps(config, default=str)), "data_fingerprint": data_fingerprint(cfg.data)}
 
 
-def other_run(cfg: TrainConfig) -> str | None:
-    """If `cfg.out` holds the start of (or a finished) run of another config or data: what differs."""
+def other_run(cfg: TrainConfig, identity: dict | None = None) -> str | None:
+    """If `cfg.out` holds the start of (or a finished) run of another config or data: what differs.
+    `identity`: `run_identity(cfg)` where the caller has it."""
     path = cfg.out / RUN_FILE
     if not path.is_file():
         return None  # nothing there, or a run from before run.json existed
@@ -318,7 +319,7 @@ def other_run(cfg: TrainConfig) -> str | None:
         theirs = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    ours = run_identity(cfg)
+    ours = identity or run_identity(cfg)
     if theirs == ours:
         return None
     if theirs.get("data_fingerprint") != ours["data_fingerprint"]:
