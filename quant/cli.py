@@ -38,7 +38,7 @@ def convert(src: str = typer.Argument(..., help="Checkpoint folder (or LoRA adap
                                                   "manifest's serving-memory estimate (default: the model's)."),
             quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars.")) -> None:
     """Convert SRC to one quantized format in a new folder with a manifest.json."""
-    from quantserve.quant.convert import check_format
+    from quantserve.formats import check_format
     from quantserve.quant.convert import convert as do_convert
     from quantserve.quant.manifest import read_manifest
 
@@ -81,10 +81,10 @@ def inspect(path: Path = typer.Argument(..., help="A .gguf or .safetensors file,
 @app.command()
 def formats(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:
     """List the output formats: bits per weight, the engine that serves each, what it is."""
-    from quantserve.quant.convert import FORMAT_INFO, FORMATS
+    from quantserve.formats import CONVERT_FORMATS, FORMATS
 
-    rows = [{"format": f, "bits_per_weight": FORMAT_INFO[f][0], "engine": FORMAT_INFO[f][1],
-             "description": FORMAT_INFO[f][2]} for f in FORMATS]
+    rows = [{"format": f, "bits_per_weight": FORMATS[f].bits, "engine": FORMATS[f].engine,
+             "description": FORMATS[f].description} for f in CONVERT_FORMATS]
     if as_json:
         import json
 
@@ -102,10 +102,11 @@ def table(src: str = typer.Argument("default", help="Checkpoint folder; 'default
           text: Optional[Path] = typer.Option(None, "--text", help="Held-out text (see `quant eval`)."),
           force: bool = typer.Option(False, "--force", help="Re-convert outputs that exist.")) -> None:
     """Convert SRC to each format and print the quality table (markdown)."""
-    from quantserve.quant.convert import check_format, convert as do_convert
+    from quantserve.formats import check_format
+    from quantserve.quant.convert import convert as do_convert
     from quantserve.quant.evaluate import evaluate
 
-    fmts = [check_format(f) for f in formats.split(",") if f.strip()]
+    fmts = [check_format(f).name for f in formats.split(",") if f.strip()]
     source = _source(src)
     rows = []
     for fmt in fmts:

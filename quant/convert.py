@@ -15,36 +15,11 @@ import shutil
 import time
 from pathlib import Path
 
-from quantserve.quant.bnb import BNB_FORMATS, write_bnb
-from quantserve.quant.llamacpp import KQUANT_FTYPES
+from quantserve.formats import GGUF_FILE, check_format
 from quantserve.quant.manifest import build_manifest, write_manifest
-from quantserve.quant.source import open_checkpoint, require_causal_lm, require_gguf_architecture
-from quantserve.settings import UsageError, UserError, make_readable
-
-GGUF_WRITTEN = {"gguf-f32": "f32", "gguf-f16": "f16", "gguf-q8_0": "q8_0"}  # by our own writer
-GGUF_KQUANTS = {f"gguf-{k}": k for k in KQUANT_FTYPES}                     # by llama.cpp from F16
-FORMATS: tuple[str, ...] = (*BNB_FORMATS, *GGUF_WRITTEN, *GGUF_KQUANTS)
-GGUF_FILE = "model.gguf"
-
-# What each format is: approximate bits per weight of its quantized matrices (llama.cpp's own
-# figures for Llama-shaped models; bitsandbytes' block scales included), the engine that serves it.
-FORMAT_INFO: dict[str, tuple[float, str, str]] = {
-    "bnb-int8": (8.0, "hf", "LLM.int8: int8 rows, fp16 outlier columns (threshold 6)"),
-    "bnb-nf4": (4.13, "hf", "NF4, double-quantized block scales (QLoRA's format)"),
-    "bnb-fp4": (4.13, "hf", "FP4, double-quantized block scales"),
-    "gguf-f32": (32.0, "gguf", "float32, no quantization"),
-    "gguf-f16": (16.0, "gguf", "float16, no quantization"),
-    "gguf-q8_0": (8.5, "gguf", "8-bit, one scale per 32 weights"),
-    "gguf-q6_k": (6.56, "gguf", "6-bit k-quant"),
-    "gguf-q5_k_m": (5.69, "gguf", "5-bit k-quant, some tensors 6-bit"),
-    "gguf-q5_k_s": (5.54, "gguf", "5-bit k-quant"),
-    "gguf-q5_0": (5.5, "gguf", "5-bit, one scale per 32 weights"),
-    "gguf-q4_k_m": (4.85, "gguf", "4-bit k-quant, some tensors 6-bit: the usual 4-bit choice"),
-    "gguf-q4_k_s": (4.58, "gguf", "4-bit k-quant"),
-    "gguf-q4_0": (4.5, "gguf", "4-bit, one scale per 32 weights"),
-    "gguf-q3_k_m": (3.91, "gguf", "3-bit k-quant, some tensors 4/5-bit"),
-    "gguf-q2_k": (2.96, "gguf", "2-bit k-quant: large quality loss"),
-}
+from quantserve.quant.gguf_architectures import gguf_architecture
+from quantserve.quant.source import open_checkpoint, require_causal_lm
+from quantserve.settings import UserError, make_readable
 
 # Output bytes per parameter, to refuse up front when the disk obviously cannot take it.
 # k-quants also hold the intermediate F16 file while llama.cpp quantizes it.
@@ -53,15 +28,12 @@ _BYTES_PER_PARAM = {"bnb-int8": 1.1, "bnb-nf4": 0.6, "bnb-fp4": 0.6, "gguf-f32":
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
-def is_gguf(fmt: str) -> bool:
-    return fmt.startswith("gguf-")
+def _writer(target: str):
+    """The function a format record names as "module:function", imported when it is used."""
+    import importlib
 
-
-def check_format(fmt: str) -> str:
-    fmt = fmt.strip().lower()
-    if fmt not in FORMATS:
-        raise UsageError(f"unknown format {fmt!r} (known: {', '.join(FORMATS)})")
-    return fmt
+    module, _, function = target.partition(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def _is_disk_error(e: OSError) -> bool:
@@ -172,12 +144,11 @@ def convert(src: Path, fmt: str, out: Path, force: bool = False, progress: bool 
     `context` is the context length the manifest's serving-memory estimate assumes (default: the
     model's own maximum).
     """
-    from quantserve.quant.gguf_export import write_gguf
     from quantserve.quant.prequantized import quantization_config, write_dequantized
     from quantserve.quant.source import hash_folder, parameter_count
 
     t0 = time.time()
-    fmt = check_format(fmt)
+    fmt = check_format(fmt)  # the format's record (quantserve/formats.py)
     src, out = Path(src), Path(out)
     if out.parent.is_dir():
         try:
@@ -194,48 +165,22 @@ def convert(src: Path, fmt: str, out: Path, force: bool = False, progress: bool 
         ckpt = open_checkpoint(source, merge_dir=tmp / ".merged-source")
         if source is not src:  # the manifest names and hashes what the user gave
             ckpt.origin, ckpt.source_files = src, hash_folder(src)
-        if is_gguf(fmt):
-            require_gguf_architecture(ckpt)
+        gguf = fmt.container == "gguf"
+        if gguf:
+            gguf_architecture(ckpt)
         else:
             require_causal_lm(ckpt)
-        _check_free_space(out.parent, parameter_count(ckpt), fmt)
+        _check_free_space(out.parent, parameter_count(ckpt), fmt.name)
 
-        if is_gguf(fmt):
-            target = tmp / GGUF_FILE
-            if fmt in GGUF_WRITTEN:
-                summary = write_gguf(ckpt, target, GGUF_WRITTEN[fmt], progress)
-            else:
-                summary = _write_kquant(ckpt, tmp, GGUF_KQUANTS[fmt], progress)
-            weights = [target]
-        else:
-            summary = write_bnb(ckpt, tmp, fmt, progress)
-            weights = sorted(tmp.glob("*.safetensors"))
+        summary = _writer(fmt.writer)(ckpt, tmp, fmt.option, progress)
+        weights = [tmp / GGUF_FILE] if gguf else sorted(tmp.glob("*.safetensors"))
         shutil.rmtree(tmp / ".merged-source", ignore_errors=True)
         shutil.rmtree(tmp / ".dequantized-source", ignore_errors=True)
 
         ctx = context or int(ckpt.text_config.get("max_position_embeddings") or 2048)
-        manifest = build_manifest(ckpt=ckpt, fmt=fmt, out_dir=tmp, weight_files=weights,
+        manifest = build_manifest(ckpt=ckpt, fmt=fmt.name, out_dir=tmp, weight_files=weights,
                                   summary=summary, context=ctx, seconds=time.time() - t0)
-        if is_gguf(fmt):
+        if gguf:
             manifest["gguf_file"] = GGUF_FILE
         write_manifest(tmp, manifest)
     return out
-
-
-def _write_kquant(ckpt, tmp: Path, kind: str, progress: bool) -> dict:
-    """Our F16 GGUF first, then llama.cpp's quantizer; only the quantized file is kept."""
-    from quantserve.quant.gguf_export import write_gguf
-    from quantserve.quant.inspect import gguf_tensor_types
-    from quantserve.quant.llamacpp_worker import quantize
-
-    f16 = tmp / ".model-f16.gguf"
-    summary = write_gguf(ckpt, f16, "f16", progress)
-    if progress:
-        print(f"quantizing with llama.cpp to {kind.upper()} ...", flush=True)
-    quantize(f16, tmp / GGUF_FILE, kind)
-    f16.unlink()
-    # llama.cpp falls back to other types for rows that are not whole 256-wide super-blocks;
-    # record what each tensor really became.
-    summary["tensor_types"] = gguf_tensor_types(tmp / GGUF_FILE)
-    summary["quantizer"] = f"llama.cpp llama_model_quantize ({kind.upper()}) from our F16 GGUF"
-    return summary

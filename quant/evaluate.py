@@ -18,7 +18,8 @@ import json
 import tempfile
 from pathlib import Path
 
-from quantserve.quant.manifest import MANIFEST, read_manifest, write_manifest
+from quantserve.formats import NotAModel, identify
+from quantserve.quant.manifest import write_manifest
 from quantserve.quant.source import open_checkpoint
 from quantserve.settings import UserError
 
@@ -125,19 +126,11 @@ def compare(src: list, quant: list, windows: list[list[int]]) -> dict:
 
 def _quantized_kind(quantized: Path) -> tuple[str, Path, dict | None]:
     """('gguf', file, manifest) or ('transformers', folder, manifest) for what was given."""
-    quantized = Path(quantized)
-    if not quantized.exists():
-        raise UserError(f"{quantized}: no such file or folder")
-    if quantized.is_file():
-        if quantized.read_bytes()[:4] != b"GGUF":
-            raise UserError(f"{quantized}: not a GGUF file")
-        return "gguf", quantized, None
-    manifest = read_manifest(quantized) if (quantized / MANIFEST).is_file() else None
-    if manifest and manifest.get("gguf_file"):
-        return "gguf", quantized / manifest["gguf_file"], manifest
-    if (quantized / "config.json").is_file():
-        return "transformers", quantized, manifest
-    raise UserError(f"{quantized}: neither a quant output folder, a GGUF file nor a checkpoint")
+    try:
+        found = identify(quantized)
+    except NotAModel as e:
+        raise UserError(str(e)) from None
+    return ("gguf" if found.container == "gguf" else "transformers"), found.path, found.manifest
 
 
 # The source's logits for the last text scored: `quant table` scores many outputs of one source.

@@ -6,8 +6,8 @@ The three things a GGUF converter gets wrong without failing loudly, and what th
   `blk.N.attn_q`, ...), so names follow whatever llama.cpp release the package matches;
 * rotary layout: Hugging Face Llama rotates *halves* of each head, llama.cpp's `llama` graph
   rotates *interleaved pairs*; Q rows are permuted per head with n_head, K rows with n_kv_head
-  (grouped-query attention).  Qwen2 uses llama.cpp's NEOX rotation, which is the halves layout:
-  no permutation there;
+  (grouped-query attention).  The other families run llama.cpp's NEOX rotation, which is the
+  halves layout: no permutation there (gguf_architectures.py: what each family's graph expects);
 * metadata: every hyper-parameter the graph reads (rope base, norm epsilon, head counts, ...) plus
   the full tokenizer (gguf_vocab.py).
 
@@ -19,7 +19,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from quantserve.quant.source import Checkpoint, require_gguf_architecture
+from quantserve.formats import GGUF_FILE
+from quantserve.quant.gguf_architectures import gguf_architecture
+from quantserve.quant.source import Checkpoint
 from quantserve.settings import UserError
 
 # our format name → (gguf file type, the ggml type of 2-D weight matrices)
@@ -66,29 +68,7 @@ def hyperparameters(ckpt: Checkpoint) -> dict:
     if float(c.get("partial_rotary_factor", 1.0)) != 1.0:
         raise UserError(f"{ckpt.origin}: partial rotary embeddings are not supported")
     window = c.get("sliding_window") if c.get("use_sliding_window", True) else None
-    if ckpt.architecture == "Gemma3ForCausalLM":
-        # llama.cpp's gemma3 graph fixes what the config may vary: five sliding layers then a global
-        # one, the sliding layers rotated with base 10000, queries scaled by head_dim ** -0.5
-        types = list(c.get("layer_types") or [])
-        pattern = ["sliding_attention" if i % 6 < 5 else "full_attention" for i in range(hp["n_layer"])]
-        local_base = float((local_rope or {}).get("rope_theta", 10000.0))
-        if types and types != pattern or local_base != 10000.0:
-            raise UserError(f"{ckpt.origin}: this Gemma 3 differs from what llama.cpp's gemma3 graph assumes "
-                            "(5 sliding layers then a global one, local rope base 10000)")
-        if int(c.get("query_pre_attn_scalar", hp["head_dim"])) != hp["head_dim"]:
-            raise UserError(f"{ckpt.origin}: query_pre_attn_scalar {c.get('query_pre_attn_scalar')} differs from "
-                            f"head_dim {hp['head_dim']}: llama.cpp's gemma3 graph would scale queries differently")
-        hp.update(sliding_window=int(window), attn_softcap=None, final_softcap=c.get("final_logit_softcapping"))
-    elif ckpt.architecture == "Gemma2ForCausalLM":
-        # llama.cpp's gemma2 graph has the window (even layers) and the soft-caps; it scales queries
-        # by head_dim ** -0.5 (or by n_embd / n_head for the 27B shape alone)
-        hp.update(sliding_window=int(window), attn_softcap=c.get("attn_logit_softcapping"),
-                  final_softcap=c.get("final_logit_softcapping"))
-        if int(c.get("query_pre_attn_scalar", hp["head_dim"])) != hp["head_dim"]:
-            raise UserError(f"{ckpt.origin}: query_pre_attn_scalar {c.get('query_pre_attn_scalar')} differs from "
-                            f"head_dim {hp['head_dim']}: llama.cpp's gemma2 graph would scale queries differently")
-    elif window:  # the llama graph has no sliding window: only claim the context where it is exact
-        hp["n_ctx"] = min(hp["n_ctx"], int(window))
+    gguf_architecture(ckpt).hparams(ckpt, c, hp, window, local_rope)
     hp["tied_embeddings"] = bool(c.get("tie_word_embeddings", False))
     return hp
 
@@ -113,7 +93,8 @@ def write_gguf(ckpt: Checkpoint, out_file: Path, outtype: str, progress: bool = 
 
     if outtype not in OUTTYPES:
         raise UserError(f"unknown GGUF output type {outtype!r} (known: {', '.join(OUTTYPES)})")
-    arch_name = require_gguf_architecture(ckpt)
+    record = gguf_architecture(ckpt)
+    arch_name = record.name
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
     hp = hyperparameters(ckpt)
     file_type, matrix_type = OUTTYPES[outtype]
@@ -136,7 +117,7 @@ def write_gguf(ckpt: Checkpoint, out_file: Path, outtype: str, progress: bool = 
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(hp["rope_linear_factor"])
     writer.add_layer_norm_rms_eps(hp["norm_eps"])
-    if arch_name in ("gemma2", "gemma3"):
+    if record.sliding_window:
         writer.add_sliding_window(hp["sliding_window"])
         if hp["attn_softcap"]:
             writer.add_attn_logit_softcapping(float(hp["attn_softcap"]))
@@ -148,7 +129,6 @@ def write_gguf(ckpt: Checkpoint, out_file: Path, outtype: str, progress: bool = 
     tokenizer = add_tokenizer(writer, ckpt.path, hp["n_vocab"])
 
     names = gguf.get_tensor_name_map(arch, hp["n_layer"])
-    permute = arch_name == "llama"  # qwen2, qwen3, phi3 run NEOX rope in llama.cpp: HF layout as is
     wanted = {"attn_q": hp["n_head"], "attn_k": hp["n_kv_head"]}
     types: dict[str, int] = {}
     count = 0
@@ -166,10 +146,10 @@ def write_gguf(ckpt: Checkpoint, out_file: Path, outtype: str, progress: bool = 
         if name is None:
             raise UserError(f"{ckpt.origin}: tensor {hf_name!r} has no GGUF name for {arch_name}")
         kind = name.split(".")[-2] if name.startswith("blk.") else ""
-        if permute and kind in wanted:
+        if record.permute_qk and kind in wanted:
             data = permute_rotary(data, wanted[kind])
-        if arch_name in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
-            data = data + 1.0  # Gemma's norms scale by (1 + w); llama.cpp's by the stored weight
+        if record.norms_plus_one and hf_name.endswith("norm.weight"):
+            data = data + 1.0
         if data.ndim == 1:
             writer.add_tensor(name, data.astype(np.float32))
             types[name] = int(gguf.GGMLQuantizationType.F32)
@@ -193,3 +173,29 @@ def write_gguf(ckpt: Checkpoint, out_file: Path, outtype: str, progress: bool = 
         type_counts[gguf.GGMLQuantizationType(t).name] = type_counts.get(gguf.GGMLQuantizationType(t).name, 0) + 1
     return {"architecture": arch_name, "tensors": count, "tensor_types": type_counts,
             "hyperparameters": hp, "tokenizer": tokenizer}
+
+
+# The writers `quant convert` calls for the GGUF formats (quantserve/formats.py names them):
+# each writes GGUF_FILE into the output folder and returns the manifest's summary.
+
+def write_gguf_folder(ckpt: Checkpoint, out_dir: Path, outtype: str, progress: bool = False) -> dict:
+    """F32 / F16 / Q8_0: written by our own writer."""
+    return write_gguf(ckpt, out_dir / GGUF_FILE, outtype, progress)
+
+
+def write_kquant(ckpt: Checkpoint, out_dir: Path, kind: str, progress: bool = False) -> dict:
+    """k-quants: our F16 GGUF first, then llama.cpp's quantizer; only the quantized file is kept."""
+    from quantserve.quant.inspect import gguf_tensor_types
+    from quantserve.quant.llamacpp_worker import quantize
+
+    f16 = out_dir / ".model-f16.gguf"
+    summary = write_gguf(ckpt, f16, "f16", progress)
+    if progress:
+        print(f"quantizing with llama.cpp to {kind.upper()} ...", flush=True)
+    quantize(f16, out_dir / GGUF_FILE, kind)
+    f16.unlink()
+    # llama.cpp falls back to other types for rows that are not whole 256-wide super-blocks;
+    # record what each tensor really became.
+    summary["tensor_types"] = gguf_tensor_types(out_dir / GGUF_FILE)
+    summary["quantizer"] = f"llama.cpp llama_model_quantize ({kind.upper()}) from our F16 GGUF"
+    return summary

@@ -11,11 +11,10 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from quantserve.quant.manifest import MANIFEST
+from quantserve.formats import GGUF_MAGIC, MANIFEST
 from quantserve.quant.source import check_safetensors, read_json
 from quantserve.settings import UserError
 
-GGUF_MAGIC = b"GGUF"
 # Metadata values too long to print whole: summarised by length.
 _LONG_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
                 "tokenizer.ggml.scores")
@@ -76,27 +75,33 @@ def describe_safetensors(path: Path) -> dict:
 
 
 def describe_folder(path: Path) -> dict:
-    if (path / MANIFEST).is_file():
-        manifest = read_json(path / MANIFEST)
-        inner = path / manifest["gguf_file"] if manifest.get("gguf_file") else None
-        out = {"kind": f"quant output ({manifest.get('format')})", "path": str(path),
-               "manifest": manifest}
-        if inner is not None:
-            out["gguf"] = describe_gguf(inner)
-        return out
-    if (path / "config.json").is_file():
-        config = read_json(path / "config.json")
-        qc = config.get("quantization_config")
-        files = sorted(path.glob("*.safetensors"))
-        tensors = sum(len(check_safetensors(f)) for f in files)
-        kind = f"bitsandbytes checkpoint ({qc.get('quant_method')})" if qc else "Hugging Face checkpoint"
-        return {"kind": kind, "path": str(path), "architecture": (config.get("architectures") or ["?"])[0],
-                "tensor_count": tensors, "weight_files": [f.name for f in files],
-                "quantization_config": qc, "config": config}
-    if (path / "adapter_config.json").is_file():
+    from quantserve.formats import NotAModel, identify
+
+    if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
         return {"kind": "LoRA adapter", "path": str(path),
                 "adapter_config": read_json(path / "adapter_config.json")}
-    raise UserError(f"{path}: not a GGUF file, safetensors file, checkpoint or quant output folder")
+    try:
+        found = identify(path)
+    except NotAModel as e:
+        raise UserError(f"{path}: not a GGUF file, safetensors file, checkpoint or quant output folder ({e})") from None
+    fmt = {"format": found.format.name, "served_by": found.format.engine}
+    if found.manifest is not None:
+        out = {"kind": f"quant output ({found.manifest.get('format')})", "path": str(path), **fmt,
+               "manifest": found.manifest}
+        if found.container == "gguf":
+            out["gguf"] = describe_gguf(found.path)
+        return out
+    if found.container == "gguf":
+        return {**describe_gguf(found.path), **fmt}
+    config = read_json(path / "config.json")
+    qc = config.get("quantization_config")
+    files = sorted(path.glob("*.safetensors"))
+    tensors = sum(len(check_safetensors(f)) for f in files)
+    kind = f"bitsandbytes checkpoint ({qc.get('quant_method')})" if found.format.name.startswith("bnb-") else (
+        f"{found.format.name.upper()} checkpoint" if qc else "Hugging Face checkpoint")
+    return {"kind": kind, "path": str(path), **fmt, "architecture": (config.get("architectures") or ["?"])[0],
+            "tensor_count": tensors, "weight_files": [f.name for f in files],
+            "quantization_config": qc, "config": config}
 
 
 def inspect(path: Path) -> dict:

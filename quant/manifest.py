@@ -11,9 +11,9 @@ import os
 import time
 from pathlib import Path
 
+from quantserve.formats import MANIFEST
 from quantserve.settings import UserError
 
-MANIFEST = "manifest.json"
 KV_BYTES_PER_VALUE = 2  # llama.cpp's default KV cache type is F16; the T4 serves fp16 too
 
 

@@ -15,21 +15,6 @@ from pathlib import Path
 
 from quantserve.settings import UserError, require_checkpoint
 
-# Hugging Face architecture → llama.cpp architecture.  Mistral is Llama with a different config;
-# Qwen2 adds q/k/v biases and uses the NEOX rotary layout (no Q/K permutation); Qwen3 drops the
-# biases and adds an RMSNorm over each head of q and k (attn_q_norm / attn_k_norm), NEOX as Qwen2;
-# Phi-3 fuses q/k/v (attn_qkv) and gate/up (ffn_up, split by the graph), NEOX too; Gemma 2 has
-# norms after attention and MLP, soft-capping and a sliding window on even layers (all in its graph).
-GGUF_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Phi3ForCausalLM": "phi3",
-    "Gemma2ForCausalLM": "gemma2",
-    "Gemma3ForCausalLM": "gemma3",  # the text model (Gemma 3 1B); the multimodal ones are not read
-}
-
 
 @dataclass
 class Checkpoint:
@@ -178,14 +163,6 @@ def _merge_adapter(adapter: Path, out: Path) -> Checkpoint:
     merged.source_files = {**{f"adapter/{k}": v for k, v in hash_folder(adapter).items()},
                            **{f"base/{k}": v for k, v in base.source_files.items()}}
     return merged
-
-
-def require_gguf_architecture(ckpt: Checkpoint) -> str:
-    arch = GGUF_ARCHITECTURES.get(ckpt.architecture)
-    if arch is None:
-        raise UserError(f"{ckpt.origin}: unsupported architecture {ckpt.architecture} for GGUF "
-                        f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
-    return arch
 
 
 def require_causal_lm(ckpt: Checkpoint) -> None:

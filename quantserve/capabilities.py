@@ -45,17 +45,24 @@ class Capabilities:
         return {**asdict(self), "memory_budget_gib": self.memory_budget_gib}
 
 
+def profile_problem(profile: str | None = None) -> str | None:
+    """Why `profile` (or, when it is None, `$QUANTSERVE_GPU_PROFILE`) names no GPU profile; None
+    when it does.  Callers raise their own kind of error with it."""
+    name = (profile or os.environ.get("QUANTSERVE_GPU_PROFILE") or "native").lower()
+    if name in PROFILES:
+        return None
+    where = "" if profile else "QUANTSERVE_GPU_PROFILE: "
+    return f"{where}unknown GPU profile {name!r}; choose one of {', '.join(PROFILES)}"
+
+
 def resolve_profile(profile: str | None = None) -> str:
-    asked = profile
-    profile = (profile or os.environ.get("QUANTSERVE_GPU_PROFILE") or "native").lower()
-    if profile not in PROFILES:
+    problem = profile_problem(profile)
+    if problem:
         from quantserve.settings import UsageError, UserError
 
         # an option's value is a usage error (exit 2); the environment's is a setting (exit 1)
-        where = "" if asked else "QUANTSERVE_GPU_PROFILE: "
-        raise (UsageError if asked else UserError)(
-            f"{where}unknown GPU profile {profile!r}; choose one of {', '.join(PROFILES)}")
-    return profile
+        raise (UsageError if profile else UserError)(problem)
+    return (profile or os.environ.get("QUANTSERVE_GPU_PROFILE") or "native").lower()
 
 
 def package_version(import_name: str) -> str | None:

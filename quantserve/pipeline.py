@@ -121,14 +121,14 @@ def say(msg: str) -> None:
 
 
 def run_pipeline(cfg: PipelineConfig) -> dict:
-    from quantserve.quant.convert import FORMATS
+    from quantserve.formats import CONVERT_FORMATS
     from quantserve.training.config import METHODS
     from quantserve.demo import corpus
     from quantserve.demo.default_model import resolve_model
 
-    unknown = [f for f in cfg.formats if f not in FORMATS]
+    unknown = [f for f in cfg.formats if f not in CONVERT_FORMATS]
     if unknown:
-        raise UsageError(f"unknown format(s) {unknown}; choose from {', '.join(FORMATS)}")
+        raise UsageError(f"unknown format(s) {unknown}; choose from {', '.join(CONVERT_FORMATS)}")
     if cfg.method not in METHODS:
         raise UsageError(f"--method must be one of {', '.join(METHODS)}, not {cfg.method!r}")
     if cfg.serve and cfg.serve_format not in (SOURCE, *cfg.formats):

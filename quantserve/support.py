@@ -56,12 +56,12 @@ def _hf(ckpt, pre: dict | None, bnb: str | None) -> Verdict:
 
 def _gguf_formats(ckpt, bnb: str | None) -> Verdict:
     from quantserve.quant.gguf_export import hyperparameters
-    from quantserve.quant.source import require_gguf_architecture
+    from quantserve.quant.gguf_architectures import gguf_architecture
 
     if bnb:
         return Verdict("formats gguf-*", False, "already quantized by bitsandbytes: convert the checkpoint it came from")
     try:
-        arch = require_gguf_architecture(ckpt)
+        arch = gguf_architecture(ckpt).name
         hyperparameters(ckpt)
         tokenizer = _gguf_tokenizer_kind(ckpt.path)
     except UserError as e:

@@ -139,6 +139,9 @@ def serve(
 
     if tool_call_parser != "auto" and tool_call_parser not in FORMATS:
         raise UsageError(f"unknown --tool-call-parser {tool_call_parser!r}: choose auto, {', '.join(FORMATS)}")
+    from quantserve.capabilities import resolve_profile
+
+    resolve_profile(gpu_profile)  # a bad --gpu-profile exits 2, a bad QUANTSERVE_GPU_PROFILE 1
     # fail on a bad path now, with one line, before any socket is opened
     engine = _engine_or_exit(Path(model), EngineOptions(context=context, max_batch=max_batch,
                                                         max_queue=max_queue, gpu_profile=gpu_profile,

@@ -18,31 +18,20 @@ log = logging.getLogger("quantserve.server")
 
 def detect_model_kind(path: Path, trust_pickle: bool = False) -> tuple[str, Path]:
     """('gguf' | 'hf', the file or folder to load), or a ModelLoadError saying what is wrong."""
-    from quantserve.modeling import PICKLE_WEIGHTS, weights_problem
+    from quantserve.formats import NotAModel, identify
+    from quantserve.modeling import weights_problem
 
-    path = Path(path)
-    if not path.exists():
-        raise ModelLoadError(f"{path}: no such file or folder")
-    if path.is_file():
-        if path.suffix == ".gguf":
-            return "gguf", path
-        if any(path.match(pattern) for pattern in PICKLE_WEIGHTS):
-            # not `allowed_by`: a bare weight file is no checkpoint, trusted or not
-            raise ModelLoadError(f"{path}: a pickle weight file; serve a .gguf file or a Hugging Face checkpoint "
-                                 "folder (safetensors; its pickle weights only when trusted)")
-        raise ModelLoadError(f"{path}: not a model (serve a .gguf file or a Hugging Face checkpoint folder)")
-    ggufs = sorted(path.glob("*.gguf"))
-    if len(ggufs) == 1 and not (path / "config.json").is_file():
-        return "gguf", ggufs[0]
-    if len(ggufs) > 1 and not (path / "config.json").is_file():
-        raise ModelLoadError(f"{path}: holds {len(ggufs)} .gguf files; name the one to serve")
-    if not (path / "config.json").is_file():
-        raise ModelLoadError(f"{path}: not a Hugging Face checkpoint (no config.json) and no .gguf file")
-    problem = weights_problem(path, trust_pickle)
+    try:
+        found = identify(path)
+    except NotAModel as e:  # a bare pickle weight file included: no checkpoint, trusted or not
+        raise ModelLoadError(str(e)) from None
+    if found.container == "gguf":
+        return "gguf", found.path
+    problem = weights_problem(found.path, trust_pickle)
     if problem:
         text, trusting_helps = problem
         raise ModelLoadError(text, allowed_by="trust_pickle" if trusting_helps else None)
-    return "hf", path
+    return "hf", found.path
 
 
 def auto_engine(path: Path) -> tuple[str, str]:
@@ -50,12 +39,13 @@ def auto_engine(path: Path) -> tuple[str, str]:
     for the architectures it runs (fp16/fp32 weights; bitsandbytes outputs stay on hf), else hf."""
     import json
 
+    from quantserve.formats import identify
     from quantserve.quant.prequantized import quantization_config
-    from quantserve.server.hf_engine import quantization_of
 
-    pre = quantization_config(path)
-    if pre is not None:  # transformers reads these only with AutoAWQ / GPTQModel installed
-        return "fast", f"a {pre['method'].upper()} checkpoint (the fast engine repacks its 4-bit weights)"
+    fmt = identify(path).format
+    if fmt.name in ("awq", "gptq"):  # transformers reads these only with AutoAWQ / GPTQModel installed
+        quantization_config(path)  # refuses the layouts the fast engine cannot repack, by name
+        return "fast", f"a {fmt.name.upper()} checkpoint (the fast engine repacks its 4-bit weights)"
     try:
         import torch
 
@@ -69,8 +59,8 @@ def auto_engine(path: Path) -> tuple[str, str]:
 
     if model_type not in FAST_MODEL_TYPES:
         return "hf", f"the fast engine does not run {model_type!r} models ({', '.join(FAST_MODEL_TYPES)})"
-    if quantization_of(path):
-        return "hf", f"a bitsandbytes {quantization_of(path)} checkpoint (the fast engine quantizes by itself)"
+    if fmt.engine != "fast" and fmt.name != "hf":
+        return "hf", f"a {fmt.name} checkpoint (the fast engine quantizes by itself)"
     return "fast", f"a {model_type} checkpoint on a CUDA GPU"
 
 
@@ -123,6 +113,10 @@ class ScheduledEngine:
     """An `Engine`: a backend loaded at start-up, driven by the shared scheduler thread."""
 
     def __init__(self, path: Path, options: EngineOptions):
+        from quantserve.capabilities import profile_problem
+
+        if profile_problem(options.gpu_profile):  # before anything loads; the CLI has its flag's words
+            raise ModelLoadError(profile_problem(options.gpu_profile))
         self.kind, self.path = detect_model_kind(path, options.trust_pickle)
         self.options = options
         if options.engine not in ("auto", self.kind) and not (options.engine == "fast" and self.kind == "hf"):

@@ -70,16 +70,15 @@ _BYTE_DECODER = _byte_decoder()
 
 
 def quantization_of(path: Path) -> str | None:
-    """'int8' / 'nf4' / 'fp4' for a bitsandbytes output folder, else None."""
+    """'int8' / 'nf4' / 'fp4' (bitsandbytes), 'awq' / 'gptq', or None for an unquantized checkpoint
+    folder: its weight format's record (quantserve/formats.py) without the bnb- prefix."""
+    from quantserve.formats import folder_format
+
     config = json.loads((path / "config.json").read_text())
-    q = config.get("quantization_config")
-    if not q:
-        return None
-    if q.get("load_in_8bit"):
-        return "int8"
-    if q.get("load_in_4bit"):
-        return q.get("bnb_4bit_quant_type", "nf4")
-    return q.get("quant_method", "unknown")
+    fmt = folder_format(config)
+    if fmt.name == "hf-quantized":  # another transformers quantizer: its own name
+        return config["quantization_config"].get("quant_method", "unknown")
+    return None if fmt.name == "hf" else fmt.name.removeprefix("bnb-")
 
 
 def load_hf(path: Path, gpu_profile: str | None, context: int | None, max_batch: int, max_queue: int):

@@ -15,6 +15,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from quantserve.server.sampling import SamplingParams
+
 # Stop sequences: OpenAI allows 4, vLLM has no limit.  Each one is re-checked against the held-back
 # tail of the text at every token, so their number and length bound per-token work; 64 of up to
 # 256 characters is far beyond any real use (stop words, role markers) and keeps that work small.
@@ -145,6 +147,17 @@ class _SamplingFields(_Request):
 
     def guided(self) -> dict:
         return {name: getattr(self, name) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")}
+
+    def to_sampling_params(self, max_tokens: int, choice_index: int = 0, **checked) -> SamplingParams:
+        """The engine's sampling parameters for choice `choice_index` of this request.  What needs
+        the engine to check (`logprobs` against the server's cap, `logit_bias` ids against the
+        vocabulary, a compiled `constraint`, `max_tokens` against the context) comes in `checked`."""
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
+            seed=None if self.seed is None else self.seed + choice_index,  # each choice its own stream
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos, min_p=self.min_p,
+            stop_token_ids=list(self.stop_token_ids or []), **checked)
 
     @field_validator("stop")
     @classmethod

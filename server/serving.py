@@ -34,6 +34,7 @@ class ServerState:
     max_logprobs: int = APIOptions.max_logprobs
     retry_after_s: int = 1
     tool_call_parser: str = "auto"  # a tool_parsers.FORMATS name, or auto: guessed from the chat template
+    load_error: str | None = None  # why the model failed to load, once it has
 
 
 @dataclass
@@ -184,15 +185,9 @@ def sampling_params(state: ServerState, req: _SamplingFields, prompt_len: int, m
     if logprobs is not None and logprobs > state.max_logprobs:
         raise APIError(400, f"at most {state.max_logprobs} top logprobs are returned (asked for {logprobs})",
                        param="logprobs")
-    return SamplingParams(
-        max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
-        seed=None if req.seed is None else req.seed + choice_index,
-        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        repetition_penalty=req.repetition_penalty, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-        ignore_eos=req.ignore_eos,
-        min_p=req.min_p, stop_token_ids=list(req.stop_token_ids or []),
-        logit_bias=logit_bias(req.logit_bias, state.engine.tokenizer.vocab_size),
-        constraint=constraint)
+    return req.to_sampling_params(max_tokens, choice_index, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                  logit_bias=logit_bias(req.logit_bias, state.engine.tokenizer.vocab_size),
+                                  constraint=constraint)
 
 
 def start_job(state: ServerState, req: _SamplingFields, prompts: list[list[int]], max_tokens: int | None,

@@ -21,19 +21,26 @@ from conftest import REPO
 FOLDERS = {"quantserve": "quantserve", "server": "quantserve.server", "quant": "quantserve.quant",
            "training": "quantserve.training", "bench": "quantserve.bench"}
 
-GROUND = ("quantserve.settings", "quantserve.capabilities", "quantserve.modeling", "quantserve.plots",
-          "quantserve.quiet")
+GROUND = ("quantserve.settings", "quantserve.formats", "quantserve.capabilities", "quantserve.modeling",
+          "quantserve.plots", "quantserve.quiet", "quantserve.progress")
 HTTP = ("quantserve.server.api_server", "quantserve.server.serving", "quantserve.server.serving_chat",
-        "quantserve.server.serving_completions", "quantserve.server.protocol", "quantserve.server.errors",
-        "quantserve.server.middleware", "quantserve.server.metrics", "quantserve.server.cli")
+        "quantserve.server.serving_completions", "quantserve.server.serving_embeddings",
+        "quantserve.server.serving_responses", "quantserve.server.protocol", "quantserve.server.errors",
+        "quantserve.server.middleware", "quantserve.server.metrics", "quantserve.server.unsupported",
+        "quantserve.server.tools", "quantserve.server.tool_parsers")
 ENGINE = ("quantserve.server.engine", "quantserve.server.engines", "quantserve.server.scheduler",
           "quantserve.server.exceptions", "quantserve.server.faults", "quantserve.server.sampling",
-          "quantserve.server.textstream", "quantserve.server.backend", "quantserve.server.hf_engine",
+          "quantserve.server.textstream", "quantserve.server.config", "quantserve.server.structured",
+          "quantserve.server.prefix_cache", "quantserve.server.backend", "quantserve.server.hf_engine",
           "quantserve.server.gguf_engine", "quantserve.server.fastcore")
 BACKENDS = ("quantserve.server.backend", "quantserve.server.hf_engine", "quantserve.server.gguf_engine",
-            "quantserve.server.fastcore")
+            "quantserve.server.fastcore", "quantserve.server.prefix_cache")
+# above the HTTP layer: copies of the app behind Ray Serve, started by the CLI
+SCALE_OUT = ("quantserve.server.replicas", "quantserve.server.asgi_call")
 LIBRARY = ("quantserve.server", "quantserve.quant", "quantserve.training")
-CLI_ONLY = ("quantserve.cli", "quantserve.cli_util", "quantserve.pipeline")
+CLI_ONLY = ("quantserve.cli", "quantserve.cli_util", "quantserve.pipeline", "quantserve.support",
+            "quantserve.server.cli", "quantserve.quant.cli", "quantserve.training.cli", "quantserve.bench")
+DEMO = ("quantserve.demo",)
 
 
 def under(name: str, prefixes) -> bool:
@@ -71,12 +78,18 @@ def violations(module: str, source: str) -> list[str]:
             bad.append(f"{module} imports bare '{target}' (use quantserve.{target})")
         if under(module, GROUND) and target.startswith("quantserve") and not under(target, GROUND):
             bad.append(f"ground {module} imports {target}")
-        if under(module, ENGINE) and (under(target, HTTP) or under(target, CLI_ONLY)):
+        if under(module, ENGINE) and (under(target, HTTP) or under(target, CLI_ONLY) or under(target, SCALE_OUT)):
             bad.append(f"engine {module} imports the HTTP/CLI layer {target}")
         if under(module, ENGINE) and target == "quantserve.settings" and "UserError" in names:
             bad.append(f"engine {module} raises the CLI's UserError (raise a server.exceptions kind)")
         if under(module, BACKENDS) and under(target, ("quantserve.server.engines", "quantserve.server.scheduler")):
             bad.append(f"backend {module} imports the engine {target}")
+        if under(module, HTTP) and (under(target, CLI_ONLY) or under(target, SCALE_OUT)):
+            bad.append(f"HTTP {module} imports {target} from above it")
+        if under(module, ("quantserve.quant", "quantserve.training")) and under(target, ("quantserve.server",)):
+            bad.append(f"library {module} imports the server {target}")
+        if under(module, LIBRARY) and not under(module, CLI_ONLY) and under(target, CLI_ONLY):
+            bad.append(f"library {module} imports the CLI {target}")
         if under(module, LIBRARY) and under(target, ("quantserve.demo",)):
             bad.append(f"{module} imports the demo {target} (resolve names through quantserve.settings)")
     return bad
@@ -84,6 +97,14 @@ def violations(module: str, source: str) -> list[str]:
 
 def product_files() -> list[Path]:
     return sorted(p for folder in FOLDERS for p in (REPO / folder).rglob("*.py"))
+
+
+def test_every_module_has_a_layer():
+    """A new module is placed in a layer here, so the rules above cover it."""
+    layers = GROUND + HTTP + ENGINE + SCALE_OUT + CLI_ONLY + DEMO + ("quantserve.quant", "quantserve.training")
+    loose = [m for m in map(module_name, product_files()) if m != "quantserve" and m != "quantserve.__main__"
+             and m != "quantserve.server" and not under(m, layers)]
+    assert not loose, f"modules in no layer of tests/test_architecture.py: {loose}"
 
 
 def test_every_import_follows_the_layering_rules():
@@ -100,6 +121,10 @@ def test_every_import_follows_the_layering_rules():
     ("quantserve.server.gguf_engine", "from quantserve.server.scheduler import Scheduler", "backend"),
     ("quantserve.training.train", "from quantserve.demo.default_model import resolve_model", "demo"),
     ("quantserve.quant.convert", "from server.engine import EngineError", "bare"),
+    ("quantserve.formats", "def f():\n    import quantserve.quant.bnb", "ground"),
+    ("quantserve.server.serving", "from quantserve.server.replicas import serve_replicas", "HTTP"),
+    ("quantserve.quant.evaluate", "from quantserve.server.engines import ScheduledEngine", "server"),
+    ("quantserve.training.train", "from quantserve.training.cli import app", "CLI"),
 ])
 def test_a_broken_import_is_caught(module, source, needle):
     found = violations(module, source)

@@ -110,6 +110,7 @@ def test_bench_commands_refuse_bad_input_in_one_line(tmp_path):
 @pytest.mark.parametrize("args", [
     ("serve", "default", "--engine", "bogus"), ("serve", "default", "--weight-quant", "int3"),
     ("serve", "default", "--log-level", "loud"), ("serve", "default", "--max-queue", "0"),
+    ("serve", "default", "--gpu-profile", "a100"),
     ("train", "--data", "x.jsonl", "--out", "o", "--method", "dora"),
     ("train", "--data", "x.jsonl", "--out", "o", "--nproc", "0"),
     ("convert", "default", "-f", "bogus", "-o", "o"), ("pipeline", "--formats", "gguf-q3_xs", "--no-serve"),

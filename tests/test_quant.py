@@ -17,7 +17,8 @@ import pytest
 from model_families import FAMILIES
 
 from quantserve.quant import llamacpp
-from quantserve.quant.convert import FORMATS, convert
+from quantserve.formats import CONVERT_FORMATS as FORMATS
+from quantserve.quant.convert import convert
 from quantserve.quant.manifest import kv_cache_bytes
 from quantserve.quant.source import sha256_file
 

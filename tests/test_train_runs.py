@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from quantserve.training.config import TrainConfig as D
+
 pytestmark = pytest.mark.slow
 
 
@@ -136,6 +138,14 @@ def test_rerun_of_a_finished_train_is_a_no_op_and_force_retrains(small_data, tmp
     assert "already trained" in again.stderr and "4 steps" in again.stderr, again.stderr[-1000:]
     assert (out / "model.safetensors").stat().st_mtime_ns == stamp
     assert json.loads((out / "train_log.json").read_text())["global_step"] == 4
+    # the same settings from a --config file are the same run; a flag beside it overrides the file
+    config = tmp_path / "train.json"
+    config.write_text(json.dumps({"data": str(small_data), "out": str(out), "max_steps": 4, "save_steps": 2,
+                                  "micro_batch": 4, "lr": 7e-4}))
+    assert "already trained" in run_train("--config", str(config), "--lr", str(D.lr)).stderr
+    from_file = subprocess.run([sys.executable, "-m", "quantserve", "train", "--quiet", "--config", str(config)],
+                               capture_output=True, text=True, timeout=300)
+    assert from_file.returncode == 1 and "different --lr" in from_file.stderr, from_file.stderr[-500:]
     # another config (or other data) in the same folder is a new run, not a no-op
     changed = small_data.with_name("changed.jsonl")
     changed.write_text("".join(small_data.read_text().splitlines(keepends=True)[1:]))  # one record less

@@ -19,8 +19,10 @@ from quantserve.training.config import TrainConfig as D  # the one source of def
 
 
 def train_command(
-    data: Path = typer.Option(..., help="JSONL of {\"text\": ...} or chat {\"messages\": [...]} records."),
-    out: Path = typer.Option(..., help="Output folder: the checkpoint, train_log.json, loss.png."),
+    ctx: typer.Context,
+    data: Optional[Path] = typer.Option(None, help="JSONL of {\"text\": ...} or chat {\"messages\": [...]} records (required, here or in --config)."),
+    out: Optional[Path] = typer.Option(None, help="Output folder: the checkpoint, train_log.json, loss.png (required, here or in --config)."),
+    config: Optional[Path] = typer.Option(None, "--config", help="JSON file of these settings by name ({\"method\": \"lora\", \"lr\": 1e-4, ...}); options given on the command line override it."),
     model: str = typer.Option(D.model, help="Checkpoint folder to fine-tune; 'default' is the embedded model."),
     method: str = typer.Option(D.method, help="full | lora | qlora"),
     zero: Optional[int] = typer.Option(D.zero, help="DeepSpeed ZeRO stage 0-3 (default: no DeepSpeed)."),
@@ -63,16 +65,20 @@ def train_command(
     from quantserve.training import distributed
     from quantserve.training.config import TrainConfig
 
-    cfg = TrainConfig(
-        data=data, out=out, model=model, method=method, zero=zero, offload=offload, liger=liger,
-        attn=attn, grad_ckpt=grad_ckpt, micro_batch=micro_batch, global_batch=global_batch,
-        seq_len=seq_len, packing=packing, dtype=dtype, gpu_profile=gpu_profile, plan=plan,
-        epochs=epochs, max_steps=max_steps, lr=lr, lr_schedule=lr_schedule, warmup_ratio=warmup_ratio,
-        eval_data=eval_data, eval_steps=eval_steps, stop_at_exact_match=stop_at_exact_match,
-        gate_cooldown=gate_cooldown, lora_r=lora_r,
-        lora_alpha=lora_alpha, lora_targets=lora_targets, merge=merge, skip_bad_lines=skip_bad_lines,
-        resume=resume, force=force, save_steps=save_steps, seed=seed, audit_data=audit_data, progress=not quiet,
-    )
+    from click.core import ParameterSource
+
+    settings = {name: value for name, value in ctx.params.items() if name in TrainConfig.field_names()}
+    settings["progress"] = not quiet
+    if config is not None:  # the file's values, then whatever the command line says itself
+        explicit = {name for name in settings if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT}
+        if ctx.get_parameter_source("quiet") is ParameterSource.DEFAULT:
+            explicit.discard("progress")
+        cfg = TrainConfig.from_file(config, **{name: settings[name] for name in explicit})
+    else:
+        for name in ("data", "out"):
+            if settings[name] is None:
+                raise UsageError(f"--{name} is required (on the command line or as \"{name}\" in --config)")
+        cfg = TrainConfig(**settings)
     if nproc < 1:
         raise UsageError("--nproc must be at least 1")
     cfg.validate()  # bad requests fail here, before any process is launched

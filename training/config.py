@@ -81,13 +81,31 @@ class TrainConfig:
             self.eval_data = Path(self.eval_data)
 
     @classmethod
-    def from_file(cls, path: Path) -> "TrainConfig":
-        raw = json.loads(Path(path).read_text())
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    @classmethod
+    def from_file(cls, path: Path, **overrides) -> "TrainConfig":
+        """The settings of a JSON file (keys are the field names), `overrides` on top."""
+        try:
+            raw = json.loads(Path(path).read_text())
+        except OSError as e:
+            raise UserError(f"{path}: cannot read the config ({e.strerror or e})") from None
+        except ValueError as e:
+            raise UserError(f"{path}: not JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise UserError(f"{path}: a config is a JSON object of settings, not {type(raw).__name__}")
+        unknown = sorted(set(raw) - cls.field_names())
         if unknown:
             raise UserError(f"{path}: unknown config keys {unknown}")
-        return cls(**raw)
+        merged = {**raw, **overrides}
+        for name in ("data", "out"):
+            if merged.get(name) is None:
+                raise UsageError(f"--{name} is required (on the command line or as \"{name}\" in {path})")
+        try:
+            return cls(**merged)
+        except TypeError as e:
+            raise UserError(f"{path}: {e}") from None
 
     def as_dict(self) -> dict:
         return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()}
