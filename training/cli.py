@@ -65,14 +65,10 @@ def train_command(
     from quantserve.training import distributed
     from quantserve.training.config import TrainConfig
 
-    from click.core import ParameterSource
-
     settings = {name: value for name, value in ctx.params.items() if name in TrainConfig.field_names()}
     settings["progress"] = not quiet
     if config is not None:  # the file's values, then whatever the command line says itself
-        explicit = {name for name in settings if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT}
-        if ctx.get_parameter_source("quiet") is ParameterSource.DEFAULT:
-            explicit.discard("progress")
+        explicit = {name for name in settings if _given(ctx, name)} | ({"progress"} if _given(ctx, "quiet") else set())
         cfg = TrainConfig.from_file(config, **{name: settings[name] for name in explicit})
     else:
         for name in ("data", "out"):
@@ -95,6 +91,13 @@ def train_command(
     path = train(cfg)
     if distributed.world()[1] == 0 and not os.environ.get("QUANTSERVE_LAUNCHED"):
         print(path)
+
+
+def _given(ctx: typer.Context, name: str) -> bool:
+    """Did the command line (or an environment variable) set this option?  By the source's name:
+    typer carries its own copy of click, whose ParameterSource is not click's."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
 
 
 def _strip_launch_args(argv: list[str]) -> list[str]:
