@@ -1,11 +1,17 @@
 """Command-line parsing shared by the bench scripts: a bad value is one line and exit 2, found
-before any work starts (not after a model was built or a server was loaded for minutes)."""
+before any work starts (not after a model was built or a server was loaded for minutes).
+
+`Parser` serves the scripts run as `python -m quantserve.bench.<name>`; the value parsers below
+serve `quantserve bench`'s typer options, whose comma lists ('1,8,32') arrive as text.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+
+import typer
 
 
 class _ShowDefaults(argparse.HelpFormatter):
@@ -30,41 +36,45 @@ class Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def _whole(text: str, minimum: int) -> int:
+# typer reports a BadParameter as "Invalid value for '--option': <message>" and exits 2
+
+
+def _items(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _positive(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
-    if value < minimum:
-        raise argparse.ArgumentTypeError(f"{value} must be at least {minimum}")
+        raise typer.BadParameter(f"'{text}' is not a whole number") from None
+    if value < 1:
+        raise typer.BadParameter(f"{value} must be at least 1")
     return value
 
 
-def positive_int(text: str) -> int:
-    return _whole(text, 1)
-
-
-def non_negative_int(text: str) -> int:
-    return _whole(text, 0)
-
-
-def int_list(text: str) -> list[int]:
-    """'1,8,32' -> [1, 8, 32]; '' -> []."""
-    return [positive_int(x.strip()) for x in text.split(",") if x.strip()]
+def int_list(allow_empty: bool = False):
+    """A parser for a comma list of whole numbers of at least 1: '1,8,32' -> (1, 8, 32)."""
+    def parse(text: str) -> tuple[int, ...]:
+        values = tuple(_positive(x) for x in _items(text))
+        if not values and not allow_empty:
+            raise typer.BadParameter("give at least one number")
+        return values
+    return parse
 
 
 def choice_list(*choices: str):
-    """A parser for a comma list whose items must be among `choices`."""
-    def parse(text: str) -> list[str]:
-        items = [x.strip() for x in text.split(",") if x.strip()]
+    """A parser for a comma list whose items must be among `choices`: 'none,int8' -> ('none', 'int8')."""
+    def parse(text: str) -> tuple[str, ...]:
+        items = _items(text)
         bad = [x for x in items if x not in choices]
         if bad or not items:
-            raise argparse.ArgumentTypeError(f"'{','.join(bad) or text}': choose from {', '.join(choices)}")
-        return items
+            raise typer.BadParameter(f"'{','.join(bad) or text}': choose from {', '.join(choices)}")
+        return tuple(items)
     return parse
 
 
 def existing_file(text: str) -> str:
     if not Path(text).is_file():
-        raise argparse.ArgumentTypeError(f"{text}: no such file")
+        raise typer.BadParameter(f"{text}: no such file")
     return text

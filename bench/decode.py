@@ -1,8 +1,8 @@
 """Decode speed of the fast core in-process, against plain `model.generate`, with roofline fractions.
 
-    python -m bench.decode                       # 1B and 8B shapes, fp16/int8/int4, batch 1/8/32
-    python -m bench.decode --gpu-profile t4      # the same under the T4 profile (15 GiB cap)
-    python -m bench.decode --quick               # a tiny model on the CPU: exercises every path
+    quantserve bench decode                       # 1B and 8B shapes, fp16/int8/int4, batch 1/8/32
+    quantserve bench decode --gpu-profile t4      # the same under the T4 profile (15 GiB cap)
+    quantserve bench decode --quick               # a tiny model on the CPU: exercises every path
 
 Random weights in the Llama-3.2-1B / Llama-3.1-8B shapes are made directly on the device (no
 checkpoint, no CPU RAM).  The roofline is the copy bandwidth measured in this run: a decode step
@@ -18,15 +18,15 @@ Every row is independent: a failure is recorded in its `error` field and the run
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import sys
 import time
 import traceback
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from quantserve.bench.args import Parser, choice_list, int_list, positive_int
+from quantserve.settings import UserError
 
 SHAPES = {
     # name: (hidden, ffn, layers, heads, kv_heads, vocab, rope_theta)
@@ -34,6 +34,30 @@ SHAPES = {
     "8b": (4096, 14336, 32, 32, 8, 128256, 500000.0),
     "tiny": (256, 768, 2, 4, 2, 1024, 10000.0),  # --quick
 }
+QUANTS = ("none", "int8", "int4")
+KERNELS = ("auto", "triton", "gemlite", "torch", "tinygemm")
+ATTENTIONS = ("auto", "triton", "sdpa")
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """One run of `quantserve bench decode`: its options (the command's defaults are these), kept
+    in the result JSON as `settings`."""
+    models: tuple[str, ...] = ("1b", "8b")  # of SHAPES
+    quants: tuple[str, ...] = QUANTS
+    kernels: tuple[str, ...] = ("auto",)  # int8/int4 kernels, of KERNELS
+    attention: tuple[str, ...] = ("auto",)  # of ATTENTIONS; the first is the one other rows compare to
+    batches: tuple[int, ...] = (1, 8, 32)
+    prompt_len: int = 128
+    new_tokens: int = 128
+    generate_tokens: int = 16  # at least 2: the rate is t(N) - t(1) over N - 1 tokens
+    generate_batches: tuple[int, ...] = (1,)  # () = no plain-generate baseline
+    gpu_profile: str | None = None
+    no_compile: bool = False
+    no_fit_check: bool = False
+    profile_steps: int = 0
+    quick: bool = False
+    out: str = "bench/results/decode.json"
 
 
 def llama_config(shape: str):
@@ -194,7 +218,7 @@ def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], p
             row["first_prompts_s"] = round(time.perf_counter() - t1, 1)  # the prompt path's compile, first time
             tok = torch.tensor(first, device=device)
             pos = torch.full((b,), prompt_len, device=device)
-            L = core._kv_len(prompt_len + new_tokens + 1)
+            L = core.steps.kv_len(prompt_len + new_tokens + 1)
             kv_idx = core._kv_idx[:L]
             t1 = time.perf_counter()
             for _ in range(3):  # compile, CUDA-graph record, first replay
@@ -253,91 +277,56 @@ def fit_check(cfg, device, caps, quant: str, kernel: str, slots: int = 8, seq: i
     return out
 
 
-def main(argv=None) -> int:
-    ap = Parser(prog="quantserve bench decode", description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="1b,8b", help="comma list of 1b, 8b, tiny")
-    ap.add_argument("--quants", default="none,int8,int4", help="comma list of none, int8, int4")
-    ap.add_argument("--kernels", default="auto",
-                    help="int8/int4 kernels, comma list of auto, triton, gemlite, torch, tinygemm (int4; sm_80+, not under t4)")
-    ap.add_argument("--attention", default="auto",
-                    help="decode attention, comma list of auto, triton, sdpa (the first is the one other rows compare to)")
-    ap.add_argument("--batches", default="1,8,32", help="comma list of batch sizes (sequences decoded together)")
-    ap.add_argument("--prompt-len", type=positive_int, default=128, help="tokens of each prompt before decoding")
-    ap.add_argument("--new-tokens", type=positive_int, default=128, help="decode steps timed per batch size")
-    ap.add_argument("--generate-tokens", type=positive_int, default=16, help="tokens per plain-generate baseline")
-    ap.add_argument("--generate-batches", default="1", help="batches for the generate baseline ('' = none)")
-    ap.add_argument("--gpu-profile", default=None, help="'t4': fp16, 15 GiB cap, T4 attention kernels")
-    ap.add_argument("--no-compile", action="store_true", help="eager decode steps (no torch.compile)")
-    ap.add_argument("--no-fit-check", action="store_true",
-                    help="skip the check that weights + 8 slots x 2,048 tokens of KV fit the memory budget")
-    ap.add_argument("--profile-steps", type=int, default=0,
-                    help="also profile this many steps at the first batch size (kernel time vs idle)")
-    ap.add_argument("--quick", action="store_true", help="tiny model, few tokens: runs on a CPU in seconds")
-    ap.add_argument("--out", default="bench/results/decode.json", help="JSON file to write (saved after each row)")
-    args = ap.parse_args(argv)
-    checks = {"models": choice_list(*SHAPES), "quants": choice_list("none", "int8", "int4"),
-              "kernels": choice_list("auto", "triton", "gemlite", "torch", "tinygemm"),
-              "attention": choice_list("auto", "triton", "sdpa"), "batches": int_list,
-              "generate_batches": int_list}
-    for name, check in checks.items():  # the comma lists stay text (the JSON's settings); checked here
-        try:
-            check(getattr(args, name))
-        except argparse.ArgumentTypeError as e:
-            ap.error(f"argument --{name.replace('_', '-')}: {e}")
-    if not int_list(args.batches):
-        ap.error("argument --batches: at least one batch size")
-    if args.generate_tokens < 2:
-        ap.error("argument --generate-tokens: at least 2 (the rate is t(N) - t(1) over N - 1 tokens)")
-
+def run(o: DecodeOptions) -> None:
+    """Measure every (model, quant, kernel, attention, batch) row of `o`, writing `o.out` after each
+    row; raises UserError where this machine cannot run it."""
     import torch
 
     from quantserve.capabilities import apply_profile, detect
 
-    if args.quick:
-        args.models, args.batches, args.prompt_len, args.new_tokens = "tiny", "1,4", 16, 12
-        args.generate_tokens, args.no_fit_check = 32, True  # enough steps to stand above timing noise
-    caps = detect(args.gpu_profile)
-    if caps.device != "cuda" and not args.quick and args.models != "tiny":
+    if o.quick:
+        o = replace(o, models=("tiny",), batches=(1, 4), prompt_len=16, new_tokens=12,
+                    generate_tokens=32, no_fit_check=True)  # enough steps to stand above timing noise
+    caps = detect(o.gpu_profile)
+    if caps.device != "cuda" and not o.quick and o.models != ("tiny",):
         # the 1B/8B shapes at fp32 on a CPU would grind for hours and measure nothing useful
-        print("error: bench decode measures the 1B/8B shapes on a CUDA GPU; on a CPU use --quick",
-              file=sys.stderr)
-        return 1  # the machine, not the command line: exit 1 as for any other refusal
+        raise UserError("bench decode measures the 1B/8B shapes on a CUDA GPU; on a CPU use --quick")
     apply_profile(caps)
     device = torch.device(caps.device)
     dtype = torch.float16 if device.type == "cuda" else torch.float32
-    compile = device.type == "cuda" and not args.no_compile
-    batches = int_list(args.batches)
+    compile = device.type == "cuda" and not o.no_compile
+    batches = list(o.batches)
     cap = Cap(caps)
     torch.set_grad_enabled(False)
     cap.set(False)
     bw = copy_bandwidth(device, gib=1.0 if device.type == "cuda" else 0.125)
     print(f"device {caps.gpu_name or 'cpu'}  profile {caps.profile}  copy bandwidth {bw / 1e9:.0f} GB/s  "
           f"compile {compile}", flush=True)
-    result = {"device": caps.as_dict(), "bandwidth_Bps": bw, "settings": vars(args), "rows": [], "fit": []}
+    result = {"device": caps.as_dict(), "bandwidth_Bps": bw, "settings": asdict(o), "rows": [], "fit": []}
 
     def add(row):
         result["rows"].append(row)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))  # partial results survive a crash
+        Path(o.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(o.out).write_text(json.dumps(result, indent=1))  # partial results survive a crash
         msg = row.get("error") or f"{row['tok_s']:.1f} tok/s"
         print(f"  {row['model']:>4} {row['engine']:<22} b={row['batch']:<3} {msg}", flush=True)
 
-    for shape in args.models.split(","):
+    for shape in o.models:
         cfg = llama_config(shape)
         fp16_bytes = _fp16_weight_bytes(cfg)
         fp16_fits = not cap.active or fp16_bytes / 2**30 < caps.memory_budget_gib - 1
-        for b in int_list(args.generate_batches):
+        for b in o.generate_batches:
             row = {"model": shape, "engine": "generate", "quant": "none", "batch": b, "capped": cap.active and fp16_fits}
             try:
                 cap.set(fp16_fits)
-                row.update(bench_generate(cfg, device, dtype, b, args.prompt_len, args.generate_tokens))
+                row.update(bench_generate(cfg, device, dtype, b, o.prompt_len, o.generate_tokens))
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
             free(device)
             add(row)
-        for quant in args.quants.split(","):
-            kernels = [k for k in args.kernels.split(",") if quant == "int4" or k != "tinygemm"] if quant != "none" else ["-"]
-            for kernel, attention in [(k, a) for k in kernels for a in args.attention.split(",")]:
+        for quant in o.quants:
+            kernels = [k for k in o.kernels if quant == "int4" or k != "tinygemm"] if quant != "none" else ["-"]
+            for kernel, attention in [(k, a) for k in kernels for a in o.attention]:
                 capped = quant != "none" or fp16_fits
                 engine = "fastcore-" + {"none": "fp16" if dtype == torch.float16 else "fp32"}.get(quant, quant)
                 if quant != "none" and kernel != "auto":
@@ -348,7 +337,7 @@ def main(argv=None) -> int:
                 try:
                     cap.set(capped)
                     for r in bench_core(cfg, device, caps, quant, kernel if kernel != "-" else "auto", batches,
-                                        args.prompt_len, args.new_tokens, compile, args.profile_steps, attention):
+                                        o.prompt_len, o.new_tokens, compile, o.profile_steps, attention):
                         add({"model": shape, "engine": engine, "quant": quant, "capped": cap.active and capped, **r})
                         done.add(r["batch"])
                 except Exception as e:  # the engine failed to build: every batch size not measured says why
@@ -359,7 +348,7 @@ def main(argv=None) -> int:
                             add({"model": shape, "engine": engine, "quant": quant, "capped": cap.active and capped,
                                  "batch": b, "error": err})
                 free(device)
-                if not args.no_fit_check and device.type == "cuda" and quant != "none" and shape == "8b":
+                if not o.no_fit_check and device.type == "cuda" and quant != "none" and shape == "8b":
                     try:
                         cap.set(True)
                         fit = fit_check(cfg, device, caps, quant, kernel if kernel != "-" else "auto")
@@ -370,10 +359,17 @@ def main(argv=None) -> int:
                     result["fit"].append(fit)
                     print(f"  fit check {shape} {engine}: {fit}", flush=True)
     finish(result)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    Path(o.out).write_text(json.dumps(result, indent=1))
     print_table(result)
-    print(f"wrote {args.out}")
-    return 0
+    print(f"wrote {o.out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m quantserve.bench.decode ARGS` (bench/decode_gpu.sh runs it so) is
+    `quantserve bench decode ARGS`; returns the exit code."""
+    from quantserve.bench.cli import script_main
+
+    return script_main("decode", argv)
 
 
 def _fp16_weight_bytes(cfg) -> int:
@@ -399,7 +395,7 @@ def finish(result: dict) -> None:
         gen = by.get((r["model"], "generate", r["batch"])) or by.get((r["model"], "generate", 1))
         if gen and r["engine"] != "generate":
             r["vs_generate"] = r["tok_s"] / gen["tok_s"]
-        first = result["settings"]["attention"].split(",")[0]
+        first = result["settings"]["attention"][0]
         suffix = "" if first == "auto" else f"-{first}"
         fp = by.get((r["model"], "fastcore-fp16" + suffix, r["batch"])) or by.get((r["model"], "fastcore-fp32" + suffix, r["batch"]))
         if fp and r["engine"].startswith("fastcore"):

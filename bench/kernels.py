@@ -26,11 +26,10 @@ runs them (timed eagerly, a small layer measures Python and launch overhead, not
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
-from quantserve.bench.args import Parser, choice_list, int_list
+from quantserve.settings import UserError
 
 # (name, N out, K in): fused qkv, o, fused gate+up, down; layers; lm_head
 SHAPES = {
@@ -201,45 +200,43 @@ def markdown(rows: list[dict], kinds: list[str]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    ap = Parser(prog="quantserve bench kernels", description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default="8b,1b", type=choice_list(*SHAPES), help="comma list of 8b, 1b")
-    ap.add_argument("--kinds", default=",".join(KINDS), type=choice_list(*KINDS),
-                    help=f"comma list of {', '.join(KINDS)}")
-    ap.add_argument("--batches", default="1,8,32,512", type=int_list, help="comma list of M (rows of x)")
-    ap.add_argument("--sass", default=None, metavar="sm_XY",
-                    help="afterwards compile every Triton kernel that ran for this GPU arch and count its "
-                         "instructions (e.g. sm_75: are there tensor-core MMAs on a T4?)")
-    ap.add_argument("--out", default="bench/results/kernels.json", help="JSON file to write")
-    args = ap.parse_args(argv)
-
+def run(shapes: tuple[str, ...], kinds: tuple[str, ...], batches: tuple[int, ...], out: str,
+        sass: str | None = None) -> None:
+    """Time every (layer of `shapes`, kind, M of `batches`) and write `out`; `sass`: then count the
+    instructions of every Triton kernel that ran, compiled for that arch.  UserError without a GPU."""
     import torch
 
     if not torch.cuda.is_available():
-        print("error: bench kernels needs a CUDA GPU", file=sys.stderr)  # the machine: exit 1
-        return 1
-    kinds, skipped = available(args.kinds)
+        raise UserError("bench kernels needs a CUDA GPU")
+    kinds, skipped = available(kinds)
     for kind, why in skipped.items():
         print(f"{kind}: left out ({why})")
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s on {torch.cuda.get_device_name()}")
     rows = []
     partial = {"gpu": torch.cuda.get_device_name(), "copy_GBps": copy_bw / 1e9, "skipped": skipped, "rows": rows}
-    for shape in args.shapes:
-        run_shape(shape, kinds, args.batches, copy_bw, rows, save=lambda: write(args.out, partial))
-    summary = summarize(rows, args.shapes, kinds, args.batches)
+    for shape in shapes:
+        run_shape(shape, kinds, batches, copy_bw, rows, save=lambda: write(out, partial))
+    summary = summarize(rows, shapes, kinds, batches)
     table = markdown(rows, kinds)
     print(table)
     print(json.dumps(summary, indent=1))
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_GBps": copy_bw / 1e9,
               "skipped": skipped, "rows": rows, "summary": summary, "table": table}
-    if args.sass:
+    if sass:
         from quantserve.bench.sass import recompile_all
 
-        result["sass"] = recompile_all(args.sass)
+        result["sass"] = recompile_all(sass)
         print(json.dumps(result["sass"], indent=1))
-    write(args.out, result)
-    return 0
+    write(out, result)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m quantserve.bench.kernels ARGS` (bench/kernels_gpu.sh runs it so) is
+    `quantserve bench kernels ARGS`; returns the exit code."""
+    from quantserve.bench.cli import script_main
+
+    return script_main("kernels", argv)
 
 
 if __name__ == "__main__":

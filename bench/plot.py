@@ -1,15 +1,12 @@
 """Plot serving results: output throughput and p99 TPOT against concurrency, one line per JSON.
 
-    python -m bench.plot bench/results/serve-ours.json bench/results/serve-llamacpp.json -o serve.png
+    quantserve bench plot bench/results/serve-ours.json bench/results/serve-llamacpp.json -o serve.png
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
-
-from quantserve.bench.args import Parser, existing_file
 
 
 def load_result(path: str) -> dict:
@@ -50,21 +47,3 @@ def plot(paths: list[str], out: str, labels: list[str] | None = None) -> str:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
-
-
-def main(argv=None) -> int:
-    ap = Parser(prog="quantserve bench plot", description=__doc__.split("\n")[0])
-    ap.add_argument("results", nargs="+", type=existing_file, help="bench.serve JSON files")
-    ap.add_argument("-o", "--out", default="serve.png", help="PNG file to write")
-    ap.add_argument("--labels", default=None, help="comma list, one per file (default: each file's label)")
-    args = ap.parse_args(argv)
-    try:
-        print(plot(args.results, args.out, args.labels.split(",") if args.labels else None))
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

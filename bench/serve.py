@@ -1,6 +1,6 @@
 """Load generator for any OpenAI-compatible server: TTFT, TPOT, ITL and throughput vs concurrency.
 
-    python -m bench.serve --base-url http://127.0.0.1:8000/v1 --concurrency 1,8,32,64 \
+    quantserve bench serve --base-url http://127.0.0.1:8000/v1 --concurrency 1,8,32,64 \
         --input-len 128 --output-len 128 --out bench/results/serve-ours.json
 
 Definitions are vLLM `bench serve`'s: TTFT = time to the first streamed token; TPOT = (latency -
@@ -31,12 +31,39 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from quantserve.bench.args import Parser, existing_file, int_list, non_negative_int, positive_int
+import typer
+
+from quantserve.bench.args import existing_file
+from quantserve.settings import UserError
 
 WORDS = ("the of and to in is was for on that with as by at from it his an were are which this be "
          "also or had first one their its new after who they two her she been other when there all "
          "during into school time may years more most only over city some world would where later up "
          "such used many can state about national out known university united then made").split()
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """One run of `quantserve bench serve`: its options (the command's defaults are these), kept
+    in the result JSON as `settings`."""
+    base_url: str = "http://127.0.0.1:8000/v1"
+    model: str | None = None  # default: the first of /v1/models
+    label: str | None = None  # default: the model id
+    concurrency: tuple[int, ...] = (1, 8, 32, 64)
+    num_prompts: int = 0  # per level; 0: max(16, 4 x concurrency)
+    input_len: int = 128
+    output_len: int = 128
+    corpus: str | None = None
+    shared_prefix_len: int = 0
+    chat: bool = False
+    ignore_eos: bool = False
+    json_schema: dict | None = None  # the schema itself (json_schema_arg reads it)
+    api_key: str | None = None
+    seed: int = 0
+    timeout: float = 600
+    no_warmup: bool = False
+    out: str | None = None
+    save_records: bool = False
 
 
 @dataclass
@@ -153,10 +180,13 @@ FIXED_LENGTH_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 
 
 
 def json_schema_arg(value: str) -> dict:
-    """`fixed-length` or a JSON schema file."""
+    """`fixed-length` or a JSON schema file: the schema (the parser of --json-schema)."""
     if value == "fixed-length":
         return FIXED_LENGTH_SCHEMA
-    return json.loads(Path(existing_file(value)).read_text())
+    try:
+        return json.loads(Path(existing_file(value)).read_text())
+    except json.JSONDecodeError as e:
+        raise typer.BadParameter(f"{value}: not JSON ({e})") from None
 
 
 async def run_level(base_url: str, model: str, prompts: list[str], concurrency: int, output_len: int,
@@ -193,7 +223,7 @@ async def run_level(base_url: str, model: str, prompts: list[str], concurrency: 
         return list(records), time.perf_counter() - t0
 
 
-class ServerNotUsable(Exception):
+class ServerNotUsable(UserError):
     """The endpoint cannot be benchmarked (unreachable, an error reply, no models)."""
 
 
@@ -238,81 +268,57 @@ def print_table(result: dict) -> None:
     Console(width=160).print(t)
 
 
-def main(argv=None) -> int:
-    ap = Parser(prog="quantserve bench serve", description=__doc__.split("\n")[0])
-    ap.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the server's OpenAI API root")
-    ap.add_argument("--model", default=None, help="model id; default: the first of /v1/models")
-    ap.add_argument("--label", default=None, help="name in tables and plots (default: the model id)")
-    ap.add_argument("--concurrency", type=int_list, default="1,8,32,64", help="comma list of levels")
-    ap.add_argument("--num-prompts", type=non_negative_int, default=0, help="requests per level; 0: max(16, 4 x concurrency)")
-    ap.add_argument("--input-len", type=positive_int, default=128, help="words per random prompt")
-    ap.add_argument("--output-len", type=positive_int, default=128, help="max_tokens per request")
-    ap.add_argument("--corpus", type=existing_file, default=None, help="a text or JSONL file of prompts instead of random words")
-    ap.add_argument("--shared-prefix-len", type=non_negative_int, default=0,
-                    help="words of one system text put before every prompt (0: none)")
-    ap.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
-    ap.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (servers that know it)")
-    ap.add_argument("--json-schema", type=json_schema_arg, default=None,
-                    help="ask for structured output: a JSON schema file, or 'fixed-length' (an array that "
-                    "never completes before --output-len, to compare with --ignore-eos free text)")
-    ap.add_argument("--api-key", default=None, help="sent as a bearer token (servers started with --api-key)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts and their order")
-    ap.add_argument("--timeout", type=float, default=600, help="seconds per request")
-    ap.add_argument("--no-warmup", action="store_true", help="skip the untimed requests sent before each level")
-    ap.add_argument("--out", default=None, help="JSON file to write")
-    ap.add_argument("--save-records", action="store_true", help="also store every request's timings")
-    args = ap.parse_args(argv)
-    if not args.concurrency:
-        ap.error("--concurrency needs at least one level")
-
-    try:
-        model = args.model or served_model(args.base_url, args.api_key, args.timeout)
-    except ServerNotUsable as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    result = {"label": args.label or model, "base_url": args.base_url, "model": model,
-              "settings": vars(args), "runs": []}
-    if not args.no_warmup:
-        recs, _ = asyncio.run(run_level(args.base_url, model, make_prompts(1, args.input_len, args.seed + 1),
-                                        1, 8, args.chat, args.ignore_eos, args.api_key, args.timeout))
+def run(o: ServeOptions) -> None:
+    """Load the server at each concurrency level of `o`, writing `o.out` after each level; raises
+    UserError when the server cannot be benchmarked or some requests failed (the JSON is written)."""
+    model = o.model or served_model(o.base_url, o.api_key, o.timeout)
+    result = {"label": o.label or model, "base_url": o.base_url, "model": model,
+              "settings": {**asdict(o), "api_key": "***" if o.api_key else None}, "runs": []}  # never the key
+    if not o.no_warmup:
+        recs, _ = asyncio.run(run_level(o.base_url, model, make_prompts(1, o.input_len, o.seed + 1),
+                                        1, 8, o.chat, o.ignore_eos, o.api_key, o.timeout))
         if not recs[0].ok:
-            print(f"error: the warm-up request failed: {recs[0].error}", file=sys.stderr)
-            return 1
+            raise UserError(f"the warm-up request failed: {recs[0].error}")
     # its own generator: the prompts after it are the same with or without it
-    prefix = make_prompts(1, args.shared_prefix_len, args.seed + 1000)[0] if args.shared_prefix_len else None
-    for c in args.concurrency:
-        n = args.num_prompts or max(16, 4 * c)
-        prompts = make_prompts(n, args.input_len, args.seed, args.corpus)
-        records, duration = asyncio.run(run_level(args.base_url, model, prompts, c, args.output_len, args.chat,
-                                                  args.ignore_eos, args.api_key, args.timeout, args.json_schema,
-                                                  prefix))
-        fixed = args.ignore_eos or args.json_schema is FIXED_LENGTH_SCHEMA
+    prefix = make_prompts(1, o.shared_prefix_len, o.seed + 1000)[0] if o.shared_prefix_len else None
+    for c in o.concurrency:
+        n = o.num_prompts or max(16, 4 * c)
+        prompts = make_prompts(n, o.input_len, o.seed, o.corpus)
+        records, duration = asyncio.run(run_level(o.base_url, model, prompts, c, o.output_len, o.chat,
+                                                  o.ignore_eos, o.api_key, o.timeout, o.json_schema, prefix))
+        fixed = o.ignore_eos or o.json_schema is FIXED_LENGTH_SCHEMA
         m = {"concurrency": c, "num_prompts": n,
-             **compute_metrics(records, duration, args.output_len if fixed else None)}
-        if args.save_records:
+             **compute_metrics(records, duration, o.output_len if fixed else None)}
+        if o.save_records:
             m["records"] = records_to_json(records)
         result["runs"].append(m)
-        short = f", {m['short_outputs']} shorter than {args.output_len} tokens" if m["short_outputs"] else ""
+        short = f", {m['short_outputs']} shorter than {o.output_len} tokens" if m["short_outputs"] else ""
         print(f"concurrency {c}: {m['completed']} ok, {m['failed']} failed{short}, "
               f"{m['output_throughput'] or 0:.1f} out tok/s, TPOT p99 {m['tpot_ms']['p99'] or 0:.1f} ms", flush=True)
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(result, indent=1))
+        if o.out:
+            Path(o.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(o.out).write_text(json.dumps(result, indent=1))
     print_table(result)
     c1 = next((r for r in result["runs"] if r["concurrency"] == 1), None)
     for r in result["runs"]:
         if c1 and r is not c1 and c1["output_throughput"]:
             r["vs_concurrency_1"] = r["output_throughput"] / c1["output_throughput"]
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.out}")
+    if o.out:
+        Path(o.out).write_text(json.dumps(result, indent=1))
+        print(f"wrote {o.out}")
     failed = sum(r["failed"] for r in result["runs"])
     if failed:  # the figures above leave those requests out: not a clean measurement
         first = next((e for r in result["runs"] for e in r["errors"]), "no message")
-        print(f"error: {failed} of {sum(r['num_prompts'] for r in result['runs'])} requests failed, "
-              f"e.g. {first}", file=sys.stderr)
-        return 1
-    return 0
+        raise UserError(f"{failed} of {sum(r['num_prompts'] for r in result['runs'])} requests failed, "
+                        f"e.g. {first}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m quantserve.bench.serve ARGS` (the bench/*.sh scripts run it so) is
+    `quantserve bench serve ARGS`; returns the exit code."""
+    from quantserve.bench.cli import script_main
+
+    return script_main("serve", argv)
 
 
 def records_to_json(records: list[Record]) -> list[dict]:

@@ -182,14 +182,24 @@ def test_failed_requests_make_the_run_exit_1(llama_server, capsys):
 def test_bench_help_names_its_command(name):
     proc = subprocess.run([sys.executable, "-m", "quantserve", "bench", name, "--help"], capture_output=True,
                           text=True, timeout=60)
-    assert proc.returncode == 0 and proc.stdout.startswith(f"usage: quantserve bench {name}"), proc.stdout[:200]
-    # every option says what it does: argparse prints its help on the option's line or the next
-    lines = proc.stdout.split("options:", 1)[1].splitlines()
+    assert proc.returncode == 0 and proc.stdout.startswith(f"Usage: quantserve bench {name}"), proc.stdout[:200]
+    # every option says what it does: click prints its help on the option's line or the next
+    lines = proc.stdout.split("Options:", 1)[1].splitlines()
     for i, line in enumerate(lines):
         if re.match(r"\s{2}-", line):
             described = re.match(r"\s{2}-\S.*?\s{2,}\S", line) or (
                 i + 1 < len(lines) and re.match(r"\s{10,}\S", lines[i + 1]))
             assert described, f"bench {name}: {line.strip()} has no help"
+    # and every option that has a default shows it: click's "[default: ...]" or the help's own words
+    from typer.main import get_command
+
+    from quantserve.cli import app
+
+    command = get_command(app).commands["bench"].commands[name]
+    ctx = command.context_class(command, info_name=name)
+    for param in command.params:
+        if param.default not in (None, False):
+            assert "default" in param.get_help_record(ctx)[1], f"bench {name}: {param.opts} shows no default"
 
 
 def test_gpu_bench_refuses_a_cpu_in_one_line():
