@@ -28,11 +28,22 @@ from pathlib import Path
 
 from quantserve.settings import UserError
 
-SHAPES = {
-    # name: (hidden, ffn, layers, heads, kv_heads, vocab, rope_theta)
-    "1b": (2048, 8192, 16, 32, 8, 128256, 500000.0),
-    "8b": (4096, 14336, 32, 32, 8, 128256, 500000.0),
-    "tiny": (256, 768, 2, 4, 2, 1024, 10000.0),  # --quick
+def _llama(h, f, n, heads, kv, vocab, theta) -> tuple[str, dict]:
+    return "llama", dict(hidden_size=h, intermediate_size=f, num_hidden_layers=n, num_attention_heads=heads,
+                         num_key_value_heads=kv, vocab_size=vocab, rope_theta=theta)
+
+
+SHAPES = {  # name: (config.json model_type, the real model's layout); weights are random
+    "1b": _llama(2048, 8192, 16, 32, 8, 128256, 500000.0),   # Llama-3.2-1B (untied here)
+    "8b": _llama(4096, 14336, 32, 32, 8, 128256, 500000.0),  # Llama-3.1-8B
+    "tiny": _llama(256, 768, 2, 4, 2, 1024, 10000.0),  # --quick
+    # the 8B-class shapes of other families: q/k/v biases (Qwen2.5), q/k norms per head (Qwen3)
+    "qwen2.5-7b": ("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                 num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                                 rope_theta=1000000.0)),
+    "qwen3-8b": ("qwen3", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                               num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                               rope_theta=1000000.0)),
 }
 QUANTS = ("none", "int8", "int4")
 KERNELS = ("auto", "triton", "gemlite", "torch", "tinygemm")
@@ -60,13 +71,12 @@ class DecodeOptions:
     out: str = "bench/results/decode.json"
 
 
-def llama_config(shape: str):
-    from transformers import LlamaConfig
+def model_config(shape: str):
+    from transformers import AutoConfig
 
-    h, f, n, heads, kv, vocab, theta = SHAPES[shape]
-    return LlamaConfig(hidden_size=h, intermediate_size=f, num_hidden_layers=n, num_attention_heads=heads,
-                       num_key_value_heads=kv, vocab_size=vocab, rope_theta=theta, max_position_embeddings=8192,
-                       rms_norm_eps=1e-5, tie_word_embeddings=False)
+    model_type, layout = SHAPES[shape]
+    return AutoConfig.for_model(model_type, **layout, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                                tie_word_embeddings=False)
 
 
 def sync(device):
@@ -312,7 +322,7 @@ def run(o: DecodeOptions) -> None:
         print(f"  {row['model']:>4} {row['engine']:<22} b={row['batch']:<3} {msg}", flush=True)
 
     for shape in o.models:
-        cfg = llama_config(shape)
+        cfg = model_config(shape)
         fp16_bytes = _fp16_weight_bytes(cfg)
         fp16_fits = not cap.active or fp16_bytes / 2**30 < caps.memory_budget_gib - 1
         for b in o.generate_batches:
@@ -374,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _fp16_weight_bytes(cfg) -> int:
     h, f, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
-    hd = h // cfg.num_attention_heads
+    hd = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
     per_layer = h * hd * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) + 3 * h * f
     return 2 * (n * per_layer + 2 * cfg.vocab_size * h)
 
