@@ -81,7 +81,7 @@ def _load_hf(path: Path, o: EngineOptions):
 
 
 def _load_fast(path: Path, o: EngineOptions):
-    from quantserve.server.hf_engine import load_fast
+    from quantserve.server.fastcore.loader import load_fast
 
     _set_threads(o.threads)
     return load_fast(path, o.gpu_profile, o.context, o.max_batch, o.max_queue, o.weight_quant, o.prefill_chunk,

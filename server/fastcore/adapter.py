@@ -4,6 +4,9 @@ Scheduler slots map to FastCore's cache rows through the shared prefix cache (`p
 which hands out the lowest free row: FastCore is fastest when the live rows are the lowest ones
 (its decode batch covers rows 0..max).  Reusing a cached prefix from another row is a copy of
 that row's K/V positions on the device.
+
+Which tokens each row holds is the prefix cache's record (`self.rows`); how many positions of a
+live row are written is the core's (`core.slots`), and the next decode position is read there.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ class FastCoreBackend(RowBackend):
 
     def decode(self, slots: list[int], tokens: list[int]):
         rows = [self.rows.row_of[s] for s in slots]
-        positions = [len(self.rows.tokens[r]) for r in rows]
+        positions = [self.core.slots.lengths[r] for r in rows]  # each row's next position (slots.py)
         logits = self.core.decode(rows, tokens, positions)
         for r, t, p in zip(rows, tokens, positions):
             self.rows.written(r, [t], p)

@@ -6,10 +6,11 @@ last position is a *trash* row that padded (inactive) batch rows write into, so 
 always run over a contiguous slice `cache[:P]` of slots without gathering or disturbing a slot that
 is half-way through its prefill.
 
-Works for Llama / Mistral (no sliding window) / Qwen2 (q/k/v bias) / Qwen3 (q/k RMSNorm per head)
-/ Phi-3 (q/k/v and gate/up stored fused) / Gemma 2 and 3 (text) configs with GQA.  Grouped
-queries are folded into the query-length axis (`[B, kv_heads, groups * q_len, D]`), so attention
-never copies K/V to repeat them and runs on every SDPA backend (a T4 only has efficient + math).
+Works for the families of architectures.py's table (Llama, Mistral, Qwen2 with q/k/v biases, Qwen3
+with q/k RMSNorm per head, Phi-3, Gemma 2 and 3 text) with GQA; the table says which options each
+one switches on and which checkpoint tensors become which weights.  Grouped queries are folded
+into the query-length axis (`[B, kv_heads, groups * q_len, D]`), so attention never copies K/V to
+repeat them and runs on every SDPA backend (a T4 only has efficient + math).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from quantserve.server.fastcore.architectures import ARCHITECTURES
 
 
 @dataclass
@@ -49,6 +52,8 @@ class ModelArgs:
 
     @classmethod
     def from_hf(cls, cfg) -> "ModelArgs":
+        """The fields for a Hugging Face config: the ones every family reads alike, then its own
+        (architectures.py)."""
         if cfg.model_type not in FAST_MODEL_TYPES:
             raise ValueError(f"fastcore supports {'/'.join(FAST_MODEL_TYPES)} configs, not {cfg.model_type!r}")
         if float(getattr(cfg, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
@@ -58,30 +63,21 @@ class ModelArgs:
             # their frequencies change with the sequence's length; the core's rope table is fixed
             raise ValueError(f"rope scaling {rope.get('rope_type') or rope.get('type')!r} is not supported by fastcore")
         heads = cfg.num_attention_heads
-        gemma = {}
-        if cfg.model_type in ("gemma2", "gemma3_text"):  # Gemma 3 adds q/k norms and a local rope
-            types = list(getattr(cfg, "layer_types", None) or [])
-            gemma = dict(norm_offset=1.0, embed_scale=cfg.hidden_size ** 0.5, gelu=True, sandwich_norms=True,
-                         attn_scale=cfg.query_pre_attn_scalar ** -0.5, attn_softcap=cfg.attn_logit_softcapping,
-                         final_softcap=cfg.final_logit_softcapping, sliding_window=cfg.sliding_window,
-                         sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"))
-        elif cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None):  # every layer slides
-            gemma = dict(sliding_window=cfg.sliding_window, sliding_layers=tuple(range(cfg.num_hidden_layers)))
-        return cls(**gemma,
+        shared = dict(
             vocab_size=cfg.vocab_size, dim=cfg.hidden_size, ffn_dim=cfg.intermediate_size,
             n_layers=cfg.num_hidden_layers, n_heads=heads,
             n_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-            norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
-            qk_norm=cfg.model_type in ("qwen3", "gemma3_text"),
+            norm_eps=cfg.rms_norm_eps, qkv_bias=bool(getattr(cfg, "attention_bias", False)),
             tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         )
+        return cls(**{**shared, **ARCHITECTURES[cfg.model_type].args(cfg)})
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         return self.n_layers * 2 * self.n_kv_heads * self.head_dim * dtype_bytes
 
 
-FAST_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")  # config.json model_type values this core runs
+FAST_MODEL_TYPES = tuple(ARCHITECTURES)  # config.json model_type values this core runs
 
 
 class RMSNorm(nn.Module):

@@ -1,0 +1,64 @@
+"""The `fast` engine's loader: a Hugging Face checkpoint folder (fp16/fp32, or AWQ / GPTQ 4-bit)
+served by FastCore behind the server's decode seam (adapter.py), with the checks that come first
+and the EngineInfo the server reports.
+
+    backend, tokenizer, info = load_fast(path, gpu_profile, context, max_batch, max_queue, "int8")
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from quantserve.server.config import EngineOptions
+from quantserve.server.engine import EngineInfo
+from quantserve.server.exceptions import ModelLoadError
+from quantserve.server.hf_engine import HFTokenizer, quantization_of
+
+
+def load_fast(path: Path, gpu_profile: str | None, context: int | None, max_batch: int, max_queue: int,
+              weight_quant: str, prefill_chunk: int = EngineOptions.prefill_chunk, prefix_cache: bool = True):
+    """The `fast` engine: server/fastcore's static-KV-cache decoder behind the same seam.
+    Returns (FastCoreBackend, HFTokenizer, EngineInfo)."""
+    from quantserve.capabilities import apply_profile, detect
+    from quantserve.modeling import load_tokenizer
+    from quantserve.quant.prequantized import quantization_config
+    from quantserve.server.fastcore.adapter import FastCoreBackend
+
+    caps = detect(gpu_profile)
+    apply_profile(caps)
+    pre = quantization_config(path)
+    if pre is None and quantization_of(path):
+        raise ModelLoadError(f"{path}: a bitsandbytes checkpoint; the fast engine quantizes by itself: serve the "
+                        "fp16/fp32 checkpoint with --engine fast --weight-quant int8|int4, or use --engine hf")
+    if pre is not None and weight_quant == "none":
+        weight_quant = "int4"  # an AWQ / GPTQ checkpoint is served as stored, not widened to fp16
+    if not any(path.glob("*.safetensors")):
+        raise ModelLoadError(f"{path}: only safetensors checkpoints are served (pickle *.bin files are refused)")
+    trained = json.loads((path / "config.json").read_text()).get("max_position_embeddings") or 2048
+    if context and context > trained:
+        raise ModelLoadError(f"exceeds the model's trained context of {trained} tokens", "context", context)
+    context = context or trained
+    compile_cache = None
+    if caps.device == "cuda":
+        from quantserve.server.fastcore.compile_cache import use_compile_cache
+
+        compile_cache = use_compile_cache(caps.gpu_name or "cuda")
+    try:
+        # the core's prompt forwards (and, on a GPU, its recorded prompt widths) match the scheduler's chunk
+        backend = FastCoreBackend(str(path), max_batch, context, weight_quant=weight_quant, profile=caps.profile,
+                                  prefill_chunk=prefill_chunk, prefix_cache=prefix_cache)
+    except (ValueError, KeyError, NotImplementedError) as e:
+        raise ModelLoadError(f"cannot run {path} ({e}); use the hf engine", "engine", "fast") from e
+    core = backend.core
+    info = EngineInfo(engine="fast", model_path=str(path), context_length=context, max_batch=max_batch,
+                      max_queue=max_queue, device=str(core.device), dtype=str(core.dtype).replace("torch.", ""),
+                      attention="sdpa (fastcore static KV cache)",
+                      quantization=(f"{pre['method']} int4 g{pre['group_size']} (repacked)" if pre and weight_quant == "int4"
+                                    else None if weight_quant == "none" else f"{weight_quant} weight-only"),
+                      extra={"gpu_profile": caps.profile, "gpu": caps.gpu_name, "compiled": core.compile,
+                             "prefill_chunk": core.prefill_chunk, "load_s": round(core.load_seconds, 1),
+                             "hidden_size": core.args.dim,
+                             "warm_up_s": round(getattr(backend, "warm_up_s", 0.0), 1),
+                             "compile_cache": str(compile_cache) if compile_cache else None})
+    return backend, HFTokenizer(load_tokenizer(path)), info

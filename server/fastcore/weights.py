@@ -1,0 +1,183 @@
+"""Where FastCore's weights come from, and the Transformer built from them.
+
+A weight source (`Weights`) is a getter of tensors by their Hugging Face names, a test of which
+names exist, the model's HF config and its rotary frequencies.  There are three:
+
+    a transformers model (or a checkpoint folder, loaded on the CPU first)   _hf_tensors
+    an AWQ / GPTQ checkpoint, read tensor by tensor                          _prequantized_tensors
+    random weights of a config's shapes (benchmarks: no checkpoint)          _random_tensors
+
+`build_transformer` then moves the weights to the device one at a time, stacked into model.py's
+fused layers (and quantized) as the architecture's table says (architectures.py), so that no
+more than one layer's weights exist twice at any moment.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import torch
+
+from quantserve.server.fastcore.architectures import ARCHITECTURES
+from quantserve.server.fastcore.model import ModelArgs, Transformer
+from quantserve.server.fastcore.quant import PackedInt4, cat_rows, make_linear
+
+
+class Weights(NamedTuple):
+    get: Callable[[str], object]  # HF tensor name -> tensor (or PackedInt4: an AWQ / GPTQ layer kept 4-bit)
+    has: Callable[[str], bool]
+    config: object  # the HF config
+    rope: dict  # {"full": (inv_freq, scale)}, and "sliding" (model.Transformer.setup_caches)
+    prequantized: dict | None = None  # an AWQ / GPTQ checkpoint's quantization (quant/prequantized.py)
+
+
+def open_weights(model, device: torch.device, dtype: torch.dtype, weight_quant: str,
+                 random_config=None, seed: int = 0) -> Weights:
+    """The weight source for FastCore's `model` argument: a checkpoint folder, a loaded HF model,
+    or None with `random_config`."""
+    if random_config is not None:
+        return _random_tensors(random_config, device, dtype, seed)
+    if isinstance(model, (str, Path)) and _prequantized(Path(model)) is not None:
+        return _prequantized_tensors(Path(model), weight_quant == "int4")
+    hf = _load_hf(model, dtype) if isinstance(model, (str, Path)) else model
+    return _hf_tensors(hf)
+
+
+def build_transformer(src: Weights, a: ModelArgs, device: torch.device, dtype: torch.dtype, mode: str,
+                      kernel: str, group_size: int) -> Transformer:
+    """model.py's Transformer with the source's weights, on `device`, linear layers in `mode`
+    ("none", "int8", "int4") through `kernel` (quant.make_linear)."""
+    arch = ARCHITECTURES[src.config.model_type]
+
+    def w(name):
+        return src.get(name).to(device=device)
+
+    def param(name):
+        return torch.nn.Parameter(w(name).to(dtype), requires_grad=False)
+
+    with torch.device("meta"):
+        m = Transformer(a)
+    m.tok_embeddings.weight = param("model.embed_tokens.weight")
+    m.norm.weight = param("model.norm.weight")
+    # an AWQ / GPTQ checkpoint served in int4 keeps its own 4-bit layers and the float ones
+    # (lm_head, usually) as its authors left them; any other mode quantizes everything alike
+    packed = mode == "int4" and src.prequantized is not None
+    lin = lambda wt, b: make_linear(wt, b, "int4" if isinstance(wt, PackedInt4) else  # noqa: E731
+                                    "none" if packed else mode, dtype, kernel, group_size)
+    for i, layer in enumerate(m.layers):
+        p = f"model.layers.{i}."
+        for ours, theirs in arch.linears.items():
+            parts = [w(p + name + ".weight") for name in theirs]
+            weight = parts[0] if len(parts) == 1 else cat_rows(parts)
+            bias = None
+            if ours == "attention.wqkv" and a.qkv_bias and src.has(p + theirs[0] + ".bias"):
+                bias = torch.cat([w(p + name + ".bias") for name in theirs])
+            parent, _, attr = ours.rpartition(".")
+            setattr(layer.get_submodule(parent), attr, lin(weight, bias))
+            del parts, weight
+        for ours, theirs in arch.norms.items():
+            layer.get_submodule(ours).weight = param(p + theirs + ".weight")
+    m.output = lin(w("lm_head.weight"), None)
+    missing = [name for name, t in m.named_parameters() if t.is_meta]
+    if missing:  # an architectures.py entry that names too few tensors for its ModelArgs
+        raise ValueError(f"{src.config.model_type}: no checkpoint tensor for {', '.join(missing[:4])}")
+    return m.eval()
+
+
+def _rope_of(rot) -> dict:
+    """{"full": (inv_freq, scale)} from a transformers rotary embedding, plus "sliding" where the
+    model rotates its sliding-window layers with frequencies of their own (Gemma 3)."""
+    if hasattr(rot, "full_attention_inv_freq"):
+        return {kind: (getattr(rot, f"{name}_inv_freq").detach().float().cpu(),
+                       float(getattr(rot, f"{name}_attention_scaling", 1.0)))
+                for kind, name in (("full", "full_attention"), ("sliding", "sliding_attention"))
+                if hasattr(rot, f"{name}_inv_freq")}
+    return {"full": (rot.inv_freq.detach().float().cpu(), float(getattr(rot, "attention_scaling", 1.0)))}
+
+
+def _rope_theta(cfg) -> float:
+    params = getattr(cfg, "rope_parameters", None) or {}
+    return float(params.get("rope_theta") or getattr(cfg, "rope_theta", None) or 10000.0)
+
+
+def _load_hf(path, dtype: torch.dtype):
+    """The checkpoint on the CPU in the serving dtype; weights move to the device one at a time."""
+    from quantserve.modeling import load_model
+
+    return load_model(Path(path), dtype=str(dtype).removeprefix("torch."), device="cpu")
+
+
+def _hf_tensors(hf_model) -> Weights:
+    """The tensors of a loaded Hugging Face model, with its config and rope."""
+    sd = hf_model.state_dict()
+    if "lm_head.weight" not in sd:  # tied embeddings
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    return Weights(sd.__getitem__, sd.__contains__, hf_model.config, _rope_of(hf_model.model.rotary_emb))
+
+
+def _random_tensors(cfg, device, dtype, seed: int = 0) -> Weights:
+    """Fresh random weights of the right shapes (benchmarks: no checkpoint, no CPU RAM; each
+    weight exists in fp16 only until it is quantized)."""
+    a = ModelArgs.from_hf(cfg)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    shapes = {"q_proj": (q, a.dim), "k_proj": (kv, a.dim), "v_proj": (kv, a.dim), "o_proj": (a.dim, q),
+              "qkv_proj": (q + 2 * kv, a.dim), "gate_proj": (a.ffn_dim, a.dim), "up_proj": (a.ffn_dim, a.dim),
+              "gate_up_proj": (2 * a.ffn_dim, a.dim), "down_proj": (a.dim, a.ffn_dim)}
+
+    def get(name: str) -> torch.Tensor:
+        if name.endswith("norm.weight"):  # q_norm / k_norm (Qwen3) are per head
+            width = a.head_dim if name.endswith(("q_norm.weight", "k_norm.weight")) else a.dim
+            return torch.ones(width, device=device, dtype=dtype)
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            shape = (a.vocab_size, a.dim)
+        else:
+            shape = shapes[name.split(".")[-2]]
+        if name.endswith(".bias"):
+            return torch.zeros(shape[0], device=device, dtype=dtype)
+        return torch.randn(shape, device=device, dtype=dtype, generator=gen) * 0.02
+
+    has = lambda name: not name.endswith(".bias") or a.qkv_bias  # noqa: E731
+    inv_freq = 1.0 / (_rope_theta(cfg) ** (torch.arange(0, a.head_dim, 2).float() / a.head_dim))
+    return Weights(get, has, cfg, {"full": (inv_freq, 1.0)})
+
+
+def _prequantized(folder: Path):
+    from quantserve.quant.prequantized import quantization_config
+
+    return quantization_config(folder) if (folder / "config.json").is_file() else None
+
+
+def _prequantized_tensors(folder: Path, keep_int4: bool) -> Weights:
+    """An AWQ / GPTQ checkpoint: its 4-bit layers as PackedInt4 (for int4 serving: the
+    checkpoint's own integers, no second quantization) or dequantized, the rest as stored.  The
+    rotary frequencies come from the model class's own rotary embedding, built from the config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantserve.quant.prequantized import dequantize, linear_int4, quantized_layers, tensor_getter
+
+    q = _prequantized(folder)
+    raw, names = tensor_getter(folder)
+    layers = set(quantized_layers(names))
+    cfg = AutoConfig.from_pretrained(str(folder))
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config  # the structure alone: no quantizer is asked for
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(cfg)
+    rope = _rope_of(type(skeleton.model.rotary_emb)(cfg))  # built for real, outside the meta device
+
+    def get(name: str):
+        prefix = name.removesuffix(".weight")
+        if name.endswith(".weight") and prefix in layers:
+            if keep_int4:
+                return PackedInt4(*linear_int4(raw, prefix, q), q["group_size"])
+            return dequantize(raw, prefix, q)
+        if name == "lm_head.weight" and name not in names:  # tied embeddings
+            return raw("model.embed_tokens.weight")
+        return raw(name)
+
+    def has(name: str) -> bool:
+        return name in names or (name.endswith(".weight") and name.removesuffix(".weight") in layers)
+
+    return Weights(get, has, cfg, rope, q)
