@@ -3,7 +3,8 @@
 Decode at small batch reads every weight once per step, so bytes are time.  Kernels, by name:
 - "triton" (CUDA, the default there): `triton_mm.py`'s kernels read the int8 / packed int4 weights
   once and dequantize in registers, for any batch up to 64, on any GPU Triton runs on (a T4 too);
-  at batch 1 `triton_gemv.py`'s matrix-vector kernels compete with them per layer shape.
+  at batch 1 `triton_gemv.py`'s matrix-vector kernels compete with them per layer shape (they were the
+  faster on every layer timed), and prompts try 128-row tiles and dequantize-then-cuBLAS.
 - "torch": plain torch ops.  int8 is gpt-fast's `linear(x, w.to(x.dtype)) * scale`, which only
   reads 1 byte/param if inductor turns the matmul into a fused reduction (batch 1 under
   coordinate-descent tuning; measured 0.86x fp16 on an H200, so it did not); int4 unpacks the
@@ -145,10 +146,11 @@ def _gemlite_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, dty
                                                                      zeros=zeros)
 
 
-# GemLite's int4 layers were 1.6-3.2x ours on every 8B layer at batch 1-32 (bench/RESULTS.md), but
-# inside the compiled, CUDA-graphed decode step they are not yet GPU-tested
-# (tests/test_fastcore.py::test_compiled_triton_decode_matches_eager_torch_ops[gemlite-int4]):
-# until then they are chosen by name (quant_kernel="gemlite", bench decode --kernels gemlite).
+# GemLite stays chosen by name (quant_kernel="gemlite", bench decode --kernels gemlite): at batch 1 our
+# matrix-vector kernels (triton_gemv.py) now match or beat its int4 and int8 layers on the 8B and 1B
+# shapes (bench/RESULTS.md, 2026-12-03, "Batch-1 matrix-vector kernels"), its int4 layers stay faster
+# than our tiled ones at batch 8-32 but slower than fp16 there, and its compiled, CUDA-graphed decode
+# test has not finished in bounded time on a GPU (it autotunes every M the step is recorded at).
 GEMLITE_BY_DEFAULT = False
 
 

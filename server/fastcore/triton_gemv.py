@@ -1,37 +1,61 @@
 """Weight-only int8 / int4 matrix-vector kernels for batch-1 decode: y[1, N] = x[1, K] @ dequant(W).T
 
 At batch 1 the tiled kernels in `triton_mm.py` spend a 16-row `tl.dot` tile on one row of
-activations, and on a fast GPU they were measured bound by that work rather than by memory
-(bench/RESULTS.md: 8B int8 0.99x fp16).  These kernels do no tensor-core work: each program
-multiplies a [BLOCK_N, BLOCK_K] weight tile, converted in registers, by the matching slice of x
-and reduces along K, and many programs per layer (K split SPLIT_K ways, results added atomically)
-keep enough loads in flight to stream the weights.  `triton_mm._launch` times both kinds per
-layer shape at start-up and keeps the faster, so these are used only where they win.
+activations; these kernels do no tensor-core work.  Each program owns BLOCK_N output rows and
+walks the whole of K: no split-K, so no zero-filled fp32 buffer, no atomics and no cast kernel
+after it (a linear layer is one kernel).
 
-The signatures match the tiled kernels' (BLOCK_M is accepted and ignored), so one launcher serves
-both.  Import only where Triton and a CUDA GPU exist.
+What makes them stream, against the version before (bench/RESULTS.md, 2026-12-03: 37-46 % of copy
+bandwidth on the 8B model's small layers), each seen in the SASS Triton makes for sm_90:
+- the weights are read as 4-byte words, one word per thread and row, the warps side by side along
+  K (BLOCK_K = 128 * warps for int8, 256 * warps for int4).  x is read as one strided load per
+  column of a word, which lands in the words' own register layout: the old kernel's x went
+  through shared memory with three barriers on every tile;
+- products are summed inside each thread; threads and warps are reduced once, after the loop;
+- int8 -> fp16 and int4 -> fp16 by the bit tricks of FasterTransformer / Marlin in inline PTX
+  (`_int8_quad`, `_nibble_pair`: one prmt or lop3 per two columns), widened to fp32 exactly, so a
+  weight costs ~3.5 instructions instead of ~5 (BIT_DEQUANT=False: Triton's own conversion);
+- rows past N read row N - 1 (clamped, unmasked loads) and are not stored.
+
+int4 (group g): w = q * s + m with one (s, m) per row and group; a word's 8 columns lie inside one
+group, so x . w = s * (x . q) + m * sum(x) per word.  Packing as in triton_mm: column 2j in the high
+nibble of byte j, 2j + 1 in the low one.
+
+The signatures match the tiled kernels' (BLOCK_M is accepted and ignored; SPLIT_K > 1 adds
+atomically, for a caller that asks for it: the configs here keep 1), so one launcher serves both.
+`triton_mm._launch` times these against the tiled kernels per layer shape at start-up and keeps
+the faster.  Import only where Triton and a CUDA GPU exist (TRITON_INTERPRET=1 on a CPU runs the
+same arithmetic without the PTX).
 """
-
 from __future__ import annotations
+
+import os
 
 import triton
 import triton.language as tl
 
 from quantserve.server.fastcore.triton_dequant import AUTOTUNE_ON_DISK, int8_to, nibble_to
 
+# (BLOCK_N, BLOCK_K, warps): one 4-byte word per thread and row, the warps side by side along K,
+# so BLOCK_K = 128 * warps (int8: 4 columns a word) or 256 * warps (int4: 8 columns a word)
+_INT8 = ((8, 512, 4), (16, 512, 4), (32, 512, 4), (4, 512, 4), (8, 1024, 8), (16, 1024, 8), (32, 1024, 8),
+         (16, 256, 2))
+_INT4 = ((8, 1024, 4), (16, 1024, 4), (32, 1024, 4), (4, 1024, 4), (8, 2048, 8), (16, 2048, 8), (16, 512, 2),
+         (8, 256, 1))
 
-def _configs():
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}, num_warps=warps, num_stages=3)
-            for bn, bk, split, warps in ((64, 128, 1, 4), (32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 2, 4),
-                                         (128, 64, 8, 4), (64, 64, 16, 4), (32, 256, 8, 4), (16, 256, 1, 4),
-                                         (128, 128, 1, 8), (64, 256, 1, 8), (128, 128, 4, 8))]
+
+def _config(bn: int, bk: int, warps: int):
+    return triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1}, num_warps=warps, num_stages=1)
+
+
+def _configs(shapes=None):
+    """Every config of either kernel (each runs the other's too, only slower), or those of `shapes`."""
+    return [_config(*c) for c in (shapes or dict.fromkeys(_INT8 + _INT4 + ((16, 128, 1),)))]
 
 
 def _prune(configs, named_args, **kwargs):
     K = named_args["K"]
-    group = named_args.get("GROUP") or kwargs.get("GROUP") or 1 << 30
-    return [c for c in configs
-            if K % (c.kwargs["BLOCK_K"] * c.kwargs["SPLIT_K"]) == 0 and c.kwargs["BLOCK_K"] <= group]
+    return [c for c in configs if K % (c.kwargs["BLOCK_K"] * c.kwargs["SPLIT_K"]) == 0]
 
 
 @triton.jit
@@ -42,55 +66,158 @@ def _store_row(out_ptr, acc, rn, N, SPLIT_K: tl.constexpr):
         tl.atomic_add(out_ptr + rn, acc, mask=rn < N, sem="relaxed")
 
 
+# the interpreter (TRITON_INTERPRET=1, CPU checks) runs no PTX: the same arithmetic in Triton ops there
+_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+
+
 @triton.jit
+def _int8_quad(words):
+    """int32 words of 4 int8 (columns 4w..4w+3, byte i = column 4w + i) -> 4 fp32 of 1152 + b.
+
+    b ^ 0x80 = b + 128 as an unsigned byte; prmt puts it under 0x64 to make the fp16 1024 + b + 128
+    (two columns per prmt, the trick FasterTransformer uses), widened to fp32 exactly."""
+    if _PTX:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t, p0, p1;
+            .reg .b16 h0, h1, h2, h3;
+            xor.b32 t, $4, 0x80808080;
+            prmt.b32 p0, t, 0x64646464, 0x4140;
+            prmt.b32 p1, t, 0x64646464, 0x4342;
+            mov.b32 {h0, h1}, p0;
+            mov.b32 {h2, h3}, p1;
+            cvt.f32.f16 $0, h0;
+            cvt.f32.f16 $1, h1;
+            cvt.f32.f16 $2, h2;
+            cvt.f32.f16 $3, h3;
+            }""",
+            constraints="=r,=r,=r,=r,r", args=[words], dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+    else:
+        return (((words << 24) >> 24).to(tl.float32) + 1152.0, ((words << 16) >> 24).to(tl.float32) + 1152.0,
+                ((words << 8) >> 24).to(tl.float32) + 1152.0, (words >> 24).to(tl.float32) + 1152.0)
+
+
+@triton.jit(do_not_specialize_on_alignment=["K"])
 def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, stride_om,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                       BIT_DEQUANT: tl.constexpr = True):
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    # The int8 weights are read as int32 words of 4 columns, one word per thread and row (K is
+    # not specialised on 16, so the loads stay one word wide); column c of x for each word is a
+    # strided load of its own, one per thread, shared by the thread's rows, in the words' layout.
+    # With BIT_DEQUANT the words become 1152 + b (see _int8_quad): each thread sums
+    # (1152 + b) x over its own columns and takes 1152 * (its sum of x) off before the threads'
+    # sums meet, so the offset costs nothing in the loop.  Otherwise: sign-extending shifts and
+    # Triton's int -> float conversion.
+    W: tl.constexpr = BLOCK_K // 4
+    pid_n = tl.program_id(0)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_len = K // SPLIT_K
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k in range(pid_k * k_len, (pid_k + 1) * k_len, BLOCK_K):
-        rk = k + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rk).to(tl.float32)
-        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=rn[:, None] < N, other=0)  # [BN, BK]
-        acc += tl.sum(int8_to(w, tl.float32, BIT_DEQUANT) * x[None, :], axis=1)
+    rows = tl.minimum(rn, N - 1)
+    rw = tl.arange(0, W)
+    w_ptrs = w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (K // 4) + rw[None, :]
+    k_len = K // SPLIT_K  # this program's [k0, k0 + k_len) of K: all of it without split-K
+    k0 = tl.multiple_of(tl.program_id(1) * k_len, BLOCK_K) if SPLIT_K > 1 else 0
+    acc = tl.zeros((BLOCK_N, W), dtype=tl.float32)
+    xacc = tl.zeros((W,), dtype=tl.float32)
+    for k in range(k0, k0 + k_len, BLOCK_K):
+        k = tl.multiple_of(k, BLOCK_K)
+        words = tl.load(w_ptrs + k // 4, eviction_policy="evict_first")  # [BN, W] int32
+        x0 = tl.load(x_ptr + k + 4 * rw).to(tl.float32)
+        x1 = tl.load(x_ptr + k + 4 * rw + 1).to(tl.float32)
+        x2 = tl.load(x_ptr + k + 4 * rw + 2).to(tl.float32)
+        x3 = tl.load(x_ptr + k + 4 * rw + 3).to(tl.float32)
+        if BIT_DEQUANT:
+            w0, w1, w2, w3 = _int8_quad(words)
+            xacc += (x0 + x1) + (x2 + x3)
+        else:
+            w0 = ((words << 24) >> 24).to(tl.float32)
+            w1 = ((words << 16) >> 24).to(tl.float32)
+            w2 = ((words << 8) >> 24).to(tl.float32)
+            w3 = (words >> 24).to(tl.float32)
+        acc += w0 * x0[None, :]
+        acc += w1 * x1[None, :]
+        acc += w2 * x2[None, :]
+        acc += w3 * x3[None, :]
+    if BIT_DEQUANT:
+        acc -= 1152.0 * xacc[None, :]
     scale = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-    _store_row(out_ptr, acc * scale, rn, N, SPLIT_K)
+    _store_row(out_ptr, tl.sum(acc, axis=1) * scale, rn, N, SPLIT_K)
 
 
 @triton.jit
+def _nibble_pair(words, SHIFT: tl.constexpr):
+    """int32 words -> (1024 + bits [SHIFT, SHIFT + 4), 1024 + bits [16 + SHIFT, 20 + SHIFT)) as fp32."""
+    if _PTX:
+        return tl.inline_asm_elementwise(
+            asm=f"""{{
+            .reg .b32 t;
+            .reg .b16 lo, hi;
+            shr.u32 t, $2, {SHIFT};
+            lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
+            mov.b32 {{lo, hi}}, t;
+            cvt.f32.f16 $0, lo;
+            cvt.f32.f16 $1, hi;
+            }}""",
+            constraints="=r,=r,r", args=[words], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        lo = ((words >> SHIFT) & 0xF).to(tl.float32) + 1024.0
+        hi = ((words >> (16 + SHIFT)) & 0xF).to(tl.float32) + 1024.0
+        return lo, hi
+
+
+@triton.jit(do_not_specialize_on_alignment=["K"])
 def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, stride_om,
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      SPLIT_K: tl.constexpr, BIT_DEQUANT: tl.constexpr = False):
-    # BIT_DEQUANT off: for nibbles into fp32 Triton's own conversion was the faster one in every
-    # layer measured (bench/RESULTS.md: lm_head 204 vs 231 us on an H200).
-    # Packing as in triton_mm: column 2j in the high nibble of byte j, 2j+1 in the low one; a K
-    # tile lies inside one group, so x . (q * s + z) = s * (x . q) + z * sum(x).
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+                      SPLIT_K: tl.constexpr, BIT_DEQUANT: tl.constexpr = True):
+    # The packed bytes are read as int32 words of 8 columns, one word per thread and row: byte i
+    # of a word holds columns 2i (high nibble) and 2i + 1 (low), so column j of the word sits at
+    # bit 8 * (j // 2) + 4 * (1 - j % 2).  Column j of x for each word is a strided load of its
+    # own, one per thread, shared by the thread's rows.  A word's 8 columns lie inside one group
+    # (GROUP % 8 == 0), so its partial sum is scaled once.  Tiles are [words, rows] (K first):
+    # then the scales' and the words' loads get the same register layout, and nothing in the loop
+    # is exchanged through shared memory.
+    W: tl.constexpr = BLOCK_K // 8
+    pid_n = tl.program_id(0)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    HALF: tl.constexpr = BLOCK_K // 2
+    rows = tl.minimum(rn, N - 1)
+    rw = tl.arange(0, W)
+    w_ptrs = w_ptr.to(tl.pointer_type(tl.int32)) + rw[:, None] + rows[None, :] * (K // 8)
+    sz_off = (8 * rw[:, None]) // GROUP + rows[None, :] * (K // GROUP)
     k_len = K // SPLIT_K
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k in range(pid_k * k_len, (pid_k + 1) * k_len, BLOCK_K):
-        rj = k // 2 + tl.arange(0, HALF)
-        x_hi = tl.load(x_ptr + 2 * rj).to(tl.float32)
-        x_lo = tl.load(x_ptr + 2 * rj + 1).to(tl.float32)
-        packed = tl.load(w_ptr + rn[:, None] * (K // 2) + rj[None, :], mask=rn[:, None] < N, other=0)
-        q_hi = nibble_to(packed >> 4, tl.float32, BIT_DEQUANT)
-        q_lo = nibble_to(packed & 0xF, tl.float32, BIT_DEQUANT)
-        part = tl.sum(q_hi * x_hi[None, :] + q_lo * x_lo[None, :], axis=1)
-        xsum = tl.sum(x_hi, axis=0) + tl.sum(x_lo, axis=0)
-        g = k // GROUP
-        s = tl.load(s_ptr + rn * (K // GROUP) + g, mask=rn < N, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + rn * (K // GROUP) + g, mask=rn < N, other=0.0).to(tl.float32)
-        acc += part * s + xsum * z
-    _store_row(out_ptr, acc, rn, N, SPLIT_K)
+    k0 = tl.multiple_of(tl.program_id(1) * k_len, BLOCK_K) if SPLIT_K > 1 else 0
+    acc = tl.zeros((W, BLOCK_N), dtype=tl.float32)
+    for k in range(k0, k0 + k_len, BLOCK_K):
+        k = tl.multiple_of(k, BLOCK_K)
+        words = tl.load(w_ptrs + k // 8, eviction_policy="evict_first")  # [W, BN] int32
+        s = tl.load(s_ptr + sz_off + k // GROUP).to(tl.float32)
+        z = tl.load(z_ptr + sz_off + k // GROUP).to(tl.float32)
+        part = tl.zeros((W, BLOCK_N), dtype=tl.float32)
+        xsum = tl.zeros((W,), dtype=tl.float32)
+        if BIT_DEQUANT:
+            # two nibbles at once: (w >> 4p) & 0x000F000F | 0x64006400 holds 1024 + q of two
+            # columns as fp16 halves (Marlin's trick), widened to fp32 in one asm block;
+            # sum (1024 + q) x = sum q x + 1024 sum x in fp32 keeps ~14 bits of q x, and the
+            # 1024 sum x comes off with the offset below
+            for p in tl.static_range(4):
+                # the columns of bits 4p and 16 + 4p: 2 (p // 2) + 1 - p % 2 and 4 more
+                x_lo = tl.load(x_ptr + k + 8 * rw + (2 * (p // 2) + 1 - p % 2)).to(tl.float32)
+                x_hi = tl.load(x_ptr + k + 8 * rw + (2 * (p // 2) + 5 - p % 2)).to(tl.float32)
+                q_lo, q_hi = _nibble_pair(words, 4 * p)
+                part += q_lo * x_lo[:, None]
+                part += q_hi * x_hi[:, None]
+                xsum += x_lo + x_hi
+            z = z - 1024.0 * s
+        else:
+            for j in tl.static_range(8):
+                xj = tl.load(x_ptr + k + 8 * rw + j).to(tl.float32)
+                part += ((words >> (8 * (j // 2) + 4 * (1 - j % 2))) & 0xF).to(tl.float32) * xj[:, None]
+                xsum += xj
+        acc += part * s + xsum[:, None] * z
+    _store_row(out_ptr, tl.sum(acc, axis=0), rn, N, SPLIT_K)
 
 
-def _tuned(kernel):
-    return triton.autotune(configs=_configs(), key=["N", "K"], prune_configs_by={"early_config_prune": _prune},
+def _tuned(kernel, shapes):
+    return triton.autotune(configs=_configs(shapes), key=["N", "K"], prune_configs_by={"early_config_prune": _prune},
                            reset_to_zero=["out_ptr"], **AUTOTUNE_ON_DISK)(kernel)
 
 
-int8_gemv_kernel, int4_gemv_kernel = _tuned(_int8_gemv_kernel), _tuned(_int4_gemv_kernel)
+int8_gemv_kernel, int4_gemv_kernel = _tuned(_int8_gemv_kernel, _INT8), _tuned(_int4_gemv_kernel, _INT4)

@@ -113,12 +113,22 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, stride_
     _store(out_ptr, acc, rm, rn, M, N, stride_om, SPLIT_K)
 
 
-def _tuned(kernel):
-    return triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K"],
+def _prompt_configs():
+    # prompt-sized M (> 64 rows): 128-row tiles, so each weight tile is converted once per 128 rows
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1}, num_warps=warps, num_stages=stages)
+            for bn, bk, warps, stages in ((128, 64, 8, 3), (128, 64, 4, 4), (64, 64, 4, 4), (256, 64, 8, 3))]
+
+
+PROMPT_BLOCK_M = 128
+
+
+def _tuned(kernel, configs=_configs):
+    return triton.autotune(configs=configs(), key=["M_BUCKET", "N", "K"],
                            prune_configs_by={"early_config_prune": _prune}, reset_to_zero=["out_ptr"], **AUTOTUNE_ON_DISK)(kernel)
 
 
 int8_kernel, int4_kernel = _tuned(_int8_kernel), _tuned(_int4_kernel)
+int8_prompt_kernel, int4_prompt_kernel = _tuned(_int8_kernel, _prompt_configs), _tuned(_int4_kernel, _prompt_configs)
 
 
 def _block_m(M: int) -> int:
@@ -144,49 +154,65 @@ def _int4_dense(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, min
     return torch.mm(x, (q * scales[..., None] + mins[..., None]).view(N, -1).t())
 
 
-# (kernel name, M bucket, batch 1?, N, K, dtype, group) -> (kernel, config, BLOCK_M) chosen for it
+# (kernel name, M bucket, batch 1?, N, K, dtype, group) -> (kernel, config, BLOCK_M, flags) chosen for
+# it; flags: keyword arguments of the kernel the choice fixed (the dequantization trick or not)
 _chosen: dict[tuple, tuple] = {}
 
 
-def _launch(kernel, M: int, N: int, x: torch.Tensor, args: tuple, gemv=None, dense=None, **extra) -> torch.Tensor:
-    """Run `kernel` (or, at batch 1, `gemv`; for a prompt, `dense`, where faster) for this shape's
-    chosen config.
+def _tune(tuned, block_m: int, M: int, N: int, K: int, x: torch.Tensor, args: tuple, extra: dict) -> tuple:
+    """Run `tuned`'s autotuner for this shape (it times its configs into a zeroed fp32 buffer;
+    split-K configs add atomically) -> (kernel, best config, BLOCK_M, {})."""
+    out = torch.zeros((M, N), device=x.device, dtype=torch.float32)
 
-    The first call for a shape tunes: each autotuner times its configs into a zeroed fp32 buffer
-    (split-K configs add atomically); at batch 1 the tiled and the matrix-vector winners, and for
-    M > 64 the tiled winner and dequantize-then-cuBLAS, are then timed against each other and the
-    faster is kept.  Later calls launch the choice directly."""
-    bm, K = _block_m(M), x.shape[1]
+    def grid(meta):
+        return (-(-N // meta["BLOCK_N"]), meta["SPLIT_K"], -(-M // block_m))
+    # M_BUCKET is the autotuners' key: a prompt bucket (a power of two past 64) tunes its own tiles
+    tuned[grid](*args, out, M, N, K, _m_bucket(M), x.stride(0), out.stride(0), BLOCK_M=block_m, **extra)
+    return (tuned.fn, tuned.best_config, block_m, {})
+
+
+def _fastest(choices: list[tuple], M: int, N: int, K: int, x: torch.Tensor, args: tuple, extra: dict) -> tuple:
+    """The choice whose whole call (output allocation, zero-fill and cast where split-K needs them)
+    takes least GPU time, timed with the L2 cache flushed between calls as a decode step sees it."""
+    if len(choices) == 1:
+        return choices[0]
+    from triton.testing import do_bench
+
+    times = [do_bench(lambda c=c: _run(*c[:3], M, N, K, x, args, {**extra, **c[3]})) for c in choices]
+    return choices[times.index(min(times))]
+
+
+def _launch(kernel, M: int, N: int, x: torch.Tensor, args: tuple, gemv=None, dense=None, prompt=None,
+            **extra) -> torch.Tensor:
+    """Run `kernel` (or, at batch 1, `gemv`; for a prompt, `prompt`'s 128-row tiles or `dense`,
+    where faster) for this shape's chosen config.
+
+    The first call for a shape tunes: each autotuner picks its best config, then the kinds'
+    winners are timed against each other (at batch 1: tiled, matrix-vector with and without the
+    bit-pattern dequantization; for M > 64: tiled on 64 rows, 128-row tiles, dequantize-then-cuBLAS)
+    and the fastest is kept.  Later calls launch the choice directly."""
+    K = x.shape[1]
     key = (kernel.fn.__name__, _m_bucket(M), M == 1, N, K, x.dtype, extra.get("GROUP"))  # batch 1 has its own choice
-    if key not in _chosen and M > 64 and dense is not None:
-        from triton.testing import do_bench
-
-        _launch(kernel, 64, N, x[:64], (x[:64],) + args[1:], **extra)  # tunes the tiles on 64 rows
-        tiled = _chosen[(kernel.fn.__name__, 64, False, N, K, x.dtype, extra.get("GROUP"))]
-        choices = [tiled, (dense, None, 0)]
-        times = [do_bench(lambda c=c: _run(*c, M, N, K, x, args, extra)) for c in choices]
-        _chosen[key] = choices[times.index(min(times))]
     if key not in _chosen:
-        candidates = [(kernel, bm)] + ([(gemv, 1)] if gemv is not None and M == 1 else [])
-        for tuned, block_m in candidates:
-            out = torch.zeros((M, N), device=x.device, dtype=torch.float32)
-
-            def grid(meta, block_m=block_m):
-                return (-(-N // meta["BLOCK_N"]), meta["SPLIT_K"], -(-M // block_m))
-            tuned[grid](*args, out, M, N, K, bm, x.stride(0), out.stride(0), BLOCK_M=block_m, **extra)
-        choices = [(tuned.fn, tuned.best_config, block_m) for tuned, block_m in candidates]
-        if len(choices) > 1:
-            from triton.testing import do_bench
-
-            times = [do_bench(lambda c=c: _run(*c, M, N, K, x, args, extra)) for c in choices]
-            choices = [choices[times.index(min(times))]]
-        _chosen[key] = choices[0]
-    return _run(*_chosen[key], M, N, K, x, args, extra)
+        if M > 64 and dense is not None:
+            _launch(kernel, 64, N, x[:64], (x[:64],) + args[1:], **extra)  # tunes the tiles on 64 rows
+            choices = [_chosen[(kernel.fn.__name__, 64, False, N, K, x.dtype, extra.get("GROUP"))], (dense, None, 0, {})]
+            if prompt is not None:
+                choices.append(_tune(prompt, PROMPT_BLOCK_M, M, N, K, x, args, extra))
+        else:
+            choices = [_tune(kernel, _block_m(M), M, N, K, x, args, extra)]
+            if gemv is not None and M == 1:
+                fn, config, block_m, _ = _tune(gemv, 1, M, N, K, x, args, extra)
+                choices += [(fn, config, 1, {"BIT_DEQUANT": bits}) for bits in (True, False)]
+        _chosen[key] = _fastest(choices, M, N, K, x, args, extra)
+    fn, config, block_m, flags = _chosen[key]
+    return _run(fn, config, block_m, M, N, K, x, args, {**extra, **flags})
 
 
 def chosen(weights: str, M: int, N: int, K: int) -> tuple | None:
-    """(kernel function, config, BLOCK_M) the launcher keeps for an "int8" / "int4" layer of this
-    shape, if it has launched one (config None: dequantize + cuBLAS); `_run` takes them back."""
+    """(kernel function, config, BLOCK_M, flags) the launcher keeps for an "int8" / "int4" layer of
+    this shape, if it has launched one (config None: dequantize + cuBLAS); `_run` takes the first
+    three back, the flags merged into its keyword arguments."""
     for (name, bucket, batch1, n, k, *_), choice in _chosen.items():
         if name == f"_{weights}_kernel" and (bucket, batch1, n, k) == (_m_bucket(M), M == 1, N, K):
             return choice
@@ -215,7 +241,7 @@ def int8_weight_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) 
     """x [M, K] fp16, weight int8 [N, K], scales [N] -> [M, N] in x's dtype."""
     x = x.contiguous()
     return _launch(int8_kernel, x.shape[0], weight.shape[0], x, (x, weight, scales), gemv=int8_gemv_kernel,
-                   dense=_int8_dense)
+                   dense=_int8_dense, prompt=int8_prompt_kernel)
 
 
 @int8_weight_mm.register_fake
@@ -230,7 +256,7 @@ def int4_weight_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
     Dequantization: w = q * scale + min, q in 0..15."""
     x = x.contiguous()
     return _launch(int4_kernel, x.shape[0], packed.shape[0], x, (x, packed, scales, mins), gemv=int4_gemv_kernel,
-                   dense=_int4_dense, GROUP=group_size)
+                   dense=_int4_dense, prompt=int4_prompt_kernel, GROUP=group_size)
 
 
 @int4_weight_mm.register_fake

@@ -1,0 +1,241 @@
+"""Weight-only matmuls per layer as a decode step meets them: µs per call, replayed from a CUDA graph
+over enough distinct copies of the layer that its weights never sit in the L2 cache.
+
+    python -m quantserve.bench.kernel_race --shapes 8b,1b --batches 1,512 --out race.json
+    python -m quantserve.bench.kernel_race --old OLD_triton_gemv.py   # also the previous batch-1 kernels
+
+A decode step reads each layer's weights once, a different layer each time: a benchmark that calls
+one small layer again and again (bench/kernels.py) reads it from the 50 MB L2 cache of an H100 /
+H200 and flatters the small layers.  Here the graph calls C copies in turn (C x weight bytes >= 400
+MB) and the time per call is the graph's time over its calls, launch gaps between kernels included,
+as in the decode step's own graph.  Kinds (as in bench/kernels.py): fp16 (cuBLAS), int8 / int4 ours
+(the launcher's own choice per shape, reported with it), int8-old / int4-old (the batch-1
+matrix-vector kernels of the file given by --old, at their autotuner's best config, split-K buffer
+and cast included), int8-gemlite / int4-gemlite.  Every row also records the error against the
+fp32 product of the same integers dequantized.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+# (name, N out, K in) per layer, layers, lm_head: as bench/kernels.py
+SHAPES = {
+    "8b": ([("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)], 32,
+           ("lm_head", 128256, 4096)),
+    "1b": ([("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192)], 16,
+           ("lm_head", 128256, 2048)),
+}
+KINDS = ("fp16", "int8", "int8-old", "int8-gemlite", "int4", "int4-old", "int4-gemlite")
+
+
+def _old_module(path: str | None):
+    if not path or not Path(path).is_file():
+        return None
+    spec = importlib.util.spec_from_file_location("old_triton_gemv", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _old_layer(kind: str, layer, old):
+    """x -> y through the old batch-1 kernel at its autotuned config (tuned at the first call)."""
+    import torch
+
+    from quantserve.server.fastcore import triton_mm
+
+    tuned = old.int8_gemv_kernel if kind == "int8-old" else old.int4_gemv_kernel
+    state = {}
+
+    def call(x):
+        M, K = x.shape
+        N = layer.weight.shape[0]
+        args = (x, layer.weight, layer.scales) if kind == "int8-old" else (x, layer.weight, layer.scales, layer.mins)
+        extra = {} if kind == "int8-old" else {"GROUP": layer.group_size}
+        if "config" not in state:
+            out = torch.zeros((M, N), device=x.device, dtype=torch.float32)
+            tuned[lambda meta: (-(-N // meta["BLOCK_N"]), meta["SPLIT_K"], 1)](
+                *args, out, M, N, K, 16, x.stride(0), out.stride(0), BLOCK_M=1, **extra)
+            state["config"] = tuned.best_config
+        return triton_mm._run(tuned.fn, state["config"], 1, M, N, K, x, args, extra)
+    call.state = state
+    return call
+
+
+def build(kind: str, w, old):
+    """(callable x -> y, weight bytes, the layer) for `kind` from an fp16 weight [N, K]."""
+    import torch
+
+    from quantserve.server.fastcore.quant import linear_weight_bytes, make_linear
+
+    if kind == "fp16":
+        layer = make_linear(w, None, "none", torch.float16)
+        return layer, linear_weight_bytes(layer), layer
+    weights, _, library = kind.partition("-")
+    layer = make_linear(w, None, weights, torch.float16, "gemlite" if library == "gemlite" else "triton")
+    fn = _old_layer(kind, layer, old) if library == "old" else layer
+    return fn, linear_weight_bytes(layer), layer
+
+
+def dequantized(w) -> dict:
+    """kind prefix -> the fp32 weight every kind of that prefix computes with: the integers are
+    made by the same quantizer for ours, the old kernels and GemLite (which repacks them)."""
+    import torch
+
+    from quantserve.server.fastcore.quant import make_linear
+
+    q8, q4 = (make_linear(w, None, mode, torch.float16, "torch") for mode in ("int8", "int4"))
+    return {"fp16": w.float(), "int8": q8.weight.float() * q8.scales.float()[:, None],
+            "int4": q4.dequantize(torch.float32)}
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes/s (each byte read and written), as bench/kernels.py measures it."""
+    import torch
+    import triton.testing
+
+    src = torch.ones(2**29, dtype=torch.float16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src))
+    return 2 * src.numel() * 2 / (ms / 1e3)
+
+
+def graph_us(calls, x, replays: int = 5) -> float:
+    """µs per call: one CUDA graph calling each of `calls` once on x, best of `replays` replays."""
+    import torch
+
+    for fn in calls:  # first calls outside the capture (autotuning, allocations)
+        fn(x)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / len(calls))
+    del graph
+    return best
+
+
+def describe_choice(kind: str, fn, N: int, K: int, M: int) -> str | None:
+    from quantserve.server.fastcore import triton_mm
+
+    if kind in ("int8", "int4"):
+        c = triton_mm.chosen(kind, M, N, K)
+        if c is None:
+            return None
+        f, config, block_m, flags = c
+        name = getattr(f, "__name__", None) or getattr(getattr(f, "fn", None), "__name__", str(f))
+        return f"{name} {config.kwargs if config is not None else 'dense'} w{getattr(config, 'num_warps', '-')} {flags}"
+    if kind.endswith("-old"):
+        c = fn.state.get("config")
+        return f"old {c.kwargs} w{c.num_warps}" if c is not None else None
+    return None
+
+
+def run(shapes, kinds, batches, out: str, old_path: str | None, budget_mb: int = 400) -> dict:
+    import torch
+
+    from quantserve.server.fastcore.quant import gemlite_available
+
+    old = _old_module(old_path)
+    kinds = [k for k in kinds if not (k.endswith("-old") and old is None)
+             and not (k.endswith("-gemlite") and not gemlite_available())]
+    bw = copy_bandwidth()
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_GBps": bw / 1e9,
+              "kinds": kinds, "rows": []}
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s on {result['gpu']}; kinds {kinds}", flush=True)
+    for shape in shapes:
+        layers, _, head = SHAPES[shape]
+        for name, N, K in layers + [head]:
+            fp16_bytes = 2 * N * K
+            copies = max(1, min(16, -(-budget_mb * 10**6 // (fp16_bytes // 2))))
+            torch.manual_seed(0)
+            ws = [torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02 for _ in range(copies)]
+            for kind in kinds:
+                t0 = time.perf_counter()
+                try:
+                    built = [build(kind, w, old) for w in ws]
+                except Exception as e:  # noqa: BLE001  (a library refusing a shape: recorded, the run goes on)
+                    result["rows"].append({"shape": shape, "layer": name, "kind": kind, "error": repr(e)[:300]})
+                    continue
+                fns, nbytes = [b[0] for b in built], built[0][1]
+                ref_w = dequantized(ws[0])[kind.split("-")[0]]
+                for M in batches:
+                    if M > 1 and kind.endswith(("-old", "-gemlite")):
+                        continue  # batch-1 kernels (old) / GemLite's own per-M tuning: batch 1 only here
+                    torch.manual_seed(M)
+                    x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+                    row = {"shape": shape, "layer": name, "N": N, "K": K, "M": M, "kind": kind, "copies": copies}
+                    try:
+                        with torch.inference_mode():
+                            y = fns[0](x)
+                            torch.cuda.synchronize()
+                            row["first_call_s"] = round(time.perf_counter() - t0, 2)
+                            ref = x.float() @ ref_w.t()
+                            row["rel_err"] = float((y.float() - ref).norm() / ref.norm())
+                            us = graph_us(fns, x)
+                    except Exception as e:  # noqa: BLE001
+                        row["error"] = repr(e)[:300]
+                        result["rows"].append(row)
+                        print(f"{shape} {name:8} M={M:<4} {kind:13} error {e!r}"[:300], flush=True)
+                        continue
+                    row.update(us=us, bw_pct=100 * nbytes / (us / 1e6) / bw, weight_MB=nbytes / 1e6,
+                               choice=describe_choice(kind, fns[0], N, K, M))
+                    result["rows"].append(row)
+                    print(f"{shape} {name:8} M={M:<4} {kind:13} {us:8.1f} us ({row['bw_pct']:3.0f} % of copy) "
+                          f"err {row['rel_err']:.4f}  {row['choice'] or ''}", flush=True)
+                    Path(out).write_text(json.dumps(result, indent=1))
+                del built, fns, ref_w
+            del ws
+            torch.cuda.empty_cache()
+    result["table"] = markdown(result)
+    print(result["table"])
+    Path(out).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def markdown(result: dict) -> str:
+    rows = [r for r in result["rows"] if "us" in r]
+    kinds = result["kinds"]
+    lines = ["| layer (N × K) | M | " + " | ".join(kinds) + " |", "|---|---:|" + "---:|" * len(kinds)]
+    for shape, name, N, K, M in dict.fromkeys((r["shape"], r["layer"], r["N"], r["K"], r["M"]) for r in rows):
+        cells = []
+        for kind in kinds:
+            r = next((r for r in rows if (r["shape"], r["layer"], r["M"], r["kind"]) == (shape, name, M, kind)), None)
+            cells.append("—" if r is None else f"{r['us']:.1f} ({r['bw_pct']:.0f} %)")
+        lines.append(f"| {shape} {name} {N} × {K} | {M} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m quantserve.bench.kernel_race", description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="8b,1b", help="comma list of 8b, 1b")
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma list of {', '.join(KINDS)}")
+    ap.add_argument("--batches", default="1", help="comma list of M (rows of x); the -old and -gemlite kinds run at 1 only")
+    ap.add_argument("--old", default=None, help="a previous triton_gemv.py whose batch-1 kernels to time beside ours")
+    ap.add_argument("--out", default="bench/results/kernel_race.json", help="JSON file to write")
+    args = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        ap.exit(1, "error: kernel_race needs a CUDA GPU\n")
+    run([s for s in args.shapes.split(",") if s], [k for k in args.kinds.split(",") if k],
+        [int(b) for b in args.batches.split(",") if b], args.out, args.old)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
