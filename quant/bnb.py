@@ -40,24 +40,19 @@ def write_bnb(ckpt: Checkpoint, out_dir: Path, fmt: str, progress: bool = False)
     """Quantize `ckpt` on load (bitsandbytes) and save the quantized model + tokenizer."""
     import torch
     from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
     from quantserve.modeling import load_tokenizer
+    from quantserve.progress import transformers_bars
 
     require_causal_lm(ckpt)
     try:
         import bitsandbytes  # noqa: F401
     except ImportError as e:
         raise UserError("bitsandbytes formats need bitsandbytes (pip install 'quantserve[quant]')") from e
-    if not progress:
-        hf_logging.disable_progress_bar()
-    try:
+    with transformers_bars(progress):
         model = AutoModelForCausalLM.from_pretrained(
             str(ckpt.path), quantization_config=quantization_config(fmt), device_map=_device(), use_safetensors=True,
             dtype=torch.float16 if torch.cuda.is_available() else torch.float32)
         model.save_pretrained(out_dir, safe_serialization=True)
-    finally:
-        hf_logging.enable_progress_bar()
     load_tokenizer(ckpt.path).save_pretrained(out_dir)
     linear = [m for m in model.modules() if type(m).__name__ in ("Linear8bitLt", "Linear4bit")]
     n_tensors = sum(1 for _ in model.state_dict())

@@ -158,11 +158,10 @@ def _source_logits(src: Path, text_file: Path | None):
 
 def evaluate(src: Path, quantized: Path, text_file: Path | None = None) -> dict:
     """Score `quantized` against its source; store the row in the quantized folder's manifest."""
-    from transformers.utils import logging as hf_logging
+    from quantserve.progress import transformers_bars
 
     kind, target, manifest = _quantized_kind(Path(quantized))
-    hf_logging.disable_progress_bar()  # weight-loading bars: noise around a one-line result
-    try:
+    with transformers_bars(False):  # weight-loading bars: noise around a one-line result
         windows, src_logits, text_label, source_bytes = _source_logits(Path(src), text_file)
         if kind == "gguf":
             q_logits = gguf_logits(target, windows)
@@ -172,8 +171,6 @@ def evaluate(src: Path, quantized: Path, text_file: Path | None = None) -> dict:
 
             q_logits = transformers_logits(load_bnb(target), windows)
             size = sum(f.stat().st_size for f in target.glob("*.safetensors"))
-    finally:
-        hf_logging.enable_progress_bar()
     if q_logits[0].shape[-1] < src_logits[0].shape[-1]:
         raise UserError(f"{quantized}: vocabulary ({q_logits[0].shape[-1]}) is smaller than the "
                         f"source's ({src_logits[0].shape[-1]}): not a conversion of {src}")

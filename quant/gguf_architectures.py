@@ -59,6 +59,7 @@ class GGUFArchitecture:
     permute_qk: bool = False        # HF rotates halves of each head; the llama graph interleaved pairs
     norms_plus_one: bool = False    # Gemma's norms scale by (1 + w); llama.cpp's by the stored weight
     sliding_window: bool = False    # the graph reads a sliding window and soft-caps from the file
+    tied_output: bool = False       # the graph has no output matrix: logits come from the embedding
     # (ckpt, text config, hyper-parameters so far, sliding window, local rope) -> checks, updates hp
     hparams: Callable[..., None] = _no_window
 
@@ -69,9 +70,11 @@ GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "Qwen2ForCausalLM": GGUFArchitecture("qwen2"),
     "Qwen3ForCausalLM": GGUFArchitecture("qwen3"),
     "Phi3ForCausalLM": GGUFArchitecture("phi3"),
-    "Gemma2ForCausalLM": GGUFArchitecture("gemma2", norms_plus_one=True, sliding_window=True, hparams=_gemma2),
+    "Gemma2ForCausalLM": GGUFArchitecture("gemma2", norms_plus_one=True, sliding_window=True, tied_output=True,
+                                          hparams=_gemma2),
     # the text model (Gemma 3 1B); the multimodal ones are not read
-    "Gemma3ForCausalLM": GGUFArchitecture("gemma3", norms_plus_one=True, sliding_window=True, hparams=_gemma3),
+    "Gemma3ForCausalLM": GGUFArchitecture("gemma3", norms_plus_one=True, sliding_window=True, tied_output=True,
+                                          hparams=_gemma3),
 }
 
 

@@ -70,6 +70,10 @@ def hyperparameters(ckpt: Checkpoint) -> dict:
     window = c.get("sliding_window") if c.get("use_sliding_window", True) else None
     gguf_architecture(ckpt).hparams(ckpt, c, hp, window, local_rope)
     hp["tied_embeddings"] = bool(c.get("tie_word_embeddings", False))
+    if gguf_architecture(ckpt).tied_output and not hp["tied_embeddings"]:
+        raise UserError(f"{ckpt.origin}: its lm_head is its own matrix, but llama.cpp's "
+                        f"{gguf_architecture(ckpt).name} graph takes the logits from the embedding "
+                        "(tie_word_embeddings, as the published checkpoints have it)")
     return hp
 
 
@@ -89,6 +93,7 @@ def write_gguf(ckpt: Checkpoint, out_file: Path, outtype: str, progress: bool = 
     import gguf
     import numpy as np
 
+    from quantserve.progress import bars_wanted
     from quantserve.quant.gguf_vocab import add_tokenizer
 
     if outtype not in OUTTYPES:
@@ -166,7 +171,7 @@ def write_gguf(ckpt: Checkpoint, out_file: Path, outtype: str, progress: bool = 
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file(progress=progress)
+    writer.write_tensors_to_file(progress=bars_wanted(progress))  # gguf's own tqdm bar: a terminal only
     writer.close()
     type_counts: dict[str, int] = {}
     for t in types.values():

@@ -6,6 +6,7 @@ there, one line now and then (and one at the end) says the same.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
@@ -62,3 +63,30 @@ def track(items, desc: str, unit: str = "item", total: int | None = None, enable
             prog.update(i + 1)
     finally:
         prog.close()
+
+
+def bars_wanted(progress: bool) -> bool:
+    """Whether a library may draw its own bar (gguf's writer, transformers' loading and saving):
+    only when progress is asked for and stderr is a terminal."""
+    return progress and sys.stderr.isatty()
+
+
+@contextlib.contextmanager
+def transformers_bars(progress: bool):
+    """transformers' own bars ("Loading weights", "Writing model shards") on or off for a block,
+    and back to what they were after it (turning them on unasked, off a terminal, undoes the
+    quiet that HF_HUB_DISABLE_PROGRESS_BARS gave every later load)."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if bars_wanted(progress):
+        hf_logging.enable_progress_bar()
+    else:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was and not hf_logging.is_progress_bar_enabled():
+            hf_logging.enable_progress_bar()
+        elif not was and hf_logging.is_progress_bar_enabled():
+            hf_logging.disable_progress_bar()

@@ -11,8 +11,10 @@ Order matters and follows the libraries' own recipes:
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
+from quantserve.settings import UserError
 from quantserve.training.config import Resolved, TrainConfig
 
 
@@ -85,7 +87,18 @@ def load_for_training(path: Path, cfg: TrainConfig, res: Resolved):
             bnb_4bit_compute_dtype=compute)
         if res.device == "cuda":
             kwargs["device_map"] = {"": res.local_rank}
-    model = AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True, **kwargs)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True, **kwargs)
+    except ValueError as e:  # e.g. Gemma 2 (soft-capped scores): transformers refuses SDPA for it
+        if "does not support an attention implementation" not in str(e) or res.attention == "eager":
+            raise
+        if cfg.attn != "auto":
+            raise UserError(f"{path}: transformers does not run this architecture with --attn {cfg.attn}; "
+                            "use --attn eager (or auto)") from None
+        print(f"attention: {res.attention} is not supported for this architecture by transformers; eager",
+              file=sys.stderr, flush=True)
+        kwargs["attn_implementation"] = res.attention = "eager"
+        model = AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True, **kwargs)
     return prepare(model, cfg, res)
 
 
