@@ -34,7 +34,7 @@ help:
 
 # The versions the Docker image ships (requirements-docker.txt) are constraints here too: a fresh
 # clone tests what ships, not whatever the package index holds that day (a newer accelerate once
-# broke tests/test_docker.py's check on a fresh machine).
+# broke tests/unit/test_docker.py's check on a fresh machine).
 $(VENV)/.installed: pyproject.toml Makefile requirements-docker.txt
 	@start=$$(date +%s); \
 	test -x $(PY) || $(PYTHON) -m venv $(VENV); \
@@ -57,7 +57,7 @@ test: install
 # The reliability and security suites at full size (`make test` runs them at the quick size):
 # schemathesis fuzzing, hostile requests, security checks, a 64-client x 2-minute soak per engine,
 # fault injection; then the figures as one table.
-RELIABILITY_TESTS := tests/test_fuzz.py tests/test_hostile.py tests/test_security.py tests/test_soak.py tests/test_faults.py
+RELIABILITY_TESTS := tests/reliability/test_fuzz.py tests/reliability/test_hostile.py tests/reliability/test_security.py tests/reliability/test_soak.py tests/reliability/test_faults.py
 reliability: install
 	QUANTSERVE_RELIABILITY=full $(PY) -m pytest -q $(RELIABILITY_TESTS)
 	$(PY) -m bench.reliability_table

@@ -35,7 +35,7 @@ if [ "$phase" = 1 ]; then
       python3 -m quantserve.bench.make_checkpoint --shape \$s --shape-vocab --out /tmp/ck-\$s --context 4096; done; \
       bash $repo/bench/llama_ggufs.sh $site" > /tmp/ggufs.log 2>&1 < /dev/null &
   # from /tmp: in the source tree `quantserve` would be the bare folder, not the installed package
-  (cd /tmp && timeout 200 python3 -m pytest -q -p no:cacheprovider "$repo/tests/test_fastcore.py" -k gemlite) \
+  (cd /tmp && timeout 200 python3 -m pytest --import-mode=append -q -p no:cacheprovider "$repo/tests/serve/test_fastcore.py" -k gemlite) \
       > "$out/gpu-tests.log" 2>&1 || echo "gpu tests: rc=$?" >> "$out/bench.txt"
   tail -n 3 "$out/gpu-tests.log" >> "$out/bench.txt"
   decode 170 8b-fp16 --models 8b --quants none

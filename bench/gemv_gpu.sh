@@ -41,8 +41,8 @@ if [ "$phase" = 1 ]; then
       nice -n 10 bash $repo/bench/llama_ggufs.sh $site" > /tmp/ggufs.log 2>&1 < /dev/null &
   log "installed"
   # from /tmp: in the source tree `quantserve` would be the bare folder, not the installed package
-  (cd /tmp && timeout 170 python3 -m pytest -q -p no:cacheprovider "$repo/tests/test_gpu_kernels.py" \
-      "$repo/tests/test_fastcore.py" -k "test_gpu_kernels or ((weight_kernels or matrix_vector) and not gemlite)") \
+  (cd /tmp && timeout 170 python3 -m pytest --import-mode=append -q -p no:cacheprovider "$repo/tests/serve/test_gpu_kernels.py" \
+      "$repo/tests/serve/test_fastcore.py" -k "test_gpu_kernels or ((weight_kernels or matrix_vector) and not gemlite)") \
       > "$out/gpu-tests.log" 2>&1 || log "gpu tests: rc=$?"
   tail -n 4 "$out/gpu-tests.log" >> "$out/bench.txt"; log "tests done"
   (cd /tmp && timeout 190 python3 -m quantserve.bench.kernel_race --shapes 8b --batches 1,512 \

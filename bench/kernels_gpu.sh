@@ -26,7 +26,7 @@ setsid nohup bash bench/llama_ggufs.sh "$site" > /tmp/ggufs.log 2>&1 < /dev/null
     --out "$out/kernels.json") > "$out/kernels.log" 2>&1 || echo "bench kernels: rc=$?" | tee -a "$out/gpu.txt"
 if [ $SECONDS -lt 440 ]; then  # the tests only in the time left of a 10-minute call
   # from /tmp: in the source tree `quantserve` would be the bare folder, not the installed package
-  (cd /tmp && timeout $((550 - SECONDS)) python3 -m pytest -q -p no:cacheprovider "$repo/tests/test_fastcore.py" \
+  (cd /tmp && timeout $((550 - SECONDS)) python3 -m pytest --import-mode=append -q -p no:cacheprovider "$repo/tests/serve/test_fastcore.py" \
       -k "weight_kernels or matrix_vector or compiled_triton") > "$out/gpu-tests.log" 2>&1 \
       || echo "gpu tests: rc=$?" | tee -a "$out/gpu.txt"
 fi

@@ -1,0 +1,1 @@
+"""Conversions to every format, their quality, and what each model family supports."""

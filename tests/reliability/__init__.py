@@ -1,0 +1,1 @@
+"""Fuzzing, hostile input, security, faults and the soak: what must never break."""

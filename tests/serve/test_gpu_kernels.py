@@ -1,0 +1,136 @@
+"""The Triton weight-only kernels against dequantize-then-matmul, on a CUDA GPU.
+
+Every config of the batch-1 matrix-vector kernels and of the 128-row prompt tiles is launched
+directly (the launcher keeps only the fastest per shape, so the others would otherwise go
+unchecked), and the launcher itself at decode batches 1 / 8 / 33 / 64 and prompt sizes.  The
+reference is the layer's own integers and scales dequantized to fp32 and multiplied in fp32.
+On a CPU these are skipped: the plain torch path is what runs there (tests/serve/test_fastcore.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton weight kernels run on a CUDA GPU only")
+
+
+def _layers(N: int, K: int, seed: int = 0):
+    from quantserve.server.fastcore.quant import make_linear
+
+    torch.manual_seed(seed)
+    w = torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02
+    q8 = make_linear(w, None, "int8", torch.float16, "torch")
+    q4 = make_linear(w, None, "int4", torch.float16, "torch")
+    return q8, q4
+
+
+def _reference(layer, x: torch.Tensor) -> torch.Tensor:
+    """x @ dequant(W).T in fp32 from the layer's own integers and scales."""
+    if hasattr(layer, "mins"):
+        w = layer.dequantize(torch.float32)
+    else:
+        w = layer.weight.float() * layer.scales.float()[:, None]
+    return x.float() @ w.t()
+
+
+def _check(y: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    assert y.shape == ref.shape and y.dtype == torch.float16, what
+    # fp16 output of an fp32 sum: compared against the outputs' own scale
+    err = (y.float() - ref).abs().max().item()
+    assert err <= 2e-3 * ref.abs().max().item() + 1e-3, (what, err, ref.abs().max().item())
+
+
+def test_every_matrix_vector_config():
+    """Each kernel at each of its own configs (the autotuners' lists), with and without the
+    bit-pattern dequantization; N not a multiple of any BLOCK_N (the clamped last rows)."""
+    from quantserve.server.fastcore import triton_gemv, triton_mm
+
+    N, K = 1000, 4096
+    q8, q4 = _layers(N, K)
+    x = torch.randn(1, K, device="cuda", dtype=torch.float16)
+    ref8, ref4 = _reference(q8, x), _reference(q4, x)
+    for bits in (True, False):
+        for config in triton_gemv.int8_gemv_kernel.configs:
+            y = triton_mm._run(triton_gemv.int8_gemv_kernel.fn, config, 1, 1, N, K, x, (x, q8.weight, q8.scales),
+                               {"BIT_DEQUANT": bits})
+            _check(y, ref8, f"int8 {config} bits={bits}")
+        for config in triton_gemv.int4_gemv_kernel.configs:
+            y = triton_mm._run(triton_gemv.int4_gemv_kernel.fn, config, 1, 1, N, K, x,
+                               (x, q4.weight, q4.scales, q4.mins), {"GROUP": q4.group_size, "BIT_DEQUANT": bits})
+            _check(y, ref4, f"int4 {config} bits={bits}")
+
+
+def test_matrix_vector_with_large_activations():
+    """Activations up to ~1e3 (outlier channels, as in down projections): the kernels' offset
+    tricks (1152 + b, 1024 + q summed in fp32) keep their error at the fp16 output's own scale."""
+    from quantserve.server.fastcore import triton_gemv, triton_mm
+
+    N, K = 512, 14336
+    q8, q4 = _layers(N, K, seed=5)
+    x = torch.randn(1, K, device="cuda", dtype=torch.float16)
+    x[0, ::97] *= 300
+    x = x + 2.0  # a mean far from zero: sum(x) large against the result
+    for bits in (True, False):
+        c8, c4 = triton_gemv.int8_gemv_kernel.configs[0], triton_gemv.int4_gemv_kernel.configs[0]
+        _check(triton_mm._run(triton_gemv.int8_gemv_kernel.fn, c8, 1, 1, N, K, x, (x, q8.weight, q8.scales),
+                              {"BIT_DEQUANT": bits}), _reference(q8, x), f"int8 bits={bits}")
+        _check(triton_mm._run(triton_gemv.int4_gemv_kernel.fn, c4, 1, 1, N, K, x, (x, q4.weight, q4.scales, q4.mins),
+                              {"GROUP": q4.group_size, "BIT_DEQUANT": bits}), _reference(q4, x), f"int4 bits={bits}")
+
+
+def test_every_prompt_tile_config():
+    from quantserve.server.fastcore import triton_mm
+
+    N, K, M = 1000, 2048, 200
+    q8, q4 = _layers(N, K)
+    x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+    ref8, ref4 = _reference(q8, x), _reference(q4, x)
+    for config in triton_mm._prompt_configs():
+        y = triton_mm._run(triton_mm.int8_prompt_kernel.fn, config, triton_mm.PROMPT_BLOCK_M, M, N, K, x,
+                           (x, q8.weight, q8.scales), {})
+        _check(y, ref8, f"int8 prompt {config}")
+        y = triton_mm._run(triton_mm.int4_prompt_kernel.fn, config, triton_mm.PROMPT_BLOCK_M, M, N, K, x,
+                           (x, q4.weight, q4.scales, q4.mins), {"GROUP": q4.group_size})
+        _check(y, ref4, f"int4 prompt {config}")
+
+
+@pytest.mark.parametrize("N,K", [(3072, 2048), (2048, 8192), (1000, 256)])
+def test_launcher_matches_dequantized_matmul(N, K):
+    """What the layers call: the launcher's own choice per shape, decode batches and prompts."""
+    from quantserve.server.fastcore import triton_mm
+
+    q8, q4 = _layers(N, K, seed=1)
+    for M in (1, 8, 33, 64, 200, 512):
+        x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+        _check(triton_mm.int8_weight_mm(x, q8.weight, q8.scales), _reference(q8, x), f"int8 M={M}")
+        _check(triton_mm.int4_weight_mm(x, q4.weight, q4.scales, q4.mins, q4.group_size), _reference(q4, x),
+               f"int4 M={M}")
+        assert triton_mm.chosen("int8", M, N, K) is not None and triton_mm.chosen("int4", M, N, K) is not None
+
+
+def test_launcher_inside_a_cuda_graph():
+    """The batch-1 choice replayed from a CUDA graph (as the decode step runs it) gives the eager
+    result, with fresh inputs copied into the captured buffer."""
+    from quantserve.server.fastcore import triton_mm
+
+    N, K = 3072, 2048
+    q8, q4 = _layers(N, K, seed=2)
+    x = torch.randn(1, K, device="cuda", dtype=torch.float16)
+    run = lambda: (triton_mm.int8_weight_mm(x, q8.weight, q8.scales),  # noqa: E731
+                   triton_mm.int4_weight_mm(x, q4.weight, q4.scales, q4.mins, q4.group_size))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()  # tunes outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y8, y4 = run()
+    for seed in (3, 4):
+        torch.manual_seed(seed)
+        x.copy_(torch.randn(1, K, device="cuda", dtype=torch.float16))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(y8, _reference(q8, x), "int8 graph")
+        _check(y4, _reference(q4, x), "int4 graph")

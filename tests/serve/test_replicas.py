@@ -1,0 +1,188 @@
+"""`quantserve serve --replicas`: two copies of the server behind Ray Serve, on the CPU, for real.
+
+One local Ray cluster per fixture (it starts in ~10 s here); the default model, the official
+client.  Which replica answered is read from the `x-quantserve-replica` header; replica processes
+are found by the title Ray gives them (`ray::ServeReplica:quantserve:model`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.support.servers import replica_pids
+from tests.support.servers import ServerProcess
+
+pytestmark = pytest.mark.slow
+ray = pytest.importorskip("ray", reason="Ray Serve is the 'replicas' extra (make install installs it)")
+
+PROMPTS = ["Sort:\nd b a", "Repeat: k l m", "How many letters?\nq w e r", "What is 12 + 30?",
+           "Next letter after f?", "Sort:\nz y", "Repeat: a", "What is 3 + 4?"]
+STATS: dict[str, object] = {}
+
+
+def ask(base_url: str, prompt: str, session: str | None = None, user: str | None = None, timeout: float = 60):
+    """(answer, replica id) of one greedy chat request."""
+    body = {"model": "default", "messages": [{"role": "user", "content": prompt}], "max_tokens": 8,
+            "temperature": 0}
+    if user:
+        body["user"] = user
+    headers = {"x-session-id": session} if session else {}
+    r = httpx.post(base_url + "/v1/chat/completions", json=body, headers=headers, timeout=timeout)
+    r.raise_for_status()
+    return r.json()["choices"][0]["message"]["content"], r.headers["x-quantserve-replica"]
+
+
+@pytest.fixture(scope="module")
+def single(default_model):
+    srv = ServerProcess(default_model, "--engine", "hf", name="default")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def two(default_model):
+    srv = ServerProcess(default_model, "--engine", "hf", "--replicas", "2", "--routing", "session",
+                        "--max-batch", "4", name="default", start_timeout=240)
+    yield srv
+    assert srv.stop(timeout=90) == 0, srv.log()
+
+
+def test_answers_match_a_single_server_and_spread_over_both(two, single):
+    want = [single.client().chat.completions.create(
+        model="default", messages=[{"role": "user", "content": p}], max_tokens=8, temperature=0).choices[0].message.content
+        for p in PROMPTS]
+    seen = set()
+    for _ in range(2):
+        for prompt, expected in zip(PROMPTS, want):
+            answer, replica = ask(two.base_url, prompt)
+            assert answer == expected, prompt
+            seen.add(replica)
+    assert len(seen) == 2, seen  # requests without a session are spread
+    # the official client, streamed, through the gateway
+    stream = two.client().chat.completions.create(model="default", messages=[{"role": "user", "content": PROMPTS[0]}],
+                                                  max_tokens=8, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want[0]
+
+
+def test_a_session_stays_on_one_replica(two):
+    for session in ("alice", "bob", "carol"):
+        replicas = {ask(two.base_url, p, session=session)[1] for p in PROMPTS}
+        assert len(replicas) == 1, (session, replicas)
+    users = {ask(two.base_url, p, user="dave")[1] for p in PROMPTS}  # the body's `user` when no header
+    assert len(users) == 1, users
+
+
+def test_errors_pass_through_as_they_are(two):
+    r = httpx.post(two.base_url + "/v1/chat/completions", json={"model": "nope", "messages": []}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(two.base_url + "/v1/chat/completions", content=b"{not json", timeout=30,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    metrics = httpx.get(two.base_url + "/metrics", timeout=30).text
+    assert "vllm:num_requests_waiting" in metrics and "quantserve:num_requests_running" in metrics
+
+
+def test_a_killed_replica_loses_no_request(two):
+    """SIGKILL one replica under load: non-streamed requests are retried on the other, streams
+    finish or end with an error event, and Ray Serve brings a second replica back."""
+    before = replica_pids()
+    assert len(before) == 2, before
+    stop = threading.Event()
+    results = {"ok": 0, "failed": [], "streams_ok": 0, "streams_error_event": 0, "streams_failed": []}
+    lock = threading.Lock()
+
+    def plain(i: int) -> None:
+        while not stop.is_set():
+            try:
+                ask(two.base_url, PROMPTS[i % len(PROMPTS)], timeout=90)
+                with lock:
+                    results["ok"] += 1
+            except Exception as e:  # noqa: BLE001 - every failure is a finding
+                with lock:
+                    results["failed"].append(repr(e)[:200])
+
+    def streamed() -> None:
+        while not stop.is_set():
+            body = {"model": "default", "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 64,
+                    "ignore_eos": True, "stream": True}
+            try:
+                with httpx.stream("POST", two.base_url + "/v1/chat/completions", json=body, timeout=90) as r:
+                    events = [line for line in r.iter_lines() if line.startswith("data: ")]
+                done = events and events[-1] == "data: [DONE]"
+                errored = any('"error"' in e for e in events)
+                with lock:
+                    if done and not errored:
+                        results["streams_ok"] += 1
+                    elif errored:
+                        results["streams_error_event"] += 1
+                    else:
+                        results["streams_failed"].append(f"ended without [DONE] or an error: {events[-1:]}")
+            except Exception as e:  # noqa: BLE001
+                with lock:
+                    results["streams_failed"].append(repr(e)[:200])
+
+    workers = [threading.Thread(target=plain, args=(i,)) for i in range(4)] + [threading.Thread(target=streamed)]
+    for w in workers:
+        w.start()
+    time.sleep(3)
+    victim = before[0]
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.monotonic()
+    recovered = None
+    while time.monotonic() - killed_at < 120:
+        pids = replica_pids()
+        if len(pids) == 2 and victim not in pids:
+            try:
+                if httpx.get(two.base_url + "/health", timeout=5).status_code == 200:
+                    replicas = {ask(two.base_url, p)[1] for p in PROMPTS * 2}
+                    if len(replicas) == 2:
+                        recovered = time.monotonic() - killed_at
+                        break
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.5)
+    time.sleep(2)
+    stop.set()
+    for w in workers:
+        w.join(120)
+    STATS.update(results, recovered_s=recovered)
+    print("\nkilled replica:", json.dumps(STATS))
+    assert not results["failed"], results["failed"][:3]
+    assert not results["streams_failed"], results["streams_failed"][:3]
+    assert results["ok"] > 10 and results["streams_ok"] + results["streams_error_event"] >= 1
+    assert recovered is not None, "the killed replica did not come back within 120 s"
+
+
+def test_coalescing_joins_chunks_but_never_holds_the_first_or_the_end():
+    import asyncio
+
+    from quantserve.server.asgi_call import ResponseStart
+    from quantserve.server.replicas import coalesce
+
+    async def source():
+        yield ResponseStart(200, [])
+        for i in range(10):
+            yield b"%d," % i
+            await asyncio.sleep(0.002)
+
+    async def run(interval):
+        out, times, t0 = [], [], asyncio.get_running_loop().time()
+        async for item in coalesce(source(), interval):
+            out.append(item)
+            times.append(asyncio.get_running_loop().time() - t0)
+        return out, times
+
+    out, times = asyncio.run(run(0.05))
+    assert isinstance(out[0], ResponseStart) and out[1] == b"0," and times[1] < 0.02  # the first at once
+    assert b"".join(out[1:]) == b"".join(b"%d," % i for i in range(10))
+    assert len(out) < 6  # gathered
+    plain, _ = asyncio.run(run(0))
+    assert len(plain) == 11

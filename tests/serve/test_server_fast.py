@@ -1,0 +1,61 @@
+"""`--engine fast`: server/fastcore's static-KV-cache decoder behind the same scheduler and API.
+Only the decode core differs from the `hf` engine, so these tests check what the core decides:
+greedy tokens and logprobs equal transformers' offline ones, alone and in a concurrent batch."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.support.servers import MAX_TOKENS, PROMPTS, ServerProcess, hf_reference
+
+
+@pytest.fixture(scope="module")
+def server(default_model):
+    # a small prompt chunk: the chat prompts below span several chunks, scheduler and core alike
+    srv = ServerProcess(default_model, "--engine", "fast", "--max-batch", "16", "--prefill-chunk", "16",
+                        name="fast")
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def reference(default_model):
+    return hf_reference(default_model)
+
+
+def test_fast_engine_is_reported(server):
+    assert server.health["engine"] == "fast"
+    assert server.health["prefill_chunk"] == 16  # --prefill-chunk reaches the core, not only the scheduler
+    assert server.client().models.list().data[0].model_dump()["engine"] == "fast"
+
+
+def test_greedy_and_logprobs_equal_offline_generate(server, reference):
+    client = server.client()
+    for user in PROMPTS[:3]:
+        prompt = reference.chat_ids(user)
+        expected = reference.greedy(prompt)
+        r = client.chat.completions.create(model="fast", messages=[{"role": "user", "content": user}],
+                                           temperature=0, max_tokens=MAX_TOKENS, logprobs=True, top_logprobs=2)
+        assert r.choices[0].message.content == reference.text(expected), user
+        assert r.usage.completion_tokens == len(expected)
+        ref = reference.logprobs(prompt, expected)
+        for pos, entry in enumerate(r.choices[0].logprobs.content):
+            assert entry.logprob == pytest.approx(float(ref[pos, expected[pos]]), abs=1e-4)
+
+
+def test_concurrent_streams_equal_their_offline_greedy_output(server, reference):
+    users = PROMPTS + [f"Repeat: {a} {b} {c}" for a, b, c in ("xyz", "abc", "mno", "fgh")]
+
+    async def one(ac, user):
+        stream = await ac.chat.completions.create(model="fast", messages=[{"role": "user", "content": user}],
+                                                  temperature=0, max_tokens=MAX_TOKENS, stream=True)
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    async def run():
+        async with server.async_client() as ac:
+            return await asyncio.gather(*[one(ac, u) for u in users])
+
+    for user, text in zip(users, asyncio.run(run())):
+        assert text == reference.text(reference.greedy(reference.chat_ids(user))), user

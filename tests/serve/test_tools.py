@@ -1,0 +1,244 @@
+"""Tool calling: tools rendered into the prompt, calls read out of the reply, streamed or not.
+
+Real servers (hf, fast, gguf) on the default model, driven by the official `openai` client.  The
+default model never saw a tool, so under `tool_choice` "auto" it answers in text; "required" and
+named choices are constrained by a grammar, and what is tested is that they always give a call of
+a listed function whose arguments validate against its schema (`jsonschema`).  The parsers and
+the streaming hold-back are tested on written replies of each format.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from tests.support.servers import engine_server
+
+# Small schemas: the default model's context is 512 tokens, and its vocabulary never saw JSON.
+WEATHER = {"type": "function", "function": {
+    "name": "weather", "parameters": {"type": "object", "properties": {"city": {"enum": ["Velmor", "Karst"]}},
+                                      "required": ["city"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer", "maximum": 99}},
+                                  "required": ["a"], "additionalProperties": False}}}
+TOOLS = [WEATHER, ADD]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "Weather in Velmor?"}]
+
+
+def check_calls(calls, names=tuple(SCHEMAS)) -> None:
+    assert calls, "no tool call"
+    for call in calls:
+        assert call.type == "function" and call.id
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+# ---- parsers: each family's written calls read back -----------------------------------------------
+
+
+@pytest.mark.parametrize("fmt, text, content, calls", [
+    ("hermes", 'Let me look.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>',
+     "Let me look.", [("add", {"a": 1, "b": 2})]),
+    ("hermes", '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "b", "arguments": {"x": [1]}}\n</tool_call>',
+     "", [("a", {}), ("b", {"x": [1]})]),
+    ("hermes", "<tool_call>\n{not json}\n</tool_call>", None, []),
+    ("hermes", "no call here", None, []),
+    ("llama3_json", '{"name": "add", "parameters": {"a": 1, "b": 2}}', "", [("add", {"a": 1, "b": 2})]),
+    ("llama3_json", '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"k": "v"}}',
+     "", [("a", {}), ("b", {"k": "v"})]),
+    ("llama3_json", 'I think {"name": "a"} is it', None, []),
+    ("mistral", 'Sure. [TOOL_CALLS][{"name": "add", "arguments": {"a": 3, "b": 4}}]', "Sure.", [("add", {"a": 3, "b": 4})]),
+    ("mistral", "[TOOL_CALLS] oops", None, []),
+])
+def test_parsers_read_each_format(fmt, text, content, calls):
+    from quantserve.server.tool_parsers import FORMATS
+
+    got_content, got = FORMATS[fmt].parse(text)
+    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+    assert got_content == (text if content is None else content)
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json", "mistral"])
+def test_a_written_call_parses_back(fmt):
+    from quantserve.server.tool_parsers import FORMATS
+
+    f = FORMATS[fmt]
+    content, calls = f.parse(f.call_text("add", {"a": 1, "b": 2}))
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 1, "b": 2})]
+
+
+def test_the_format_is_guessed_from_the_template():
+    from quantserve.server.tool_parsers import detect
+
+    assert detect("{{ '[TOOL_CALLS]' }}").name == "mistral"
+    assert detect("<|start_header_id|>ipython<|end_header_id|>").name == "llama3_json"
+    assert detect("{% if tools %}<tool_call>{% endif %}").name == "hermes"
+    assert detect(None).name == "hermes"
+
+
+@pytest.mark.parametrize("text", [
+    'Checking.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>',
+    "plain text with a < sign and <tool but no call",
+    "<tool_call>\n{broken\n</tool_call>",
+])
+def test_streaming_gives_what_the_whole_reply_gives(text):
+    """Pushed one character at a time, the stream sends the same content and calls as
+    `reply_message` reads from the whole text, and never sends a call's text as content."""
+    from quantserve.server.serving_chat import ToolCallStream, reply_message
+    from quantserve.server.tool_parsers import FORMATS
+    from quantserve.server.tools import plan
+
+    p = plan([ADD], "auto", None, FORMATS["hermes"])
+    stream = ToolCallStream(p)
+    sent = "".join(stream.push(ch) for ch in text)
+    rest, deltas, finish = stream.finish("stop")
+    message, want_finish = reply_message(text, "stop", p)
+    assert finish == want_finish
+    if message.tool_calls:
+        assert sent.strip() == message.content and not rest
+        assert [(d.function.name, d.function.arguments) for d in deltas] == \
+            [(c.function.name, c.function.arguments) for c in message.tool_calls]
+    else:
+        assert sent + rest == text and not deltas
+
+
+def test_a_required_call_over_64_kib_of_schemas_is_refused():
+    """The grammar is compiled while the request waits: bounded like any output format."""
+    from quantserve.server.tool_parsers import FORMATS
+    from quantserve.server.tools import ToolError, plan
+
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {
+        "type": "object", "properties": {f"p{j}": {"type": "string"} for j in range(60)}}}} for i in range(60)]
+    with pytest.raises(ToolError, match="at most 65,536") as e:
+        plan(tools, "required", None, FORMATS["hermes"]).grammar()
+    assert e.value.param == "tools"
+    assert plan(tools, "auto", None, FORMATS["hermes"]).grammar() is None  # nothing to compile
+
+
+def test_fallback_rendering_writes_tools_calls_and_results_as_text():
+    from quantserve.server.tool_parsers import FORMATS
+    from quantserve.server.tools import history_call, plan, render_fallback
+
+    fmt = FORMATS["hermes"]
+    call = history_call({"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}, "m")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+2?"},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": "3", "tool_call_id": "c1"}]
+    out = render_fallback(messages, plan(TOOLS, None, None, fmt), fmt)
+    assert out[0]["role"] == "system" and out[0]["content"].startswith("Be brief.")
+    assert '"name":"weather"' in out[0]["content"] and "<tools>" in out[0]["content"]
+    assert fmt.parse(out[2]["content"])[1][0].name == "add"
+    assert out[3] == {"role": "user", "content": "<tool_response>\n3\n</tool_response>"}
+    assert all("tool_calls" not in m and "tool_call_id" not in m for m in out)
+
+
+def test_a_template_with_tool_support_gets_the_tools(default_model, tmp_path):
+    """A template that knows tools renders them itself (apply_chat_template(tools=...))."""
+    from transformers import AutoTokenizer
+
+    from quantserve.server.hf_engine import HFTokenizer
+    from quantserve.server.serving import ServerState
+    from quantserve.server.serving_chat import conversation, tool_plan
+    from quantserve.server.protocol import ChatCompletionRequest
+
+    tok = AutoTokenizer.from_pretrained(default_model)
+    tok.chat_template = ("{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}{% endif %}"
+                         "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+                         "{% for c in m.tool_calls or [] %}<call {{ c.function.name }} {{ c.function.arguments | tojson }}>{% endfor %}"
+                         "\n{% endfor %}")
+
+    class Engine:
+        tokenizer = HFTokenizer(tok)
+
+    state = ServerState(engine=Engine(), model_name="m", metrics=None)
+    req = ChatCompletionRequest(model="m", tools=TOOLS, messages=[
+        {"role": "user", "content": "1+2?"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                              "function": {"name": "add", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "content": "3", "tool_call_id": "c1"}])
+    messages, kwargs = conversation(state, req, tool_plan(state, req))
+    text = Engine.tokenizer.render_chat(messages, **kwargs)
+    assert text.startswith("TOOLS:weather;add;")
+    assert '<call add {"a": 1}>' in text and "tool:3" in text
+
+
+# ---- real servers -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["hf", "fast", "gguf"])
+def server(request, default_model, tmp_path_factory):
+    srv = engine_server(request.param, default_model, tmp_path_factory)
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+def chat(client, **kw):
+    """No max_tokens by default: the reply may fill what the 512-token context leaves."""
+    kw.setdefault("messages", ASK)
+    kw.setdefault("tools", TOOLS)
+    return client.chat.completions.create(model="default", **kw)
+
+
+def test_required_always_gives_a_valid_call(server):
+    """Parallel calls allowed (the default), the model may go on writing calls until max_tokens:
+    every complete one is returned."""
+    client = server.client()
+    for seed in range(6):
+        r = chat(client, tool_choice="required", seed=seed, temperature=1.0)
+        choice = r.choices[0]
+        assert choice.finish_reason in ("tool_calls", "length"), choice
+        check_calls(choice.message.tool_calls)
+        one = chat(client, tool_choice="required", parallel_tool_calls=False, seed=seed, temperature=1.0).choices[0]
+        assert one.finish_reason == "tool_calls" and len(one.message.tool_calls) == 1, one
+        check_calls(one.message.tool_calls)
+
+
+def test_a_named_choice_calls_that_function_once(server):
+    client = server.client()
+    for seed in range(3):
+        r = chat(client, tool_choice={"type": "function", "function": {"name": "add"}}, seed=seed, temperature=1.0)
+        calls = r.choices[0].message.tool_calls
+        assert len(calls) == 1 and calls[0].function.name == "add"
+        check_calls(calls, ("add",))
+
+
+def test_streamed_call_deltas_assemble_to_the_same_call(server):
+    client = server.client()
+    whole = chat(client, tool_choice="required", temperature=0)
+    assert whole.choices[0].message.tool_calls
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in chat(client, tool_choice="required", temperature=0, stream=True):
+        for c in chunk.choices:
+            finish = c.finish_reason or finish
+            for d in c.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, {"name": "", "arguments": "", "id": None})
+                entry["id"] = d.id or entry["id"]
+                entry["name"] += (d.function.name or "") if d.function else ""
+                entry["arguments"] += (d.function.arguments or "") if d.function else ""
+    assert finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in whole.choices[0].message.tool_calls]
+    assert all(c["id"] for c in calls.values())
+
+
+def test_a_tool_result_round_trip(server):
+    """The call goes back into the history with its result; the model answers in text."""
+    client = server.client()
+    first = chat(client, tools=[WEATHER], tool_choice="required", temperature=0).choices[0].message
+    history = ASK + [first.model_dump(exclude_none=True)] + [
+        {"role": "tool", "tool_call_id": c.id, "content": "21 C"} for c in first.tool_calls]
+    r = chat(client, tools=[WEATHER], messages=history, tool_choice="none", temperature=0, max_tokens=8)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
+    alone = chat(client, tools=[WEATHER], tool_choice="none", max_tokens=1)
+    assert r.usage.prompt_tokens > alone.usage.prompt_tokens + 20  # the call and its result are in the prompt
+
+
+def test_auto_lets_the_model_answer_in_text(server):
+    """The default model never learnt a tool: under auto it writes text, read as content."""
+    r = chat(server.client(), temperature=0, max_tokens=8)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.choices[0].message.content is not None and r.choices[0].message.tool_calls is None

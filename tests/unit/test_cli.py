@@ -1,0 +1,136 @@
+"""The `quantserve` command line: fast help, `info`, and one clear line for every bad input."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.cli import assert_one_line_error, cli
+from tests.support import REPO
+
+
+def test_help_is_fast_and_imports_no_heavy_library():
+    code = ("import sys, time; t=time.time(); from quantserve.cli import app; "
+            "import typer.main; typer.main.get_command(app); "
+            "heavy=[m for m in ('torch','transformers','deepspeed','llama_cpp','bitsandbytes') if m in sys.modules]; "
+            "print(time.time()-t, heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO).stdout.split(" ", 1)
+    # no heavy library is what keeps --help instant (~0.3 s here); the times only guard against a
+    # gross regression, with room for a cold, busy CI machine
+    assert out[1].strip() == "[]" and float(out[0]) < 3.0, out
+    t = time.time()
+    proc = cli("--help")
+    assert proc.returncode == 0 and "info" in proc.stdout
+    assert time.time() - t < 15  # includes interpreter start-up
+
+
+def test_unknown_subcommand_and_option():
+    assert_one_line_error(cli("frobnicate"), 2, "frobnicate")
+    assert_one_line_error(cli("info", "--no-such-flag"), 2, "--no-such-flag")
+
+
+def test_info_json_reports_the_environment():
+    proc = cli("info", "--json")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    import torch
+
+    assert info["torch_version"] == torch.__version__
+    assert info["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert info["profile"] == "native"
+    assert info["attention"] in ("flash_attention_2", "sdpa", "eager")
+    assert set(info["packages"]) >= {"liger_kernel", "bitsandbytes", "deepspeed", "llama_cpp"}
+    if info["device"] == "cpu":
+        assert info["dtype"] == "float32" and info["liger"] is False
+
+
+def test_info_table_and_t4_profile():
+    proc = cli("info", "--gpu-profile", "t4")
+    assert proc.returncode == 0 and "t4" in proc.stdout and "attention" in proc.stdout
+    assert_one_line_error(cli("info", "--gpu-profile", "a100"), 2, "unknown GPU profile")
+    assert_one_line_error(cli("info", env={"QUANTSERVE_GPU_PROFILE": "h100"}), 1, "unknown GPU profile")
+
+
+def test_model_that_is_not_a_checkpoint(tmp_path):
+    assert_one_line_error(cli("generate", "hi", "--model", str(tmp_path / "missing")), 1, "no such file")
+    assert_one_line_error(cli("generate", "hi", "--model", str(tmp_path)), 1, "no config.json")
+    (tmp_path / "config.json").write_text("{}")
+    assert_one_line_error(cli("generate", "hi", "--model", str(tmp_path)), 1, "no weight files")
+    f = tmp_path / "weights.safetensors"
+    f.write_text("junk")
+    assert_one_line_error(cli("generate", "hi", "--model", str(f)), 1, "not a checkpoint folder")
+
+
+def test_unwritable_cache_folder(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    proc = cli("default-model", "--rebuild", "--quiet", env={"QUANTSERVE_HOME": str(blocker / "cache")})
+    assert_one_line_error(proc, 1, "cannot create cache folder")
+
+
+def test_generate_from_the_default_model(default_model):
+    proc = cli("generate", "What is the capital of Norvania?", "--model", str(default_model))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "Velmor"
+
+
+def test_bench_commands_refuse_bad_input_in_one_line(tmp_path):
+    """Arguments are checked before a model is built or a server is asked; a failed run exits
+    non-zero through `quantserve bench` too (the wrapper once turned every exit code into 0)."""
+    unreachable = "http://127.0.0.1:9/v1"  # port 9 (discard): nothing listens there
+    assert_one_line_error(cli("bench", "serve", "--base-url", unreachable), 1, "cannot reach")
+    assert_one_line_error(cli("bench", "serve", "--concurrency", "1,x"), 2, "--concurrency", "'x'")
+    assert_one_line_error(cli("bench", "serve", "--concurrency", "0"), 2, "at least 1")
+    assert_one_line_error(cli("bench", "serve", "--corpus", str(tmp_path / "none.txt")), 2, "no such file")
+    assert_one_line_error(cli("bench", "decode", "--models", "70b"), 2, "--models", "choose from")
+    assert_one_line_error(cli("bench", "decode", "--quants", "int8,int3"), 2, "'int3'")
+    not_a_result = tmp_path / "other.json"
+    not_a_result.write_text('{"rows": []}')
+    assert_one_line_error(cli("bench", "plot", str(not_a_result)), 1, "not a `bench serve` result")
+    assert_one_line_error(cli("bench", "plot", str(tmp_path / "missing.json")), 2, "no such file")
+
+
+@pytest.mark.parametrize("args", [
+    ("serve", "default", "--engine", "bogus"), ("serve", "default", "--weight-quant", "int3"),
+    ("serve", "default", "--log-level", "loud"), ("serve", "default", "--max-queue", "0"),
+    ("serve", "default", "--gpu-profile", "a100"),
+    ("train", "--data", "x.jsonl", "--out", "o", "--method", "dora"),
+    ("train", "--data", "x.jsonl", "--out", "o", "--nproc", "0"),
+    ("convert", "default", "-f", "bogus", "-o", "o"), ("pipeline", "--formats", "gguf-q3_xs", "--no-serve"),
+    ("plan", "--seq-len", "128", "--gpu", "tpu"),
+])
+def test_a_value_an_option_cannot_take_exits_2(args):
+    proc = cli(*args)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("args", [(), ("bench",)])
+def test_an_empty_command_line_prints_the_help(args):
+    proc = cli(*args)
+    assert proc.returncode == 0 and proc.stdout.startswith("Usage: quantserve") and "Commands:" in proc.stdout
+
+
+def test_quant_alone_prints_its_help():
+    proc = subprocess.run([str(Path(sys.executable).parent / "quant")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("Usage: quant") and "convert" in proc.stdout
+
+
+def test_a_busy_port_is_refused_before_the_model_loads():
+    import socket
+    import time
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        proc = cli("serve", "default", "--port", str(port))
+        assert_one_line_error(proc, 1, "port in use")
+        assert "loaded" not in proc.stdout + proc.stderr and time.monotonic() - t0 < 30
+        proc = cli("pipeline", "--out", "/nonexistent/never-written", "--port", str(port))
+        assert_one_line_error(proc, 1, "in use")
