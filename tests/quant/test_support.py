@@ -62,7 +62,7 @@ def test_longrope_phi3_is_refused_by_the_fast_engine_with_the_reason(tokenizer, 
 
 
 def test_awq_goes_to_the_fast_engine_not_to_transformers(default_model, tmp_path):
-    from test_prequantized import write_checkpoint
+    from tests.support.prequantized import write_checkpoint
 
     write_checkpoint(default_model, tmp_path / "awq", "awq")
     report = model_support(tmp_path / "awq")

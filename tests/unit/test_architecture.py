@@ -166,3 +166,16 @@ def test_a_real_install_puts_only_quantserve_on_the_path(tmp_path):
     help_ = subprocess.run([str(venv / "bin" / "quantserve"), "--help"], capture_output=True, text=True,
                            cwd=tmp_path, timeout=120)
     assert help_.returncode == 0 and "serve" in help_.stdout
+
+
+def test_tests_share_code_through_the_support_package_only():
+    """No test imports conftest or another test module by a bare name: what tests share lives in
+    tests/support/ and is imported as tests.support.<module>."""
+    bare = {p.stem for p in (REPO / "tests").rglob("*.py")} | {"conftest", "support"}
+    bad = []
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        for target, _ in imports(path.read_text(), "tests.x"):
+            top = target.split(".")[0]
+            if top in bare or (top == "tests" and target.split(".")[1:2] not in (["support"], [])):
+                bad.append(f"{path.relative_to(REPO)} imports {target}")
+    assert not bad, "\n".join(bad)
