@@ -216,7 +216,7 @@ def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], p
     core.compile_prefill = False
     print(f"  {quant}: weights ready in {build_s:.1f} s", file=sys.stderr, flush=True)
     wbytes = core.weight_bytes_per_token()
-    kv_tok = core.args.kv_bytes_per_token(torch.finfo(core.dtype).bits // 8)
+    kv_tok = core.kv_bytes_per_token()
     prompt = torch.randint(0, cfg.vocab_size, (prompt_len,))
     resident_gib = round(core.resident_bytes() / 2**30, 2)
     for b in batches:

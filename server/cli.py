@@ -82,6 +82,8 @@ def serve(
     engine: str = typer.Option(_D.engine, help="auto (by the path), hf (transformers), fast (static KV cache, "
                                "CUDA graphs on a GPU; Llama-family) or gguf (llama.cpp)."),
     weight_quant: str = typer.Option(_D.weight_quant, help="--engine fast only: none, int8 or int4 weight-only."),
+    kv_cache_dtype: str = typer.Option(_D.kv_cache_dtype, help="--engine fast only: auto (the model's dtype) or "
+                                       "int8 (a scale per head and position: twice the tokens in the same memory)."),
     threads: Optional[int] = typer.Option(None, min=1, help="CPU threads for the model (default: torch's "
                                           "choice; llama.cpp: half the cores)."),
     served_model_name: Optional[str] = typer.Option(None, help="Name clients use; default: the model's folder or file name."),
@@ -135,6 +137,8 @@ def serve(
         raise UsageError(f"unknown --embedding-pooling {embedding_pooling!r}: choose last or mean")
     if weight_quant not in ("none", "int8", "int4"):
         raise UsageError(f"unknown --weight-quant {weight_quant!r}: choose none, int8 or int4")
+    if kv_cache_dtype not in ("auto", "int8"):
+        raise UsageError(f"unknown --kv-cache-dtype {kv_cache_dtype!r}: choose auto or int8 (a T4 has no fp8)")
     from quantserve.server.tool_parsers import FORMATS
 
     if tool_call_parser != "auto" and tool_call_parser not in FORMATS:
@@ -148,7 +152,8 @@ def serve(
                                                         threads=threads, engine=engine,
                                                         weight_quant=weight_quant, trust_pickle=trust_pickle,
                                                         prefill_chunk=prefill_chunk, prefix_cache=prefix_cache,
-                                                        embedding_pooling=embedding_pooling))
+                                                        embedding_pooling=embedding_pooling,
+                                                        kv_cache_dtype=kv_cache_dtype))
     logging.getLogger("quantserve.server").debug("engine options: %s", engine.options)  # never the API key
     # The port is taken before the model loads (minutes, for a big one): a busy port is one line now.
     sock = bind_port(host, port)

@@ -85,7 +85,7 @@ def _load_fast(path: Path, o: EngineOptions):
 
     _set_threads(o.threads)
     return load_fast(path, o.gpu_profile, o.context, o.max_batch, o.max_queue, o.weight_quant, o.prefill_chunk,
-                     o.prefix_cache)
+                     o.prefix_cache, o.kv_cache_dtype)
 
 
 def _load_gguf(path: Path, o: EngineOptions):
@@ -126,8 +126,9 @@ class ScheduledEngine:
             self.kind, self.why = auto_engine(self.path)
         if options.engine == "fast":
             self.kind = "fast"
-        if options.weight_quant != "none" and self.kind != "fast":
-            raise ModelLoadError("applies to the fast engine only", "weight_quant", options.weight_quant)
+        for setting, off in (("weight_quant", "none"), ("kv_cache_dtype", "auto")):
+            if getattr(options, setting) != off and self.kind != "fast":
+                raise ModelLoadError("applies to the fast engine only", setting, getattr(options, setting))
         self.info: EngineInfo | None = None
         self.tokenizer = None
         self.grammars = None  # structured.GrammarCompiler, once the tokenizer is loaded

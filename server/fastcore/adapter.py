@@ -19,13 +19,14 @@ from quantserve.server.prefix_cache import RowBackend
 class FastCoreBackend(RowBackend):
     def __init__(self, model, max_batch: int, context_length: int, weight_quant: str = "none",
                  profile: str = "native", compile: bool | None = None, prefill_chunk: int = EngineOptions.prefill_chunk,
-                 device: str | None = None, prefix_cache: bool = True):
+                 device: str | None = None, prefix_cache: bool = True, kv_cache_dtype: str = EngineOptions.kv_cache_dtype):
         """model: a checkpoint folder or a loaded (not bitsandbytes-quantized) HF Llama-family model."""
         if getattr(getattr(model, "config", None), "quantization_config", None):
             raise ValueError("FastCore quantizes fp16 weights itself: give it the unquantized checkpoint "
                              "and weight_quant='int8' or 'int4'")
         self.core = FastCore(model, max_slots=max_batch, max_seq=context_length, weight_quant=weight_quant,
-                             profile=profile, compile=compile, prefill_chunk=prefill_chunk, device=device)
+                             profile=profile, compile=compile, prefill_chunk=prefill_chunk, device=device,
+                             kv_cache_dtype=kv_cache_dtype)
         if self.core.compile:
             # every decode shape compiled and recorded before /health says ready: lazily, the first
             # request to reach a new batch size waited seconds (and stalled everyone else)

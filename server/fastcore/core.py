@@ -42,11 +42,15 @@ class FastCore:
                  device: str | torch.device | None = None, weight_quant: str = "none",
                  compile: bool | None = None, quant_kernel: str = "auto", group_size: int = 128,
                  prefill_chunk: int = EngineOptions.prefill_chunk, profile: str = "native", kv_budget_gib: float | None = None,
-                 random_config=None, seed: int = 0, attention: str = "auto"):
+                 random_config=None, seed: int = 0, attention: str = "auto", kv_cache_dtype: str = "auto"):
         """model: a checkpoint folder, a loaded HF LlamaForCausalLM, or None with `random_config`
         (an HF config: random weights, for benchmarks).  max_slots=None sizes the KV cache from the
         GPU memory left after the weights (or from kv_budget_gib).  attention: the decode step's
-        kernel, "triton" (split-KV, triton_attention.py), "sdpa", or "auto" (triton on a GPU)."""
+        kernel, "triton" (split-KV, triton_attention.py), "sdpa", or "auto" (triton on a GPU).
+        kv_cache_dtype: "auto" (the model's dtype) or "int8" (a scale per head and position: twice
+        the sequences in the same memory; its attention runs through SDPA)."""
+        if kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: choose auto or int8")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None:
             dtype = torch.float16 if device.type == "cuda" else torch.float32
@@ -58,6 +62,7 @@ class FastCore:
                              "(not a T4, not the T4 profile)")
         self.device, self.dtype, self.weight_quant, self.quant_kernel = device, dtype, weight_quant, quant_kernel
         self.prefill_chunk, self.max_seq = prefill_chunk, max_seq
+        self.kv_int8 = kv_cache_dtype == "int8"
         t0 = time.perf_counter()
         weights = open_weights(model, device, dtype, weight_quant, random_config, seed)
         self.prequantized = weights.prequantized  # an AWQ / GPTQ checkpoint's quantization (quant/prequantized.py)
@@ -69,7 +74,8 @@ class FastCore:
         if max_slots is None:
             max_slots = self.slots_for_budget(kv_budget_gib)
         self.max_slots = max_slots
-        self.model.setup_caches(max_slots, max_seq, weights.rope, dtype, device)
+        self.model.setup_caches(max_slots, max_seq, weights.rope, dtype, device,
+                                torch.int8 if self.kv_int8 else None)
         self.slots = SlotTable(max_slots)
         self.compile = device.type == "cuda" if compile is None else compile
         self.compile_prefill = self.compile
@@ -87,6 +93,9 @@ class FastCore:
         norms = sum(p.numel() * p.element_size() for n, p in m.named_parameters() if "norm" in n)
         return lin + norms + self.args.dim * m.tok_embeddings.weight.element_size()
 
+    def kv_bytes_per_token(self) -> int:
+        return self.args.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8, self.kv_int8)
+
     def resident_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in list(self.model.parameters()) + list(self.model.buffers()))
 
@@ -102,7 +111,7 @@ class FastCore:
             budget = min(free, cap - torch.cuda.memory_allocated(self.device)) / 2**30
         else:
             budget = budget_gib
-        per_slot = (self.max_seq + 1) * self.args.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8) / 2**30
+        per_slot = (self.max_seq + 1) * self.kv_bytes_per_token() / 2**30
         return max(1, min(BATCH_BUCKETS[-1], int((budget - reserve_gib) / per_slot)))
 
     # ---- slots ---------------------------------------------------------------------------------
@@ -127,8 +136,9 @@ class FastCore:
         forward).  In place, so the captured CUDA graphs keep reading the same buffers."""
         for layer in self.model.layers:
             att = layer.attention
-            att.k_cache[dst, :, :n].copy_(att.k_cache[src, :, :n])
-            att.v_cache[dst, :, :n].copy_(att.v_cache[src, :, :n])
+            for cache in (att.k_cache, att.v_cache, att.k_scale, att.v_scale):
+                if cache is not None:  # the scales exist with an int8 cache only
+                    cache[dst, :, :n].copy_(cache[src, :, :n])
         if self.slots.in_use[dst]:
             self.slots.occupy(dst, n)
 

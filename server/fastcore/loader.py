@@ -17,7 +17,8 @@ from quantserve.server.hf_engine import HFTokenizer, quantization_of
 
 
 def load_fast(path: Path, gpu_profile: str | None, context: int | None, max_batch: int, max_queue: int,
-              weight_quant: str, prefill_chunk: int = EngineOptions.prefill_chunk, prefix_cache: bool = True):
+              weight_quant: str, prefill_chunk: int = EngineOptions.prefill_chunk, prefix_cache: bool = True,
+              kv_cache_dtype: str = EngineOptions.kv_cache_dtype):
     """The `fast` engine: server/fastcore's static-KV-cache decoder behind the same seam.
     Returns (FastCoreBackend, HFTokenizer, EngineInfo)."""
     from quantserve.capabilities import apply_profile, detect
@@ -47,7 +48,8 @@ def load_fast(path: Path, gpu_profile: str | None, context: int | None, max_batc
     try:
         # the core's prompt forwards (and, on a GPU, its recorded prompt widths) match the scheduler's chunk
         backend = FastCoreBackend(str(path), max_batch, context, weight_quant=weight_quant, profile=caps.profile,
-                                  prefill_chunk=prefill_chunk, prefix_cache=prefix_cache)
+                                  prefill_chunk=prefill_chunk, prefix_cache=prefix_cache,
+                                  kv_cache_dtype=kv_cache_dtype)
     except (ValueError, KeyError, NotImplementedError) as e:
         raise ModelLoadError(f"cannot run {path} ({e}); use the hf engine", "engine", "fast") from e
     core = backend.core
@@ -59,6 +61,7 @@ def load_fast(path: Path, gpu_profile: str | None, context: int | None, max_batc
                       extra={"gpu_profile": caps.profile, "gpu": caps.gpu_name, "compiled": core.compile,
                              "prefill_chunk": core.prefill_chunk, "load_s": round(core.load_seconds, 1),
                              "hidden_size": core.args.dim,
+                             "kv_cache_dtype": "int8" if core.kv_int8 else str(core.dtype).replace("torch.", ""),
                              "warm_up_s": round(getattr(backend, "warm_up_s", 0.0), 1),
                              "compile_cache": str(compile_cache) if compile_cache else None})
     return backend, HFTokenizer(load_tokenizer(path)), info

@@ -73,11 +73,20 @@ class ModelArgs:
         )
         return cls(**{**shared, **ARCHITECTURES[cfg.model_type].args(cfg)})
 
-    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        return self.n_layers * 2 * self.n_kv_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: int = 2, int8: bool = False) -> int:
+        """Cache bytes one token takes over all layers: K and V of every kv head (int8: one byte a
+        value plus a `dtype_bytes` scale per head and position)."""
+        per_head = self.head_dim + dtype_bytes if int8 else self.head_dim * dtype_bytes
+        return self.n_layers * 2 * self.n_kv_heads * per_head
 
 
 FAST_MODEL_TYPES = tuple(ARCHITECTURES)  # config.json model_type values this core runs
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., head_dim] -> (int8 values, the scale of each head_dim vector): symmetric, absmax / 127."""
+    scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127.0
+    return torch.round(x.float() / scale).clamp(-127, 127).to(torch.int8), scale
 
 
 class RMSNorm(nn.Module):
@@ -114,6 +123,9 @@ class Attention(nn.Module):
         # captured CUDA graph writes the cache itself (no copy in and out on every step)
         self.register_buffer("k_cache", None, persistent=False)
         self.register_buffer("v_cache", None, persistent=False)
+        # int8 KV cache only: one scale per (row, kv head, position), [slots, kv_heads, max_seq + 1, 1]
+        self.register_buffer("k_scale", None, persistent=False)
+        self.register_buffer("v_scale", None, persistent=False)
         # one-token (decode) attention kernel, e.g. triton_attention.decode_attention; None: SDPA
         self.decode_kernel = None
 
@@ -134,17 +146,20 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         # write the new keys/values at (row, :, pos): value shape is [B, C, kv_heads, D]
-        self.k_cache[rows, :, pos] = k.to(self.k_cache.dtype)
-        self.v_cache[rows, :, pos] = v.to(self.v_cache.dtype)
+        if self.k_scale is None:
+            self.k_cache[rows, :, pos] = k.to(self.k_cache.dtype)
+            self.v_cache[rows, :, pos] = v.to(self.v_cache.dtype)
+        else:
+            (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+            self.k_cache[rows, :, pos], self.k_scale[rows, :, pos] = kq, ks.to(self.k_scale.dtype)
+            self.v_cache[rows, :, pos], self.v_scale[rows, :, pos] = vq, vs.to(self.v_scale.dtype)
         L = kv_idx.shape[0]
-        if isinstance(row0, int):  # a view of consecutive rows
-            kc, vc = self.k_cache[row0:row0 + B, :, :L], self.v_cache[row0:row0 + B, :, :L]
-        else:  # rows as data (the compiled prefill: one graph for every slot), gathered
-            kc, vc = self.k_cache[row0, :, :L], self.v_cache[row0, :, :L]
+        kc, vc = self._cached(row0, B, L, q.dtype)
         g = a.n_heads // a.n_kv_heads
         # [B, C, Hkv*g, D] -> [B, Hkv, g*C, D]: query heads of one kv head share its K/V
         q = q.view(B, C, a.n_kv_heads, g, a.head_dim).permute(0, 2, 3, 1, 4).reshape(B, a.n_kv_heads, g * C, a.head_dim)
-        if C == 1 and self.decode_kernel is not None and self.window is None and isinstance(row0, int):
+        if (C == 1 and self.decode_kernel is not None and self.window is None and isinstance(row0, int)
+                and self.k_scale is None):  # the Triton decode kernel reads a 16-bit cache
             y = self.decode_kernel(q, self.k_cache, self.v_cache, pos.view(B), row0, L)
         else:
             mask = (kv_idx.view(1, 1, L) <= pos.view(B, C, 1))  # [B, C, L]
@@ -152,15 +167,25 @@ class Attention(nn.Module):
                 mask = mask & (kv_idx.view(1, 1, L) > pos.view(B, C, 1) - self.window)
             mask = mask.unsqueeze(1).expand(B, g, C, L).reshape(B, 1, g * C, L)
             if a.attn_softcap:  # soft-capped scores (Gemma 2): SDPA has no such option
-                scores = (q @ kc.to(q.dtype).transpose(-1, -2)) * (a.attn_scale or a.head_dim ** -0.5)
+                scores = (q @ kc.transpose(-1, -2)) * (a.attn_scale or a.head_dim ** -0.5)
                 scores = torch.tanh(scores / a.attn_softcap) * a.attn_softcap
                 scores = scores.masked_fill(~mask, float("-inf"))
-                y = torch.softmax(scores.float(), dim=-1).to(q.dtype) @ vc.to(q.dtype)
+                y = torch.softmax(scores.float(), dim=-1).to(q.dtype) @ vc
             else:
-                y = F.scaled_dot_product_attention(q, kc.to(q.dtype), vc.to(q.dtype), attn_mask=mask,
+                y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask,
                                                    scale=a.attn_scale)
         y = y.view(B, a.n_kv_heads, g, C, a.head_dim).permute(0, 3, 1, 2, 4).reshape(B, C, a.n_heads * a.head_dim)
         return self.wo(y)
+
+    def _cached(self, row0, B: int, L: int, dtype: torch.dtype):
+        """K and V of the batch's rows, positions 0..L-1, in `dtype`: a view of consecutive rows
+        (row0 an int), or the rows in tensor row0 gathered (the compiled prefill: one graph for
+        every slot); an int8 cache is scaled back here."""
+        pick = (lambda t: t[row0:row0 + B, :, :L]) if isinstance(row0, int) else (lambda t: t[row0, :, :L])
+        kc, vc = pick(self.k_cache), pick(self.v_cache)
+        if self.k_scale is None:
+            return kc.to(dtype), vc.to(dtype)
+        return kc.to(dtype) * pick(self.k_scale).to(dtype), vc.to(dtype) * pick(self.v_scale).to(dtype)
 
 
 class FeedForward(nn.Module):
@@ -208,17 +233,24 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos_local", None, persistent=False)  # Gemma 3's sliding layers
         self.register_buffer("rope_sin_local", None, persistent=False)
 
-    def setup_caches(self, max_slots: int, max_seq: int, rope: dict, dtype: torch.dtype, device) -> None:
+    def setup_caches(self, max_slots: int, max_seq: int, rope: dict, dtype: torch.dtype, device,
+                     kv_dtype: torch.dtype | None = None) -> None:
         """Allocate the static KV cache and the rotary tables (max_seq + 1: the trash row).  rope:
-        {"full": (inv_freq, scale)}, and "sliding" for sliding-window layers rotated otherwise."""
+        {"full": (inv_freq, scale)}, and "sliding" for sliding-window layers rotated otherwise.
+        kv_dtype torch.int8: the cache in int8 with a scale per row, head and position (half the
+        memory of fp16); default: `dtype`."""
         a = self.a
         self.max_seq = max_seq
         for i in a.sliding_layers:  # a window as long as the context changes nothing: left off then
             self.layers[i].attention.window = a.sliding_window if max_seq > a.sliding_window else None
         shape = (max_slots, a.n_kv_heads, max_seq + 1, a.head_dim)
+        int8 = kv_dtype == torch.int8
         for layer in self.layers:
-            layer.attention.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-            layer.attention.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+            att = layer.attention
+            att.k_cache = torch.zeros(shape, dtype=torch.int8 if int8 else dtype, device=device)
+            att.v_cache = torch.zeros(shape, dtype=torch.int8 if int8 else dtype, device=device)
+            att.k_scale = torch.zeros(shape[:-1] + (1,), dtype=dtype, device=device) if int8 else None
+            att.v_scale = torch.zeros(shape[:-1] + (1,), dtype=dtype, device=device) if int8 else None
         t = torch.arange(max_seq + 1, device=device, dtype=torch.float32)
 
         def table(inv_freq, scale):
