@@ -82,8 +82,8 @@ def serve(
     engine: str = typer.Option(_D.engine, help="auto (by the path), hf (transformers), fast (static KV cache, "
                                "CUDA graphs on a GPU; Llama-family) or gguf (llama.cpp)."),
     weight_quant: str = typer.Option(_D.weight_quant, help="--engine fast only: none, int8 or int4 weight-only."),
-    kv_cache_dtype: str = typer.Option(_D.kv_cache_dtype, help="--engine fast only: auto (the model's dtype) or "
-                                       "int8 (a scale per head and position: twice the tokens in the same memory)."),
+    kv_cache_dtype: str = typer.Option(_D.kv_cache_dtype, help="fast and gguf engines: auto (16-bit) or int8 (fast: "
+                                       "a scale per head and position; gguf: llama.cpp's q8_0): ~twice the tokens per GiB."),
     threads: Optional[int] = typer.Option(None, min=1, help="CPU threads for the model (default: torch's "
                                           "choice; llama.cpp: half the cores)."),
     served_model_name: Optional[str] = typer.Option(None, help="Name clients use; default: the model's folder or file name."),

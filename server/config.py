@@ -23,7 +23,7 @@ class EngineOptions:
     prefill_chunk: int = 512  # prompt tokens prefilled between two decode steps (chunked prefill)
     prefix_cache: bool = True  # reuse the K/V of prompt prefixes computed before (server/prefix_cache.py)
     embedding_pooling: str = "last"  # /v1/embeddings: the last token's final hidden state, or the mean
-    kv_cache_dtype: str = "auto"  # fast engine: auto (the model's dtype) or int8 (twice the tokens per GiB)
+    kv_cache_dtype: str = "auto"  # fast / gguf engines: auto (16-bit) or int8 (~twice the tokens per GiB)
 
 
 @dataclass

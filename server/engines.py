@@ -91,7 +91,7 @@ def _load_fast(path: Path, o: EngineOptions):
 def _load_gguf(path: Path, o: EngineOptions):
     from quantserve.server.gguf_engine import load_gguf
 
-    return load_gguf(path, o.context, o.max_batch, o.max_queue, o.threads, o.prefix_cache)
+    return load_gguf(path, o.context, o.max_batch, o.max_queue, o.threads, o.prefix_cache, o.kv_cache_dtype)
 
 
 # The engines, by kind: load(path, options) -> (DecodeBackend, ModelTokenizer, EngineInfo).  A new
@@ -126,9 +126,10 @@ class ScheduledEngine:
             self.kind, self.why = auto_engine(self.path)
         if options.engine == "fast":
             self.kind = "fast"
-        for setting, off in (("weight_quant", "none"), ("kv_cache_dtype", "auto")):
-            if getattr(options, setting) != off and self.kind != "fast":
-                raise ModelLoadError("applies to the fast engine only", setting, getattr(options, setting))
+        if options.weight_quant != "none" and self.kind != "fast":
+            raise ModelLoadError("applies to the fast engine only", "weight_quant", options.weight_quant)
+        if options.kv_cache_dtype != "auto" and self.kind == "hf":
+            raise ModelLoadError("applies to the fast and gguf engines only", "kv_cache_dtype", options.kv_cache_dtype)
         self.info: EngineInfo | None = None
         self.tokenizer = None
         self.grammars = None  # structured.GrammarCompiler, once the tokenizer is loaded

@@ -72,7 +72,8 @@ class LlamaCppBackend(RowBackend):
     cache; a prefix from another sequence is llama.cpp's own cross-stream copy (`seq_cp`, which
     copies whole streams), cut to the prefix's length."""
 
-    def __init__(self, model, max_batch: int, context_length: int, threads: int, prefix_cache: bool = True):
+    def __init__(self, model, max_batch: int, context_length: int, threads: int, prefix_cache: bool = True,
+                 kv_int8: bool = False):
         import llama_cpp
         from llama_cpp import _internals
 
@@ -88,6 +89,9 @@ class LlamaCppBackend(RowBackend):
         params.kv_unified = False
         params.n_threads = params.n_threads_batch = threads
         params.no_perf = True
+        if kv_int8:  # llama-server's `-ctk q8_0 -ctv q8_0`: a quantized V cache needs flash attention
+            params.type_k = params.type_v = llama_cpp.GGML_TYPE_Q8_0
+            params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
         self.ctx = _internals.LlamaContext(model=model, params=params, verbose=False)
         self.batch = _internals.LlamaBatch(n_tokens=params.n_batch, embd=0, n_seq_max=1, verbose=False)
         self._init_rows(max_batch, prefix_cache)
@@ -170,7 +174,7 @@ def default_threads() -> int:
 
 
 def load_gguf(path: Path, context: int | None, max_batch: int, max_queue: int, threads: int | None = None,
-              prefix_cache: bool = True):
+              prefix_cache: bool = True, kv_cache_dtype: str = "auto"):
     """Load a GGUF file; returns (LlamaCppBackend, LlamaCppTokenizer, EngineInfo)."""
     try:
         import llama_cpp
@@ -205,12 +209,16 @@ def load_gguf(path: Path, context: int | None, max_batch: int, max_queue: int, t
         raise ModelLoadError(f"exceeds llama.cpp's limit of {llama_cpp.llama_max_parallel_sequences()} "
                              "parallel sequences", "max_batch", max_batch)
     threads = threads or default_threads()
-    backend = LlamaCppBackend(model, max_batch, context, threads, prefix_cache)
+    try:
+        backend = LlamaCppBackend(model, max_batch, context, threads, prefix_cache, kv_cache_dtype == "int8")
+    except ValueError as e:  # llama.cpp refused the context (e.g. its KV cache types)
+        raise ModelLoadError(f"{path}: llama.cpp cannot create a context for it ({e})") from e
     meta = model.metadata()
     file_type = _FILE_TYPES.get(int(meta.get("general.file_type", -1)), meta.get("general.file_type"))
     info = EngineInfo(engine="gguf", model_path=str(path), context_length=context, max_batch=max_batch,
                       max_queue=max_queue, device="cuda" if gpu else "cpu", dtype=str(file_type),
                       attention="llama.cpp", quantization=str(file_type),
                       extra={"gpu_offload": gpu, "threads": threads, "llama_cpp_python": llama_cpp.__version__,
-                             "hidden_size": model.n_embd()})
+                             "hidden_size": model.n_embd(),
+                             "kv_cache_dtype": "q8_0" if kv_cache_dtype == "int8" else "f16"})
     return backend, LlamaCppTokenizer(model), info

@@ -90,4 +90,4 @@ def test_kv_cache_dtype_is_refused_where_it_does_not_apply(default_model):
 
     assert_one_line_error(cli("serve", str(default_model), "--kv-cache-dtype", "fp8"), 2, "--kv-cache-dtype")
     assert_one_line_error(cli("serve", str(default_model), "--engine", "hf", "--kv-cache-dtype", "int8"), 1,
-                          "--kv-cache-dtype int8 applies to the fast engine only")
+                          "--kv-cache-dtype int8 applies to the fast and gguf engines only")
