@@ -1,8 +1,9 @@
 """Command-line parsing shared by the bench scripts: a bad value is one line and exit 2, found
 before any work starts (not after a model was built or a server was loaded for minutes).
 
-`Parser` serves the scripts run as `python -m quantserve.bench.<name>`; the value parsers below
-serve `quantserve bench`'s typer options, whose comma lists ('1,8,32') arrive as text.
+`Parser` serves the argparse scripts (`python -m quantserve.bench.default_model_sweep` and the
+like); the value parsers below serve `quantserve bench`'s typer options, whose comma lists
+('1,8,32') arrive as text.
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ def run_one(shape: str, quant: str, kernel: str, steps: int, prompt_len: int, ca
     prompt = torch.randint(0, cfg.vocab_size, (128,))
     tok = torch.tensor([int(core.prefill(0, prompt).argmax())], device="cuda")
     pos = torch.full((1,), 128, device="cuda")
-    kv_len = core._kv_len if hasattr(core, "_kv_len") else core.steps.kv_len  # before / after core.py's split
+    kv_len = core.steps.kv_len
     kv_idx = core._kv_idx[:kv_len(128 + steps + 32)]
     t1 = time.perf_counter()
     for _ in range(3):  # compile, record, first replay

@@ -13,9 +13,6 @@ from pathlib import Path
 from quantserve.quant.source import Checkpoint, require_causal_lm
 from quantserve.settings import UserError
 
-BNB_FORMATS = ("bnb-int8", "bnb-nf4", "bnb-fp4")
-
-
 def quantization_config(fmt: str):
     import torch
     from transformers import BitsAndBytesConfig

@@ -102,7 +102,7 @@ def table(src: str = typer.Argument("default", help="Checkpoint folder; 'default
           text: Optional[Path] = typer.Option(None, "--text", help="Held-out text (see `quant eval`)."),
           force: bool = typer.Option(False, "--force", help="Re-convert outputs that exist.")) -> None:
     """Convert SRC to each format and print the quality table (markdown)."""
-    from quantserve.formats import check_format
+    from quantserve.formats import MANIFEST, check_format
     from quantserve.quant.convert import convert as do_convert
     from quantserve.quant.evaluate import evaluate
 
@@ -111,7 +111,7 @@ def table(src: str = typer.Argument("default", help="Checkpoint folder; 'default
     rows = []
     for fmt in fmts:
         out = workdir / fmt
-        if force or not (out / "manifest.json").is_file():
+        if force or not (out / MANIFEST).is_file():
             do_convert(source, fmt, out, force=force, progress=False)
         rows.append(evaluate(source, out, text))
     print(format_table(rows))

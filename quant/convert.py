@@ -15,16 +15,12 @@ import shutil
 import time
 from pathlib import Path
 
-from quantserve.formats import GGUF_FILE, check_format
+from quantserve.formats import GGUF_FILE, WeightFormat, check_format
 from quantserve.quant.manifest import build_manifest, write_manifest
 from quantserve.quant.gguf_architectures import gguf_architecture
 from quantserve.quant.source import open_checkpoint, require_causal_lm
 from quantserve.settings import UserError, make_readable
 
-# Output bytes per parameter, to refuse up front when the disk obviously cannot take it.
-# k-quants also hold the intermediate F16 file while llama.cpp quantizes it.
-_BYTES_PER_PARAM = {"bnb-int8": 1.1, "bnb-nf4": 0.6, "bnb-fp4": 0.6, "gguf-f32": 4.0,
-                    "gguf-f16": 2.0, "gguf-q8_0": 1.07}
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
@@ -125,19 +121,18 @@ def _check_target(src: Path, out: Path, force: bool) -> None:
                         "or contain it")
 
 
-def _check_free_space(out_parent: Path, n_params: int, fmt: str) -> None:
-    per_param = _BYTES_PER_PARAM.get(fmt, 2.0 + 0.7)  # k-quant: F16 intermediate + result
-    need = int(n_params * per_param * 1.05) + (1 << 20)
+def _check_free_space(out_parent: Path, n_params: int, fmt: WeightFormat) -> None:
+    need = int(n_params * fmt.disk_bytes_per_param * 1.05) + (1 << 20)
     try:
         free = shutil.disk_usage(out_parent).free
     except OSError:
         return
     if free < need:
-        raise UserError(f"not enough disk space at {out_parent}: a {fmt} conversion needs about "
+        raise UserError(f"not enough disk space at {out_parent}: a {fmt.name} conversion needs about "
                         f"{need / 2**20:.1f} MiB, {free / 2**20:.1f} MiB are free")
 
 
-def convert(src: Path, fmt: str, out: Path, force: bool = False, progress: bool = True,
+def convert(src: Path, format_name: str, out: Path, force: bool = False, progress: bool = True,
             context: int | None = None) -> Path:
     """Convert checkpoint folder `src` to format `fmt` in folder `out`; return `out`.
 
@@ -148,7 +143,7 @@ def convert(src: Path, fmt: str, out: Path, force: bool = False, progress: bool 
     from quantserve.quant.source import hash_folder, parameter_count
 
     t0 = time.time()
-    fmt = check_format(fmt)  # the format's record (quantserve/formats.py)
+    fmt = check_format(format_name)  # the format's record (quantserve/formats.py)
     src, out = Path(src), Path(out)
     if out.parent.is_dir():
         try:
@@ -170,7 +165,7 @@ def convert(src: Path, fmt: str, out: Path, force: bool = False, progress: bool 
             gguf_architecture(ckpt)
         else:
             require_causal_lm(ckpt)
-        _check_free_space(out.parent, parameter_count(ckpt), fmt.name)
+        _check_free_space(out.parent, parameter_count(ckpt), fmt)
 
         summary = _writer(fmt.writer)(ckpt, tmp, fmt.option, progress)
         weights = [tmp / GGUF_FILE] if gguf else sorted(tmp.glob("*.safetensors"))

@@ -69,12 +69,20 @@ def hyperparameters(ckpt: Checkpoint) -> dict:
         raise UserError(f"{ckpt.origin}: partial rotary embeddings are not supported")
     window = c.get("sliding_window") if c.get("use_sliding_window", True) else None
     gguf_architecture(ckpt).hparams(ckpt, c, hp, window, local_rope)
-    hp["tied_embeddings"] = bool(c.get("tie_word_embeddings", False))
+    # tied when the config says so, or when there is no lm_head to write: a config may leave the
+    # key to its class's default (Gemma's is True, and its published config.json has no such key)
+    hp["tied_embeddings"] = bool(c.get("tie_word_embeddings", False)) or not _has_lm_head(ckpt)
     if gguf_architecture(ckpt).tied_output and not hp["tied_embeddings"]:
         raise UserError(f"{ckpt.origin}: its lm_head is its own matrix, but llama.cpp's "
                         f"{gguf_architecture(ckpt).name} graph takes the logits from the embedding "
                         "(tie_word_embeddings, as the published checkpoints have it)")
     return hp
+
+
+def _has_lm_head(ckpt: Checkpoint) -> bool:
+    from quantserve.quant.source import check_safetensors
+
+    return any("lm_head.weight" in check_safetensors(f) for f in ckpt.weight_files)
 
 
 def _read_tensors(files: list[Path]):

@@ -11,7 +11,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from quantserve.formats import GGUF_MAGIC, MANIFEST
+from quantserve.formats import GGUF_MAGIC
 from quantserve.quant.source import check_safetensors, read_json
 from quantserve.settings import UserError
 
@@ -83,7 +83,8 @@ def describe_folder(path: Path) -> dict:
     try:
         found = identify(path)
     except NotAModel as e:
-        raise UserError(f"{path}: not a GGUF file, safetensors file, checkpoint or quant output folder ({e})") from None
+        raise UserError(f"{e} (inspect reads a GGUF file, a safetensors file, a checkpoint or a quant output "
+                        "folder)") from None
     fmt = {"format": found.format.name, "served_by": found.format.engine}
     if found.manifest is not None:
         out = {"kind": f"quant output ({found.manifest.get('format')})", "path": str(path), **fmt,
@@ -97,8 +98,9 @@ def describe_folder(path: Path) -> dict:
     qc = config.get("quantization_config")
     files = sorted(path.glob("*.safetensors"))
     tensors = sum(len(check_safetensors(f)) for f in files)
-    kind = f"bitsandbytes checkpoint ({qc.get('quant_method')})" if found.format.name.startswith("bnb-") else (
-        f"{found.format.name.upper()} checkpoint" if qc else "Hugging Face checkpoint")
+    kind = (f"bitsandbytes checkpoint ({qc.get('quant_method')})" if found.format.name.startswith("bnb-")
+            else f"{found.format.name.upper()} checkpoint" if found.format.name in ("awq", "gptq")
+            else f"Hugging Face checkpoint, quantized ({qc.get('quant_method')})" if qc else "Hugging Face checkpoint")
     return {"kind": kind, "path": str(path), **fmt, "architecture": (config.get("architectures") or ["?"])[0],
             "tensor_count": tensors, "weight_files": [f.name for f in files],
             "quantization_config": qc, "config": config}

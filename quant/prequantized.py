@@ -26,27 +26,41 @@ from quantserve.settings import UserError
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column of each nibble (low to high) in an AWQ int32
 
 
-def quantization_config(folder: Path) -> dict | None:
-    """The checkpoint's AWQ / GPTQ `quantization_config`, checked; None for any other checkpoint."""
+def _read(folder: Path) -> dict | str | None:
+    """The checked AWQ / GPTQ settings, what is wrong with them (a str), or None (neither)."""
     cfg = json.loads((Path(folder) / "config.json").read_text())
     q = cfg.get("quantization_config") or {}
-    method = str(q.get("quant_method", "")).lower()
+    method = str(q.get("quant_method", "")).lower() if isinstance(q, dict) else ""
     if method not in ("awq", "gptq"):
         return None
     where = f"{folder}: {method.upper()} checkpoint"
     if int(q.get("bits", q.get("w_bit", 0))) != 4:
-        raise UserError(f"{where} with {q.get('bits', q.get('w_bit'))}-bit weights: only 4-bit is supported")
+        return f"{where} with {q.get('bits', q.get('w_bit'))}-bit weights: only 4-bit is supported"
     group = int(q.get("group_size", q.get("q_group_size", 128)))
     if group <= 0:
-        raise UserError(f"{where} without groups (group_size {group}): only grouped checkpoints are supported")
+        return f"{where} without groups (group_size {group}): only grouped checkpoints are supported"
     if method == "awq" and str(q.get("version", "gemm")).lower() != "gemm":
-        raise UserError(f"{where} in the {q.get('version')!r} layout: only AWQ's GEMM layout is supported")
+        return f"{where} in the {q.get('version')!r} layout: only AWQ's GEMM layout is supported"
     if method == "gptq" and q.get("desc_act"):
-        raise UserError(f"{where} quantized with act-order (desc_act): its groups are not contiguous, "
-                        "which is not supported")
+        return f"{where} quantized with act-order (desc_act): its groups are not contiguous, which is not supported"
     fmt = str(q.get("checkpoint_format", "gptq")).lower()
     return {"method": method, "group_size": group, "v1_zeros": method == "gptq" and fmt != "gptq_v2",
             "modules_to_not_convert": q.get("modules_to_not_convert") or []}
+
+
+def quantization_problem(folder: Path) -> str | None:
+    """Why this AWQ / GPTQ checkpoint cannot be read (None: it can, or it is neither); the engine
+    raises its own error with it, `quantization_config` the CLI's."""
+    found = _read(folder)
+    return found if isinstance(found, str) else None
+
+
+def quantization_config(folder: Path) -> dict | None:
+    """The checkpoint's AWQ / GPTQ `quantization_config`, checked; None for any other checkpoint."""
+    found = _read(folder)
+    if isinstance(found, str):
+        raise UserError(found)
+    return found
 
 
 def _unpack(packed, along: int, order=tuple(range(8))):

@@ -33,6 +33,9 @@ class WeightFormat:
     option: str | None = None   # what the writer is told (a GGUF file type, a bitsandbytes format)
     # a checkpoint folder's `quantization_config` -> is it this format? (folder formats only)
     detects: Callable[[dict], bool] | None = None
+    # disk a conversion needs per parameter, to refuse up front when it cannot fit (k-quants hold
+    # the intermediate F16 file too; bnb keeps embeddings and norms in 16 bit)
+    disk_bytes_per_param: float = 2.7
 
 
 def _bnb4(kind: str) -> Callable[[dict], bool]:
@@ -50,13 +53,15 @@ _KQUANT = "quantserve.quant.gguf_export:write_kquant"
 # bits per weight: llama.cpp's own figures for Llama-shaped models; bitsandbytes' block scales included
 _RECORDS = [
     WeightFormat("bnb-int8", 8.0, "hf", "hf", "LLM.int8: int8 rows, fp16 outlier columns (threshold 6)",
-                 _BNB, "bnb-int8", lambda q: bool(q.get("load_in_8bit"))),
+                 _BNB, "bnb-int8", lambda q: bool(q.get("load_in_8bit")), disk_bytes_per_param=1.1),
     WeightFormat("bnb-nf4", 4.13, "hf", "hf", "NF4, double-quantized block scales (QLoRA's format)",
-                 _BNB, "bnb-nf4", _bnb4("nf4")),
-    WeightFormat("bnb-fp4", 4.13, "hf", "hf", "FP4, double-quantized block scales", _BNB, "bnb-fp4", _bnb4("fp4")),
-    WeightFormat("gguf-f32", 32.0, "gguf", "gguf", "float32, no quantization", _GGUF, "f32"),
-    WeightFormat("gguf-f16", 16.0, "gguf", "gguf", "float16, no quantization", _GGUF, "f16"),
-    WeightFormat("gguf-q8_0", 8.5, "gguf", "gguf", "8-bit, one scale per 32 weights", _GGUF, "q8_0"),
+                 _BNB, "bnb-nf4", _bnb4("nf4"), disk_bytes_per_param=0.6),
+    WeightFormat("bnb-fp4", 4.13, "hf", "hf", "FP4, double-quantized block scales", _BNB, "bnb-fp4", _bnb4("fp4"),
+                 disk_bytes_per_param=0.6),
+    WeightFormat("gguf-f32", 32.0, "gguf", "gguf", "float32, no quantization", _GGUF, "f32", disk_bytes_per_param=4.0),
+    WeightFormat("gguf-f16", 16.0, "gguf", "gguf", "float16, no quantization", _GGUF, "f16", disk_bytes_per_param=2.0),
+    WeightFormat("gguf-q8_0", 8.5, "gguf", "gguf", "8-bit, one scale per 32 weights", _GGUF, "q8_0",
+                 disk_bytes_per_param=1.07),
     # k-quants: our F16 GGUF first, then llama.cpp's own quantizer
     WeightFormat("gguf-q2_k", 2.96, "gguf", "gguf", "2-bit k-quant: large quality loss", _KQUANT, "q2_k"),
     WeightFormat("gguf-q3_k_m", 3.91, "gguf", "gguf", "3-bit k-quant, some tensors 4/5-bit", _KQUANT, "q3_k_m"),
@@ -108,9 +113,12 @@ class Identified:
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise NotAModel(f"{path}: unreadable ({e})") from e
+    if not isinstance(data, dict):
+        raise NotAModel(f"{path}: a JSON object was expected, not {type(data).__name__}")
+    return data
 
 
 def folder_format(config: dict) -> WeightFormat:
@@ -118,6 +126,8 @@ def folder_format(config: dict) -> WeightFormat:
     q = config.get("quantization_config") or {}
     if not q:
         return FORMATS["hf"]
+    if not isinstance(q, dict):
+        raise NotAModel(f"its quantization_config is a {type(q).__name__}, not an object")
     return next(f for f in _RECORDS if f.detects is not None and f.detects(q))
 
 
@@ -137,12 +147,17 @@ def identify(path: Path) -> Identified:
         if path.suffix == ".gguf":
             raise NotAModel(f"{path}: not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})")
         if any(path.match(pattern) for pattern in PICKLE_WEIGHTS):
-            raise NotAModel(f"{path}: a pickle weight file; serve a .gguf file or a Hugging Face checkpoint "
-                            "folder (safetensors; its pickle weights only when trusted)")
-        raise NotAModel(f"{path}: not a model (serve a .gguf file or a Hugging Face checkpoint folder)")
+            raise NotAModel(f"{path}: a pickle weight file, not a model (a model is a .gguf file or a Hugging "
+                            "Face checkpoint folder: safetensors, its pickle weights only when trusted)")
+        raise NotAModel(f"{path}: not a model (a model is a .gguf file or a Hugging Face checkpoint folder)")
     manifest = _read_json(path / MANIFEST) if (path / MANIFEST).is_file() else None
     if manifest and manifest.get("gguf_file"):
-        return Identified(FORMATS.get(manifest.get("format"), FORMATS["gguf"]), path / manifest["gguf_file"], manifest)
+        inner = path / str(manifest["gguf_file"])
+        if inner.resolve().parent != path.resolve() or not inner.is_file():
+            raise NotAModel(f"{path}: its {MANIFEST} names {manifest['gguf_file']!r}, which is not a file in it")
+        fmt = manifest.get("format")
+        return Identified(FORMATS.get(fmt, FORMATS["gguf"]) if isinstance(fmt, str) else FORMATS["gguf"], inner,
+                          manifest)
     has_config = (path / "config.json").is_file()
     ggufs = sorted(path.glob("*.gguf"))
     if ggufs and not has_config:
@@ -151,4 +166,7 @@ def identify(path: Path) -> Identified:
         return Identified(FORMATS["gguf"], ggufs[0], manifest)
     if not has_config:
         raise NotAModel(f"{path}: not a Hugging Face checkpoint (no config.json) and no .gguf file")
-    return Identified(folder_format(_read_json(path / "config.json")), path, manifest)
+    try:
+        return Identified(folder_format(_read_json(path / "config.json")), path, manifest)
+    except NotAModel as e:
+        raise NotAModel(str(e) if str(e).startswith(str(path)) else f"{path}: {e}") from None

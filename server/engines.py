@@ -40,11 +40,12 @@ def auto_engine(path: Path) -> tuple[str, str]:
     import json
 
     from quantserve.formats import identify
-    from quantserve.quant.prequantized import quantization_config
+    from quantserve.quant.prequantized import quantization_problem
 
     fmt = identify(path).format
     if fmt.name in ("awq", "gptq"):  # transformers reads these only with AutoAWQ / GPTQModel installed
-        quantization_config(path)  # refuses the layouts the fast engine cannot repack, by name
+        if quantization_problem(path):  # a layout the fast engine cannot repack, by name
+            raise ModelLoadError(quantization_problem(path))
         return "fast", f"a {fmt.name.upper()} checkpoint (the fast engine repacks its 4-bit weights)"
     try:
         import torch
@@ -59,8 +60,10 @@ def auto_engine(path: Path) -> tuple[str, str]:
 
     if model_type not in FAST_MODEL_TYPES:
         return "hf", f"the fast engine does not run {model_type!r} models ({', '.join(FAST_MODEL_TYPES)})"
-    if fmt.engine != "fast" and fmt.name != "hf":
-        return "hf", f"a {fmt.name} checkpoint (the fast engine quantizes by itself)"
+    if fmt.name.startswith("bnb-"):
+        return "hf", f"a bitsandbytes {fmt.name.removeprefix('bnb-')} checkpoint (the fast engine quantizes by itself)"
+    if fmt.name != "hf":
+        return "hf", "a checkpoint another transformers quantizer wrote (the fast engine takes fp16/fp32 weights)"
     return "fast", f"a {model_type} checkpoint on a CUDA GPU"
 
 
@@ -115,9 +118,10 @@ class ScheduledEngine:
     def __init__(self, path: Path, options: EngineOptions):
         from quantserve.capabilities import profile_problem
 
-        if profile_problem(options.gpu_profile):  # before anything loads; the CLI has its flag's words
-            raise ModelLoadError(profile_problem(options.gpu_profile))
         self.kind, self.path = detect_model_kind(path, options.trust_pickle)
+        problem = profile_problem(options.gpu_profile) if self.kind != "gguf" else None  # llama.cpp reads none
+        if problem:  # before anything loads; the CLI has its flag's words
+            raise ModelLoadError(problem)
         self.options = options
         if options.engine not in ("auto", self.kind) and not (options.engine == "fast" and self.kind == "hf"):
             raise ModelLoadError(f"cannot serve {path}: it is a {self.kind} model", "engine", options.engine)

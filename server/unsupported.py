@@ -11,7 +11,7 @@ them all:
   the official client or vLLM sends by default), refused otherwise;
 - anything else is unknown to OpenAI's API and to this server's extras: refused.
 
-tests/test_unsupported.py walks the `openai` package's own request schemas, so a field that the
+tests/serve/test_unsupported.py walks the `openai` package's own request schemas, so a field that the
 SDK learns later is caught as unknown here until someone decides which table it belongs to.
 """
 

@@ -84,7 +84,7 @@ def train_command(
         if code:
             raise UserError(f"training failed on at least one of {nproc} processes (exit code {code}); "
                             "see the messages above")
-        print(out)
+        print(cfg.out)
         return
     from quantserve.training.train import train
 

@@ -23,11 +23,13 @@ def load_fast(path: Path, gpu_profile: str | None, context: int | None, max_batc
     Returns (FastCoreBackend, HFTokenizer, EngineInfo)."""
     from quantserve.capabilities import apply_profile, detect
     from quantserve.modeling import load_tokenizer
-    from quantserve.quant.prequantized import quantization_config
+    from quantserve.quant.prequantized import quantization_config, quantization_problem
     from quantserve.server.fastcore.adapter import FastCoreBackend
 
     caps = detect(gpu_profile)
     apply_profile(caps)
+    if quantization_problem(path):
+        raise ModelLoadError(quantization_problem(path))
     pre = quantization_config(path)
     if pre is None and quantization_of(path):
         raise ModelLoadError(f"{path}: a bitsandbytes checkpoint; the fast engine quantizes by itself: serve the "

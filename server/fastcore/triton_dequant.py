@@ -7,9 +7,9 @@ bits 0x6400; fp32: 2**23, bits 0x4B000000) turns an integer added into its bits 
 plus the integer, so an integer add and one float subtraction give the exact value (the trick
 FasterTransformer and Marlin use).
 
-BIT_DEQUANT=False keeps Triton's plain `.to()` conversion; `bench/kernels.py` times both.  On an
-H200 (bench/RESULTS.md) it made the large int8 layers 14-25 % faster; for int4 nibbles into fp32
-(the matrix-vector kernel) the plain conversion stayed faster, so that kernel keeps it.
+The tiled kernels (triton_mm.py) use these; BIT_DEQUANT=False keeps Triton's plain `.to()`
+conversion, and the launcher times both.  The batch-1 matrix-vector kernels (triton_gemv.py) do the
+same trick two columns at a time in inline PTX, of their own.
 """
 
 from __future__ import annotations

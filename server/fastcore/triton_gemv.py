@@ -34,7 +34,7 @@ import os
 import triton
 import triton.language as tl
 
-from quantserve.server.fastcore.triton_dequant import AUTOTUNE_ON_DISK, int8_to, nibble_to
+from quantserve.server.fastcore.triton_dequant import AUTOTUNE_ON_DISK
 
 # (BLOCK_N, BLOCK_K, warps): one 4-byte word per thread and row, the warps side by side along K,
 # so BLOCK_K = 128 * warps (int8: 4 columns a word) or 256 * warps (int4: 8 columns a word)
@@ -56,6 +56,12 @@ def _configs(shapes=None):
 def _prune(configs, named_args, **kwargs):
     K = named_args["K"]
     return [c for c in configs if K % (c.kwargs["BLOCK_K"] * c.kwargs["SPLIT_K"]) == 0]
+
+
+def fits(tuned, K: int) -> bool:
+    """Whether one of `tuned`'s configs covers K in whole blocks (its BLOCK_K is >= 256: a K such as
+    896 or 1152 has none, and the launcher then keeps the tiled kernel at batch 1 too)."""
+    return bool(_prune(tuned.configs, {"K": K}))
 
 
 @triton.jit

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from quantserve.server.fastcore.triton_dequant import AUTOTUNE_ON_DISK, int8_to, nibble_to
-from quantserve.server.fastcore.triton_gemv import int4_gemv_kernel, int8_gemv_kernel
+from quantserve.server.fastcore.triton_gemv import fits as gemv_fits, int4_gemv_kernel, int8_gemv_kernel
 
 
 def _configs():
@@ -201,7 +201,7 @@ def _launch(kernel, M: int, N: int, x: torch.Tensor, args: tuple, gemv=None, den
                 choices.append(_tune(prompt, PROMPT_BLOCK_M, M, N, K, x, args, extra))
         else:
             choices = [_tune(kernel, _block_m(M), M, N, K, x, args, extra)]
-            if gemv is not None and M == 1:
+            if gemv is not None and M == 1 and gemv_fits(gemv, K):
                 fn, config, block_m, _ = _tune(gemv, 1, M, N, K, x, args, extra)
                 choices += [(fn, config, 1, {"BIT_DEQUANT": bits}) for bits in (True, False)]
         _chosen[key] = _fastest(choices, M, N, K, x, args, extra)

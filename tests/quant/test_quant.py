@@ -21,8 +21,7 @@ from quantserve.quant.convert import convert
 from quantserve.quant.manifest import kv_cache_bytes
 from quantserve.quant.source import sha256_file
 from tests.support.families import FAMILIES
-from tests.support.gguf_checks import (FRESH_USER_PROMPTS, PLAIN_TEXT, chat_ids, fresh_prompts,
-                                       hf_logits, worst_relative_error)
+from tests.support.gguf_checks import chat_ids, fresh_prompts, hf_logits, worst_relative_error
 
 # Relative logit error ‖L_gguf − L_hf‖ / ‖L_hf‖ allowed per prompt (llama.cpp vs transformers
 # fp32).  Measured on the trained default model: F32 ~1.3e-4, F16 ~1.8e-4, Q8_0 ~3.7e-3; a
@@ -229,6 +228,27 @@ def test_gguf_config_variants(arch, default_model, tmp_path):
     err = worst_relative_error(out / "model.gguf", model, fresh_prompts(tok)[:3])
     print(f"{arch}: relative logit error {err:.2e}")
     assert err < 1e-3
+
+
+def test_a_gemma_config_may_leave_tied_embeddings_to_its_class(default_model, tmp_path):
+    """Published Gemma 2 configs have no tie_word_embeddings key (the class's default is True) and
+    their checkpoints no lm_head: that converts; a Gemma with an lm_head of its own is refused by
+    name (llama.cpp's gemma graphs take the logits from the embedding)."""
+    from tests.support.families import family_checkpoint
+
+    from quantserve.modeling import load_tokenizer
+    from quantserve.settings import UserError
+
+    tok = load_tokenizer(default_model)
+    gemma = {"head_dim": 48, "query_pre_attn_scalar": 48, "sliding_window": 8}
+    family_checkpoint("gemma2", tok, tmp_path / "tied", vocab_pad=8, gemma2={**gemma, "tie": True})
+    cfg = json.loads((tmp_path / "tied" / "config.json").read_text())
+    cfg.pop("tie_word_embeddings", None)
+    (tmp_path / "tied" / "config.json").write_text(json.dumps(cfg))
+    assert (convert(tmp_path / "tied", "gguf-f16", tmp_path / "out", progress=False) / "model.gguf").is_file()
+    family_checkpoint("gemma2", tok, tmp_path / "untied", vocab_pad=8, gemma2=gemma)
+    with pytest.raises(UserError, match="takes the logits from the embedding"):
+        convert(tmp_path / "untied", "gguf-f16", tmp_path / "out2", progress=False)
 
 
 # --- bitsandbytes ----------------------------------------------------------------------------

@@ -1,7 +1,6 @@
 """The `quantserve` command line: fast help, `info`, and one clear line for every bad input."""
 
 import json
-import os
 import subprocess
 import sys
 import time

@@ -76,6 +76,11 @@ def test_gguf_files_and_folders(tmp_path):
     (lambda d: (d / "notes.txt").write_text("hi") and d / "notes.txt", "not a model"),
     (lambda d: [(d / f"{i}.gguf").write_bytes(b"GGUF") for i in (1, 2)] and d, "holds 2 .gguf files"),
     (lambda d: d, "no config.json"),
+    (lambda d: (d / "config.json").write_text("[1, 2]") and d, "a JSON object was expected"),
+    (lambda d: (d / "config.json").write_text('{"quantization_config": [4]}') and d, "quantization_config is a list"),
+    (lambda d: (d / "manifest.json").write_text('{"format": "gguf-q8_0", "gguf_file": "model.gguf"}') and d,
+     "names 'model.gguf', which is not a file in it"),
+    (lambda d: (d / "manifest.json").write_text('{"gguf_file": "../escape.gguf"}') and d, "not a file in it"),
 ])
 def test_what_is_not_a_model_says_why(tmp_path, make, needle):
     with pytest.raises(NotAModel, match=needle):
