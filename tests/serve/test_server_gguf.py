@@ -197,27 +197,16 @@ def test_logit_bias_steers_the_gguf_engine(server, reference):
     assert banned.choices[0].text != plain.choices[0].text
 
 
-def test_q8_0_file_serves_llama_cpp_greedy_output(gguf_dirs, default_model):
+@pytest.mark.parametrize("kv_cache", ["auto", "int8"])
+def test_q8_0_file_serves_llama_cpp_greedy_output(kv_cache, gguf_dirs, default_model):
+    """A Q8_0 file's greedy answers equal llama.cpp's offline ones, with its f16 KV cache and with
+    `--kv-cache-dtype int8`: llama.cpp's q8_0 K and V cache (llama-server's -ctk/-ctv q8_0, with
+    flash attention), which gives the same answers on the default model."""
     ref = LlamaReference(gguf_dirs["q8_0"] / "model.gguf", default_model)
-    srv = ServerProcess(gguf_dirs["q8_0"], "--max-batch", "4", name="q8")
+    srv = ServerProcess(gguf_dirs["q8_0"], "--max-batch", "4", "--kv-cache-dtype", kv_cache, name="q8")
     try:
         assert srv.health["dtype"] == "Q8_0"
-        for user in PROMPTS[:3]:
-            text, _ = ref.greedy(ref.chat_ids(user))
-            r = srv.client().chat.completions.create(model="q8", messages=[{"role": "user", "content": user}],
-                                                     temperature=0, max_tokens=MAX_TOKENS)
-            assert r.choices[0].message.content == text, user
-    finally:
-        assert srv.stop() == 0, srv.log()
-
-
-def test_a_q8_0_kv_cache_gives_the_same_greedy_answers(gguf_dirs, default_model):
-    """--kv-cache-dtype int8 on the gguf engine: llama.cpp's q8_0 K and V cache (llama-server's
-    -ctk/-ctv q8_0, with flash attention), the same greedy answers on the default model."""
-    ref = LlamaReference(gguf_dirs["q8_0"] / "model.gguf", default_model)
-    srv = ServerProcess(gguf_dirs["q8_0"], "--max-batch", "4", "--kv-cache-dtype", "int8", name="q8")
-    try:
-        assert srv.health["kv_cache_dtype"] == "q8_0"
+        assert srv.health["kv_cache_dtype"] == {"auto": "f16", "int8": "q8_0"}[kv_cache]
         for user in PROMPTS[:3]:
             text, _ = ref.greedy(ref.chat_ids(user))
             r = srv.client().chat.completions.create(model="q8", messages=[{"role": "user", "content": user}],
