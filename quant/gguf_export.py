@@ -68,13 +68,14 @@ def hyperparameters(ckpt: Checkpoint) -> dict:
     if float(c.get("partial_rotary_factor", 1.0)) != 1.0:
         raise UserError(f"{ckpt.origin}: partial rotary embeddings are not supported")
     window = c.get("sliding_window") if c.get("use_sliding_window", True) else None
-    gguf_architecture(ckpt).hparams(ckpt, c, hp, window, local_rope)
+    record = gguf_architecture(ckpt)
+    record.hparams(ckpt, c, hp, window, local_rope)
     # tied when the config says so, or when there is no lm_head to write: a config may leave the
     # key to its class's default (Gemma's is True, and its published config.json has no such key)
     hp["tied_embeddings"] = bool(c.get("tie_word_embeddings", False)) or not _has_lm_head(ckpt)
-    if gguf_architecture(ckpt).tied_output and not hp["tied_embeddings"]:
+    if record.tied_output and not hp["tied_embeddings"]:
         raise UserError(f"{ckpt.origin}: its lm_head is its own matrix, but llama.cpp's "
-                        f"{gguf_architecture(ckpt).name} graph takes the logits from the embedding "
+                        f"{record.name} graph takes the logits from the embedding "
                         "(tie_word_embeddings, as the published checkpoints have it)")
     return hp
 

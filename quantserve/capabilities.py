@@ -45,10 +45,14 @@ class Capabilities:
         return {**asdict(self), "memory_budget_gib": self.memory_budget_gib}
 
 
+def _profile_name(profile: str | None) -> str:
+    return (profile or os.environ.get("QUANTSERVE_GPU_PROFILE") or "native").lower()
+
+
 def profile_problem(profile: str | None = None) -> str | None:
     """Why `profile` (or, when it is None, `$QUANTSERVE_GPU_PROFILE`) names no GPU profile; None
     when it does.  Callers raise their own kind of error with it."""
-    name = (profile or os.environ.get("QUANTSERVE_GPU_PROFILE") or "native").lower()
+    name = _profile_name(profile)
     if name in PROFILES:
         return None
     where = "" if profile else "QUANTSERVE_GPU_PROFILE: "
@@ -62,7 +66,7 @@ def resolve_profile(profile: str | None = None) -> str:
 
         # an option's value is a usage error (exit 2); the environment's is a setting (exit 1)
         raise (UsageError if profile else UserError)(problem)
-    return (profile or os.environ.get("QUANTSERVE_GPU_PROFILE") or "native").lower()
+    return _profile_name(profile)
 
 
 def package_version(import_name: str) -> str | None:

@@ -44,8 +44,9 @@ def auto_engine(path: Path) -> tuple[str, str]:
 
     fmt = identify(path).format
     if fmt.name in ("awq", "gptq"):  # transformers reads these only with AutoAWQ / GPTQModel installed
-        if quantization_problem(path):  # a layout the fast engine cannot repack, by name
-            raise ModelLoadError(quantization_problem(path))
+        problem = quantization_problem(path)  # a layout the fast engine cannot repack, by name
+        if problem:
+            raise ModelLoadError(problem)
         return "fast", f"a {fmt.name.upper()} checkpoint (the fast engine repacks its 4-bit weights)"
     try:
         import torch

@@ -28,8 +28,9 @@ def load_fast(path: Path, gpu_profile: str | None, context: int | None, max_batc
 
     caps = detect(gpu_profile)
     apply_profile(caps)
-    if quantization_problem(path):
-        raise ModelLoadError(quantization_problem(path))
+    problem = quantization_problem(path)
+    if problem:
+        raise ModelLoadError(problem)
     pre = quantization_config(path)
     if pre is None and quantization_of(path):
         raise ModelLoadError(f"{path}: a bitsandbytes checkpoint; the fast engine quantizes by itself: serve the "
