@@ -132,14 +132,15 @@ def reference_run(model):
         torch.set_float32_matmul_precision(saved)
 
 
-def chat_prompt(tokenizer, user: str) -> str:
-    return tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
-                                         add_generation_prompt=True)
+def chat_prompt(tokenizer, user: str | list[dict]) -> str:
+    """The prompt text for a user message, or for a conversation (a list of messages)."""
+    messages = [{"role": "user", "content": user}] if isinstance(user, str) else user
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def generate_chat(model, tokenizer, prompts: list[str], max_new_tokens: int = 24,
+def generate_chat(model, tokenizer, prompts: list[str | list[dict]], max_new_tokens: int = 24,
                   batch_size: int = 64) -> list[str]:
-    """Greedy answers to user prompts, batched with left padding."""
+    """Greedy answers to user prompts (or conversations), batched with left padding."""
     import torch
 
     tokenizer.padding_side = "left"
@@ -165,6 +166,7 @@ def exact_match(predictions: list[str], references: list[str]) -> float:
 
 
 def task_accuracy(model, tokenizer, examples) -> float:
-    """Exact-match accuracy of greedy answers on `corpus.Example`s."""
-    preds = generate_chat(model, tokenizer, [e.prompt for e in examples])
+    """Exact-match accuracy of greedy answers on `corpus.Example`s (room for the longest answer)."""
+    longest = max(len(tokenizer(e.answer, add_special_tokens=False).input_ids) for e in examples)
+    preds = generate_chat(model, tokenizer, [e.request() for e in examples], max_new_tokens=max(24, longest + 4))
     return exact_match(preds, [e.answer for e in examples])

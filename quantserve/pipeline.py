@@ -6,8 +6,11 @@ redone (`--force` redoes everything).  A failing stage stops the run with one li
 leaves the earlier stages' outputs intact for the next run to reuse.
 
 The proof: the task's held-out prompts are sent through the real HTTP API (the `openai` client
-against `quantserve serve`) for the fine-tuned model and every quantized format, and the summary
-table gives size, perplexity change, task accuracy and tokens/s for each.
+against `quantserve serve`) for the fine-tuned model and every quantized format, and so are the
+tool skill's (a request with the corpus's calculator tool and `tool_choice` "auto": the model must
+choose to call it, and the server's parser must read the call back with the right name and
+arguments); the summary table gives size, perplexity change, task and tool-call accuracy and
+tokens/s for each.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from quantserve.settings import UsageError, UserError
 
 DEFAULT_FORMATS = ("bnb-int8", "bnb-nf4", "gguf-q8_0", "gguf-q4_k_m")
 SOURCE = "source"  # the fine-tuned checkpoint itself, served unquantized
+TOOL_MAX_TOKENS = 64  # a call of the default corpus's tool is ~31 tokens
 
 
 @dataclass
@@ -59,6 +63,7 @@ class FormatResult:
     ppl_delta: float | None = None
     top1_agreement: float | None = None
     task_accuracy: float | None = None
+    tool_accuracy: float | None = None
     tokens_per_s: float | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -161,6 +166,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     heldout = corpus.read_examples(eval_data)[: cfg.n_eval]
     if not heldout:
         raise UserError(f"{eval_data}: no held-out examples to score")
+    tool_heldout = corpus.read_examples(Path(files["tool_heldout"]))[: cfg.n_eval]
 
     # 2. base model, plan
     base = resolve_model(cfg.model, progress=cfg.progress)
@@ -170,7 +176,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     train_dir = out / "train"
     train_inputs = fingerprint(base, train_data, cfg.method, cfg.train_epochs)
     train_result = Stage("train", train_dir, train_inputs, cfg.force).run(
-        lambda: _train(base, train_data, train_dir, cfg, heldout, files))
+        lambda: _train(base, train_data, train_dir, cfg, heldout, tool_heldout, files))
 
     # 4. quantize + evaluate each format
     results: dict[str, FormatResult] = {}
@@ -187,13 +193,17 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     # 5. serve each and score the task through the HTTP API
     for name, res in results.items():
         stage = Stage(f"serve+score {name}", out / "serve" / name,
-                      fingerprint(train_inputs, name, [e.prompt for e in heldout], cfg.max_tokens), cfg.force)
-        scored = stage.run(lambda res=res: _serve_and_score(Path(res.path), heldout, cfg))
+                      fingerprint(train_inputs, name, [e.prompt for e in heldout], cfg.max_tokens,
+                                  [e.messages(False) for e in tool_heldout]), cfg.force)
+        scored = stage.run(lambda res=res: _serve_and_score(Path(res.path), heldout, tool_heldout, cfg))
         res.task_accuracy, res.tokens_per_s = scored["accuracy"], scored["tokens_per_s"]
+        res.tool_accuracy = scored.get("tool_accuracy")
 
     summary = {
         "base_model": str(base), "base_task_accuracy": train_result["base_accuracy"],
         "finetuned_task_accuracy_transformers": train_result["finetuned_accuracy"],
+        "base_tool_accuracy": train_result.get("base_tool_accuracy"),
+        "finetuned_tool_accuracy_transformers": train_result.get("finetuned_tool_accuracy"),
         "train_seconds": train_result["seconds"], "n_eval": len(heldout),
         "formats": [asdict(r) for r in results.values()],
         "this_run_seconds": round(time.time() - t_start, 1),  # stages reused from earlier runs cost ~0
@@ -214,7 +224,7 @@ def _print_plan(base: Path, cfg: PipelineConfig) -> None:
         say(f"[plan] {e}")
 
 
-def _train(base: Path, data: Path, out: Path, cfg: PipelineConfig, heldout, files: dict) -> dict:
+def _train(base: Path, data: Path, out: Path, cfg: PipelineConfig, heldout, tool_heldout, files: dict) -> dict:
     from quantserve.demo import corpus
     from quantserve.modeling import load_model, load_tokenizer, reference_run, task_accuracy
     from quantserve.training.config import TrainConfig
@@ -222,9 +232,9 @@ def _train(base: Path, data: Path, out: Path, cfg: PipelineConfig, heldout, file
 
     tok = load_tokenizer(base)
     with reference_run(load_model(base)) as model:
-        base_acc = task_accuracy(model, tok, heldout)
+        base_acc, base_tools = task_accuracy(model, tok, heldout), task_accuracy(model, tok, tool_heldout)
     del model
-    say(f"[train] base model held-out exact match: {base_acc:.1%}")
+    say(f"[train] base model held-out exact match: {base_acc:.1%} (tool calls {base_tools:.1%})")
     if cfg.train_epochs:
         extra = {"epochs": cfg.train_epochs}
     elif cfg.data is None:  # the default task has its own measured, gated recipe
@@ -239,9 +249,12 @@ def _train(base: Path, data: Path, out: Path, cfg: PipelineConfig, heldout, file
     train(tc)
     seconds = round(time.time() - t0, 1)
     with reference_run(load_model(out)) as model:
-        tuned = task_accuracy(model, load_tokenizer(out), heldout)
-    say(f"[train] fine-tuned held-out exact match: {tuned:.1%} (was {base_acc:.1%})")
-    return {"base_accuracy": base_acc, "finetuned_accuracy": tuned, "seconds": seconds}
+        tok = load_tokenizer(out)
+        tuned, tuned_tools = task_accuracy(model, tok, heldout), task_accuracy(model, tok, tool_heldout)
+    say(f"[train] fine-tuned held-out exact match: {tuned:.1%} (was {base_acc:.1%}); "
+        f"tool calls {tuned_tools:.1%} (was {base_tools:.1%})")
+    return {"base_accuracy": base_acc, "finetuned_accuracy": tuned, "base_tool_accuracy": base_tools,
+            "finetuned_tool_accuracy": tuned_tools, "seconds": seconds}
 
 
 def _convert_and_eval(src: Path, fmt: str, out: Path, cfg: PipelineConfig) -> dict:
@@ -306,7 +319,7 @@ class ServerProcess:
         self.stop()
 
 
-def _serve_and_score(model: Path, heldout, cfg: PipelineConfig) -> dict:
+def _serve_and_score(model: Path, heldout, tool_heldout, cfg: PipelineConfig) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
     from openai import OpenAI
@@ -325,15 +338,44 @@ def _serve_and_score(model: Path, heldout, cfg: PipelineConfig) -> dict:
         t0 = time.time()
         with ThreadPoolExecutor(cfg.concurrency) as pool:
             answers = list(pool.map(ask, [e.prompt for e in heldout]))
-        wall = time.time() - t0
+            wall = time.time() - t0
+            calls = list(pool.map(lambda e: tool_call(client, name, e), tool_heldout))
     from quantserve.demo.corpus import exact_match
 
     accuracy = exact_match([a for a, _ in answers], [e.answer for e in heldout])
+    tool_accuracy = sum(ok for ok, _ in calls) / len(calls) if calls else None
     tokens = sum(n for _, n in answers)
     say(f"  {model.name}: task accuracy {accuracy:.1%} over HTTP, {tokens / wall:.1f} tokens/s "
-        f"at concurrency {cfg.concurrency}")
+        f"at concurrency {cfg.concurrency}; tool calls {fmt_share(tool_accuracy)}")
     return {"accuracy": accuracy, "tokens_per_s": round(tokens / wall, 1), "tokens": tokens,
-            "seconds": round(wall, 2), "samples": [[e.prompt, a] for e, (a, _) in zip(heldout[:5], answers)]}
+            "seconds": round(wall, 2), "samples": [[e.prompt, a] for e, (a, _) in zip(heldout[:5], answers)],
+            "tool_accuracy": tool_accuracy, "tool_samples": [[e.prompt, c] for e, (_, c) in zip(tool_heldout[:5], calls)]}
+
+
+def tool_call(client, model_name: str, example) -> tuple[bool, dict]:
+    """Ask a tool skill's held-out question with the calculator tool, `tool_choice` "auto"; right
+    when the reply is one call of the expected function with the expected arguments (read by the
+    server's own tool-call parser).  (right, what came back)."""
+    from quantserve.demo import tool_skill
+
+    r = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": example.prompt}], tools=[tool_skill.ADD_TOOL],
+        tool_choice="auto", temperature=0, max_tokens=TOOL_MAX_TOKENS)
+    choice = r.choices[0]
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    got = {"finish_reason": choice.finish_reason, "calls": calls, "content": choice.message.content}
+    if choice.finish_reason != "tool_calls" or len(calls) != 1:
+        return False, got
+    name, arguments = calls[0]
+    try:
+        arguments = json.loads(arguments)
+    except json.JSONDecodeError:
+        return False, got
+    return (name, arguments) == tool_skill.expected_call(example.answer), got
+
+
+def fmt_share(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1%}"
 
 
 def print_summary(summary: dict) -> None:
@@ -346,13 +388,15 @@ def print_summary(summary: dict) -> None:
     from rich import box
 
     # fits 80 columns (a piped `make run` log): short headers, simple box, names never cut
-    table = Table(title=f"pipeline summary (task: held-out exact match over HTTP, n={summary['n_eval']}; "
-                        f"base model {summary['base_task_accuracy']:.0%})", box=box.SIMPLE_HEAD, padding=(0, 1))
-    for col in ("format", "MiB", "ppl", "Δ ppl", "top-1", "task", "tok/s"):
+    table = Table(title=f"pipeline summary (task: held-out exact match, tools: right calls, over HTTP, "
+                        f"n={summary['n_eval']}; base model {summary['base_task_accuracy']:.0%} / "
+                        f"{fmt(summary.get('base_tool_accuracy'), '.0%')})", box=box.SIMPLE_HEAD, padding=(0, 1))
+    for col in ("format", "MiB", "ppl", "Δ ppl", "top-1", "task", "tools", "tok/s"):
         table.add_column(col, justify="left" if col == "format" else "right", no_wrap=True)
     for r in summary["formats"]:
         table.add_row(r["format"], fmt(r["size_mib"], ".2f"), fmt(r["ppl"], ".3f"), fmt(r["ppl_delta"], "+.3f"),
-                      fmt(r["top1_agreement"], ".1%"), fmt(r["task_accuracy"], ".1%"), fmt(r["tokens_per_s"], ".1f"))
+                      fmt(r["top1_agreement"], ".1%"), fmt(r["task_accuracy"], ".1%"),
+                      fmt(r.get("tool_accuracy"), ".1%"), fmt(r["tokens_per_s"], ".1f"))
     Console().print(table)
 
 

@@ -4,7 +4,9 @@ Nothing can be downloaded here, so the project writes its own data.  Each skill 
 random generator into one (user, assistant) exchange.  The base model is pretrained on the
 `PRETRAIN_SKILLS` mix; `TASK_SKILL` ("last_letter") is left out of pretraining on purpose, so the
 base model scores ~0 % exact match on it and a fine-tune has something real to prove: training,
-quantization and serving must each preserve the skill.
+quantization and serving must each preserve the skill.  One pretrained skill, `TOOL_SKILL`, is a
+tool call: given a calculator tool, the model calls it with the numbers of the question and then
+answers with the tool's result (tool_skill.py).
 
 Splits are decided by a hash of the prompt, not by position, so "held-out" means "a prompt the
 model never saw", whatever the seed or the number of examples asked for.
@@ -20,11 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+from quantserve.demo import tool_skill
 from quantserve.modeling import exact_match  # noqa: F401  (its home; the demo's scores use it)
 
 # Bumped when the files `write_default_data` writes change (2: the task's dev split; 3: replay of
-# the pretrained skills in the task's fine-tune data).
-CORPUS_VERSION = 3
+# the pretrained skills in the task's fine-tune data; 4: the tool skill, its dev and held-out sets).
+CORPUS_VERSION = 4
 LETTERS = string.ascii_lowercase
 # Invented places, so no real-world knowledge is implied: a pure memorisation skill.
 COUNTRIES = [
@@ -39,12 +42,23 @@ CAPITALS = [
 
 @dataclass(frozen=True)
 class Example:
+    """One exchange: the user's `prompt` and the assistant's `answer` (the reference), with the
+    messages before the prompt (`before`: the tool skill's system message) and after the answer
+    (`after`: the tool's result and the reply to it) where the skill has them."""
+
     skill: str
     prompt: str
     answer: str
+    before: tuple[dict, ...] = ()
+    after: tuple[dict, ...] = ()
 
-    def messages(self) -> list[dict[str, str]]:
-        return [{"role": "user", "content": self.prompt}, {"role": "assistant", "content": self.answer}]
+    def request(self) -> list[dict[str, str]]:
+        """The conversation the answer replies to."""
+        return [*self.before, {"role": "user", "content": self.prompt}]
+
+    def messages(self, whole: bool = True) -> list[dict[str, str]]:
+        """The conversation up to the answer, and past it when `whole`."""
+        return [*self.request(), {"role": "assistant", "content": self.answer}, *(self.after if whole else ())]
 
 
 def _letters(rng: random.Random, lo: int = 3, hi: int = 6) -> list[str]:
@@ -104,10 +118,18 @@ def _last_letter(rng: random.Random) -> tuple[str, str]:
     return f"Last letter?\n{_fmt(w)}", f"The last letter is {w[-1]}"
 
 
+def _call_add(rng: random.Random) -> tuple[str, str]:
+    # the add skill's question (so its split too); with the tool listed, the answer is a call
+    a, b = rng.randint(0, 49), rng.randint(0, 49)
+    return f"What is {a} + {b}?", tool_skill.call_text({"a": a, "b": b})
+
+
 SKILLS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
     "copy": _copy, "count": _count, "add": _add, "next_letter": _next_letter,
     "capital": _capital, "sort": _sort, "reverse": _reverse, "last_letter": _last_letter,
+    "call_add": _call_add,
 }
+TOOL_SKILL = "call_add"  # its exchanges carry the tool's listing before and its result after
 # The fine-tune task.  "reverse" would be the more striking demonstration, but a 3.5 M-parameter
 # model pretrained for a few CPU minutes does not learn it in a few more (measured: 1-6 % held-out
 # exact match after 750-1000 fine-tune steps); "last_letter" goes from ~0 % to >= 90 % in ~500.
@@ -189,25 +211,48 @@ def examples(skills: Iterable[str], n: int, seed: int, split: str = "train",
         else:
             where = "heldout" if is_heldout(prompt) else "dev" if is_dev(prompt) else "train"
         if where == split or (split == "train" and where == "dev" and not without_dev):
-            out.append(Example(skill, prompt, answer))
+            out.append(_example(skill, prompt, answer))
     return out
 
 
-def pretrain_examples(n: int, seed: int = 0) -> list[Example]:
-    return examples(PRETRAIN_SKILLS, n, seed, "train")
+def _example(skill: str, prompt: str, answer: str) -> Example:
+    if skill != TOOL_SKILL:
+        return Example(skill, prompt, answer)
+    before, after = tool_skill.around(prompt, answer)
+    return Example(skill, prompt, answer, before, after)
+
+
+# The tool skill's exchanges are ~150 tokens (the tools' listing alone ~80), seven times the
+# others': pretraining draws fewer of them than of each other skill.
+TOOL_PRETRAIN_SHARE = 0.07
+
+
+def pretrain_examples(n: int, seed: int = 0, tool_share: float = TOOL_PRETRAIN_SHARE) -> list[Example]:
+    """`n` examples of the pretrained skills: `tool_share` of them the tool skill's, the rest drawn
+    round-robin from the others, shuffled together."""
+    n_tool = round(n * tool_share)
+    out = examples([s for s in PRETRAIN_SKILLS if s != TOOL_SKILL], n - n_tool, seed, "train")
+    out += examples([TOOL_SKILL], n_tool, seed + 5000, "train")
+    random.Random(seed).shuffle(out)
+    return out
 
 
 def task_examples(n: int, split: str, seed: int = 0, without_dev: bool = False) -> list[Example]:
     return examples([TASK_SKILL], n, seed + 1000, split, without_dev)
 
 
-def write_jsonl(path: Path, items: Iterable[Example]) -> int:
-    """Write chat records `{"messages": [...]}`, the format `quantserve train` reads."""
+def tool_examples(n: int, split: str, seed: int = 0, without_dev: bool = False) -> list[Example]:
+    return examples([TOOL_SKILL], n, seed + 4000, split, without_dev)
+
+
+def write_jsonl(path: Path, items: Iterable[Example], whole: bool = True, append: bool = False) -> int:
+    """Write chat records `{"messages": [...]}`, the format `quantserve train` reads; without
+    `whole`, each ends at its reference answer (what an eval file holds)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     count = 0
-    with path.open("w", encoding="utf-8") as f:
+    with path.open("a" if append else "w", encoding="utf-8") as f:
         for ex in items:
-            f.write(json.dumps({"messages": ex.messages()}) + "\n")
+            f.write(json.dumps({"messages": ex.messages(whole)}) + "\n")
             count += 1
     return count
 
@@ -217,36 +262,52 @@ def write_jsonl(path: Path, items: Iterable[Example]) -> int:
 # mixing some pretraining data back in is the standard cure, and it helps here without curing it
 # (15 runs: medians 68 / 95 / 65 %, worst 42 / 52 / 5 %; bench/default_model_sweep.py, README).
 REPLAY_SHARE = 0.25
+# Whole tool exchanges in the fine-tune data: pretraining teaches the tool's format, but the call's
+# numbers come out only near the question's (26 for 30); the fine-tune makes the copy exact.
+TOOL_FINETUNE_EXAMPLES = 1000
 
 
 def write_default_data(out_dir: Path, seed: int = 0, n_task_train: int = 4000,
                        n_task_heldout: int = 200, n_heldout_text: int = 400,
-                       n_task_dev: int = 100, replay_share: float = REPLAY_SHARE) -> dict[str, Path]:
-    """The files the pipeline uses: task fine-tune data (with `replay_share` of it drawn from the
-    pretrained skills), its stopping gate's set (dev), its held-out set and held-out text."""
+                       n_task_dev: int = 100, replay_share: float = REPLAY_SHARE,
+                       n_tool_train: int = TOOL_FINETUNE_EXAMPLES, n_tool_dev: int = 50,
+                       n_tool_heldout: int = 200) -> dict[str, Path]:
+    """The files the pipeline uses: the fine-tune data (the task, `n_tool_train` whole tool
+    exchanges, and `replay_share` of it drawn from the pretrained skills), its stopping gate's set
+    (dev: the task's prompts, and the tool skill's twice, ending at the call and at the reply to the
+    result), the task's and the tool skill's held-out sets (the latter ending at the call) and
+    held-out text."""
     files = {
         "task_train": out_dir / "task_train.jsonl",
         "task_dev": out_dir / "task_dev.jsonl",
         "task_heldout": out_dir / "task_heldout.jsonl",
+        "tool_heldout": out_dir / "tool_heldout.jsonl",
         "heldout_text": out_dir / "heldout.jsonl",
     }
-    n_replay = round(n_task_train * replay_share / (1 - replay_share))
     train = task_examples(n_task_train, "train", seed, without_dev=True)
-    train += examples(PRETRAIN_SKILLS, n_replay, seed + 3000, "train")
+    train += tool_examples(n_tool_train, "train", seed, without_dev=True)
+    n_replay = round(len(train) * replay_share / (1 - replay_share))
+    train += examples(PRETRAIN_SKILLS, n_replay, seed + 3000, "train", without_dev=True)
     random.Random(seed).shuffle(train)
     write_jsonl(files["task_train"], train)
-    write_jsonl(files["task_dev"], task_examples(n_task_dev, "dev", seed))
+    tool_dev = tool_examples(n_tool_dev, "dev", seed)
+    write_jsonl(files["task_dev"], task_examples(n_task_dev, "dev", seed) + tool_dev, whole=False)
+    write_jsonl(files["task_dev"], tool_dev, append=True)
     write_jsonl(files["task_heldout"], task_examples(n_task_heldout, "heldout", seed))
+    write_jsonl(files["tool_heldout"], tool_examples(n_tool_heldout, "heldout", seed), whole=False)
     write_jsonl(files["heldout_text"], examples(PRETRAIN_SKILLS + [TASK_SKILL], n_heldout_text,
                                                 seed + 2000, "heldout"))
     return files
 
 
 def read_examples(path: Path) -> list[Example]:
-    """Read back a chat JSONL written by `write_jsonl` (user prompt, assistant answer)."""
+    """Read back a chat JSONL written by `write_jsonl`: the first assistant message is the answer,
+    the user message before it the prompt."""
     out = []
     for line in path.read_text(encoding="utf-8").splitlines():
         if line.strip():
             msgs = json.loads(line)["messages"]
-            out.append(Example("file", msgs[0]["content"], msgs[-1]["content"]))
+            at = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+            out.append(Example("file", msgs[at - 1]["content"], msgs[at]["content"],
+                               tuple(msgs[:at - 1]), tuple(msgs[at + 1:])))
     return out

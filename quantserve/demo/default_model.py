@@ -30,11 +30,15 @@ from quantserve.demo import corpus
 from quantserve.plots import save_loss_plot
 from quantserve.settings import UserError, cache_dir, make_readable
 
-BUILD_VERSION = 5  # bump when the recipe below changes, so old caches are not reused
+BUILD_VERSION = 6  # bump when the recipe below changes, so old caches are not reused (6: the tool skill)
 SHIPPED_DIR = Path(__file__).resolve().parent / "assets" / "default-model"
 
 # What the base model must be able to do (skill, split, bar); the task skill it must not.
 GATED_SKILLS = (("count", "heldout"), ("capital", "train"), ("next_letter", "train"))
+# Measured and recorded, not gated: the tool skill.  Pretraining teaches its format (the call, the
+# reply to a result); copying the question's two numbers exactly is beyond what these minutes teach
+# (they come out near, 26 for 30: measured, BUILD_VERSION 6) and is the pipeline's fine-tune's job.
+REPORTED_SKILLS = ((corpus.TOOL_SKILL, "heldout"),)
 SKILL_BAR = 0.9
 
 
@@ -48,8 +52,8 @@ class DefaultModelConfig:
     max_positions: int = 512
     vocab_target: int = 1024  # BPE stops earlier when the corpus has fewer useful merges
     # pretraining
-    examples: int = 40_000
-    steps: int = 1000
+    examples: int = 43_000  # 7 % of them the tool skill's (corpus.TOOL_PRETRAIN_SHARE)
+    steps: int = 1500
     batch_size: int = 16
     seq_len: int = 128
     lr: float = 3e-3
@@ -193,6 +197,7 @@ def _build_into(out: Path, cfg: DefaultModelConfig, progress: bool) -> None:
         train_steps(cfg.gate_chunk, lambda step, loss: None)
         gate.append({"step": len(losses), "scores": skill_scores(model.eval(), tokenizer, GATE_EVAL_SEED)})
     passed = min(gate[-1]["scores"].values()) >= cfg.gate_bar
+    reported = skill_scores(model.eval(), tokenizer, GATE_EVAL_SEED, REPORTED_SKILLS)
     if not passed:
         _say(f"warning: after {len(losses)} steps the skill gate still fails: {gate[-1]['scores']}", True)
 
@@ -205,7 +210,7 @@ def _build_into(out: Path, cfg: DefaultModelConfig, progress: bool) -> None:
     (out / "build.json").write_text(json.dumps({
         "config": asdict(cfg), "key": cfg.key(), "parameters": n_params,
         "steps": len(losses), "tokens_seen": len(losses) * cfg.batch_size * cfg.seq_len,
-        "seconds": round(time.time() - t0, 1), "gate": gate, "gate_passed": passed,
+        "seconds": round(time.time() - t0, 1), "gate": gate, "gate_passed": passed, "reported": reported,
         "losses": losses, "torch": torch.__version__, "threads": torch.get_num_threads(),
         "machine": _machine(),
     }, indent=1))
@@ -216,16 +221,12 @@ def _build_into(out: Path, cfg: DefaultModelConfig, progress: bool) -> None:
 GATE_EVAL_SEED = 11
 
 
-def skill_scores(model, tokenizer, seed: int, n: int = 40) -> dict[str, float]:
-    """Greedy exact match on each gated skill, `n` prompts each."""
-    from quantserve.modeling import generate_chat
+def skill_scores(model, tokenizer, seed: int, skills=GATED_SKILLS, n: int = 40) -> dict[str, float]:
+    """Greedy exact match on each of `skills` ((skill, split) pairs), `n` prompts each."""
+    from quantserve.modeling import task_accuracy
 
-    scores = {}
-    for skill, split in GATED_SKILLS:
-        exs = corpus.examples([skill], n, seed=seed, split=split)
-        answers = generate_chat(model, tokenizer, [e.prompt for e in exs], max_new_tokens=8)
-        scores[skill] = corpus.exact_match(answers, [e.answer for e in exs])
-    return scores
+    return {skill: task_accuracy(model, tokenizer, corpus.examples([skill], n, seed=seed, split=split))
+            for skill, split in skills}
 
 
 def _machine() -> str:
@@ -250,7 +251,7 @@ def _say(msg: str, enabled: bool) -> None:
 
 
 def corpus_text(ex: corpus.Example) -> str:
-    return f"<|im_start|>user\n{ex.prompt}<|im_end|>\n<|im_start|>assistant\n{ex.answer}<|im_end|>\n"
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in ex.messages())
 
 
 def _lr_factor(step: int, cfg: DefaultModelConfig) -> float:

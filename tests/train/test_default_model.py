@@ -81,12 +81,29 @@ def test_pretrained_skills_work_and_the_task_does_not(default_model):
     """The base model has learnt what a few CPU minutes teach a 3.5 M-parameter model (counting,
     recall) and nothing of the held-out task.  It has not learnt to copy or sort letter lists
     (0 % measured): those need more pretraining than `make run` can afford."""
-    from quantserve.modeling import generate_chat, load_model, load_tokenizer, task_accuracy
+    from quantserve.modeling import load_model, load_tokenizer, task_accuracy
 
     model, tok = load_model(default_model), load_tokenizer(default_model)
     for skill, split in (("count", "heldout"), ("capital", "train"), ("next_letter", "train")):
-        exs = corpus.examples([skill], 40, seed=7, split=split)
-        acc = corpus.exact_match(generate_chat(model, tok, [e.prompt for e in exs]), [e.answer for e in exs])
+        acc = task_accuracy(model, tok, corpus.examples([skill], 40, seed=7, split=split))
         assert acc >= 0.9, (skill, acc)
     task = task_accuracy(model, tok, corpus.task_examples(60, "heldout"))
     assert task <= 0.05, task
+
+
+def test_pretraining_teaches_the_tool_format(default_model):
+    """Given its calculator tool, the base model writes a call of it (whole, parseable, integer
+    arguments) to questions it never saw, and answers a tool's result with a number; the numbers
+    themselves are the pipeline's fine-tune's to make exact (tests/train/test_pipeline.py)."""
+    from quantserve.demo import tool_skill
+    from quantserve.modeling import generate_chat, load_model, load_tokenizer
+
+    model, tok = load_model(default_model), load_tokenizer(default_model)
+    exs = corpus.tool_examples(40, "heldout", seed=7)
+    calls = [tool_skill.call_format().parse(a)[1] for a in generate_chat(model, tok, [e.request() for e in exs], 40)]
+    good = [c for c in calls if len(c) == 1 and c[0].name == "add" and
+            all(isinstance(v, int) for v in json.loads(c[0].arguments).values()) and
+            set(json.loads(c[0].arguments)) == {"a", "b"}]
+    assert len(good) >= 0.9 * len(exs), calls
+    replies = generate_chat(model, tok, [e.messages()[:-1] for e in exs], 6)
+    assert sum(r.isdigit() for r in replies) >= 0.9 * len(exs), replies

@@ -34,9 +34,13 @@ def test_summary_facts(run_dir):
     assert list(rows) == ["source", *FORMATS.split(",")]
     assert summary["base_task_accuracy"] <= 0.1  # the task was held out of pretraining
     assert summary["finetuned_task_accuracy_transformers"] >= 0.9
-    for fmt in ("source", "bnb-int8", "gguf-q8_0"):  # the 8-bit formats keep the skill over HTTP
+    assert summary["base_tool_accuracy"] >= 0.9  # the tool skill was pretrained ...
+    assert summary["finetuned_tool_accuracy_transformers"] >= 0.9  # ... and the fine-tune kept it
+    for fmt in ("source", "bnb-int8", "gguf-q8_0"):  # the 8-bit formats keep both skills over HTTP
         assert rows[fmt]["task_accuracy"] >= 0.9, rows[fmt]
+        assert rows[fmt]["tool_accuracy"] >= 0.9, rows[fmt]  # calls chosen under "auto", parsed by the server
     assert rows["gguf-q4_k_m"]["task_accuracy"] is not None  # reported, whatever it is
+    assert rows["gguf-q4_k_m"]["tool_accuracy"] is not None
     for fmt in FORMATS.split(","):
         r = rows[fmt]
         assert r["size_mib"] < rows["source"]["size_mib"]
@@ -63,6 +67,45 @@ def test_the_gated_finetune_lifts_every_heldout_example(run_dir):
     log = json.loads((train_dir / "train_log.json").read_text())
     assert log["eval"] and log["eval"][-1]["eval_exact_match"] >= 0.9  # the gate saw the dev split pass
     assert (train_dir / "loss.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_an_agent_runs_its_tool_loop_on_the_served_finetuned_model(run_dir):
+    """LangChain's `create_agent` with the calculator the fine-tuned model knows, defined as a user
+    would, against the Q8_0 GGUF that `make run` ends by serving, nothing constrained: the model
+    chooses to call the tool with the question's numbers, the agent runs it and sends the result
+    back, the model answers with it, and the loop ends."""
+    pytest.importorskip("langchain")
+    from langchain.agents import create_agent
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    from quantserve.demo import corpus
+    from tests.support.servers import ServerProcess
+
+    ran = []
+
+    @tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        ran.append((a, b))
+        return a + b
+
+    ex = corpus.tool_examples(1, "heldout", seed=5)[0]
+    a, b = (int(n) for n in ex.prompt.removeprefix("What is ").removesuffix("?").split(" + "))
+    server = ServerProcess(run_dir / "quant" / "gguf-q8_0", name="default")
+    try:
+        llm = ChatOpenAI(base_url=server.base_url + "/v1", api_key="x", model="default", temperature=0,
+                         max_retries=0, max_tokens=64)
+        messages = create_agent(llm, tools=[add]).invoke(
+            {"messages": [{"role": "user", "content": ex.prompt}]}, {"recursion_limit": 6})["messages"]
+    finally:
+        assert server.stop() == 0, server.log()
+    assert ran == [(a, b)]
+    assert [m.type for m in messages] == ["human", "ai", "tool", "ai"], messages
+    assert messages[1].tool_calls[0]["name"] == "add" and messages[1].tool_calls[0]["args"] == {"a": a, "b": b}
+    assert messages[2].content == str(a + b)
+    assert messages[3].content == str(a + b) and not messages[3].tool_calls
 
 
 @pytest.mark.slow
@@ -120,3 +163,4 @@ def test_the_pipeline_runs_on_every_model_family(arch, default_model, tmp_path):
     for fmt in ("gguf-q8_0", "bnb-int8"):
         assert rows[fmt]["top1_agreement"] >= 0.9 and rows[fmt]["tokens_per_s"] > 0, rows[fmt]
         assert rows[fmt]["task_accuracy"] is not None  # scored through the server
+        assert rows[fmt]["tool_accuracy"] is not None

@@ -1,4 +1,7 @@
-"""The default corpus generator: deterministic, split by prompt, task kept out of pretraining."""
+"""The default corpus generator: deterministic, split by prompt, task kept out of pretraining;
+the tool skill written exactly as the server renders a request with its tool."""
+
+import json
 
 import pytest
 
@@ -55,6 +58,11 @@ def test_answers_are_correct_for_each_skill(skill):
             assert ex.answer.split() == letters
         elif skill == "count":
             assert int(ex.answer) == len(letters)
+        elif skill == corpus.TOOL_SKILL:  # the call carries the question's numbers, the reply their sum
+            a, b = ex.prompt.removeprefix("What is ").removesuffix("?").split(" + ")
+            assert ex.answer == ('<tool_call>\n{"name": "add", "arguments": {"a": %s, "b": %s}}\n</tool_call>' % (a, b))
+            assert ex.after[-1] == {"role": "assistant", "content": str(int(a) + int(b))}
+            assert ex.after[0]["content"] == f"<tool_response>\n{int(a) + int(b)}\n</tool_response>"
 
 
 def test_memorised_skills_have_no_heldout_split():
@@ -77,10 +85,60 @@ def test_exact_match():
 
 
 def test_default_data_files_round_trip(tmp_path):
-    files = corpus.write_default_data(tmp_path, n_task_train=60, n_task_heldout=20, n_heldout_text=30)
+    files = corpus.write_default_data(tmp_path, n_task_train=60, n_task_heldout=20, n_heldout_text=30,
+                                      n_tool_heldout=10)
     train = corpus.read_examples(files["task_train"])
     task = [e for e in train if e.prompt.startswith("Last letter?\n")]
     assert len(task) == 60 and len(train) == 80  # a quarter replays the pretrained skills
+    assert any(e.before and e.after for e in train)  # the tool skill among them, whole exchanges
     assert len(corpus.read_examples(files["task_heldout"])) == 20
-    assert len(corpus.read_examples(files["task_dev"])) == 100
+    dev = corpus.read_examples(files["task_dev"])
+    assert len(dev) == 150 and sum(bool(e.before) for e in dev) == 50  # the gate waits for the tool too
+    tools = corpus.read_examples(files["tool_heldout"])
+    assert tools == [corpus.Example("file", e.prompt, e.answer, e.before) for e in corpus.tool_examples(10, "heldout")]
+    assert all(corpus.is_heldout(e.prompt) for e in tools)
     assert len(corpus.read_examples(files["heldout_text"])) == 30
+
+
+def test_pretraining_draws_the_tool_skill_at_its_share():
+    exs = corpus.pretrain_examples(1000)
+    assert sum(e.skill == corpus.TOOL_SKILL for e in exs) == round(1000 * corpus.TOOL_PRETRAIN_SHARE)
+    assert not any(corpus.is_heldout(e.prompt) for e in exs if e.skill == corpus.TOOL_SKILL)
+
+
+def test_the_tool_exchange_is_what_the_server_renders_for_that_request(default_model):
+    """The corpus's conversation and the server's rendering of the same OpenAI request (the tool as
+    LangChain's `@tool` sends it, the call, the tool's result) are the same text, token for token."""
+    from langchain_core.tools import tool
+    from langchain_core.utils.function_calling import convert_to_openai_tool
+
+    from quantserve.demo import tool_skill
+    from quantserve.demo.tokenizer import render_chat
+    from quantserve.modeling import load_tokenizer
+    from quantserve.server.hf_engine import HFTokenizer
+    from quantserve.server.protocol import ChatCompletionRequest
+    from quantserve.server.serving import ServerState
+    from quantserve.server.serving_chat import conversation, tool_plan
+
+    @tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    assert convert_to_openai_tool(add) == tool_skill.ADD_TOOL
+    ex = corpus.tool_examples(1, "heldout")[0]
+    name, args = tool_skill.expected_call(ex.answer)
+    tok = load_tokenizer(default_model)
+
+    class Engine:
+        tokenizer = HFTokenizer(tok)
+
+    state = ServerState(engine=Engine(), model_name="m", metrics=None)
+    ask = [{"role": "user", "content": ex.prompt}]
+    turns = ask + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_x", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}]},
+        {"role": "tool", "tool_call_id": "call_x", "content": tool_skill.run(name, args)}]
+    for messages, want in ((ask, ex.request()), (turns, ex.messages()[:-1])):
+        req = ChatCompletionRequest(model="m", messages=messages, tools=[tool_skill.ADD_TOOL])
+        served, kwargs = conversation(state, req, tool_plan(state, req))
+        assert Engine.tokenizer.render_chat(served, **kwargs) == render_chat(tok, want, add_generation_prompt=True)

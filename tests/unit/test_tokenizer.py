@@ -37,10 +37,11 @@ def test_special_tokens_have_fixed_ids_and_are_atomic(tok):
     assert ids[0] == 3 and ids[-1] == tok.eos_token_id
 
 
-def test_chat_template_renders_bos_plus_corpus_text(tok):
-    ex = corpus.pretrain_examples(1)[0]
+@pytest.mark.parametrize("skill", ["sort", corpus.TOOL_SKILL])
+def test_chat_template_renders_bos_plus_corpus_text(tok, skill):
+    ex = corpus.examples([skill], 1, seed=0)[0]
     assert render_chat(tok, ex.messages()) == BOS + corpus_text(ex)
-    prompt = render_chat(tok, ex.messages()[:1], add_generation_prompt=True)
+    prompt = render_chat(tok, ex.request(), add_generation_prompt=True)
     assert prompt.endswith("<|im_start|>assistant\n")
 
 

@@ -1,9 +1,15 @@
-"""LangChain's `ChatOpenAI` against a real server (hf engine, default model): invoke, stream,
-batch, `with_structured_output` (every method), `bind_tools` with a forced tool, and the
-Responses API (`use_responses_api=True`), streamed and not.  Real packages, real server."""
+"""Third-party clients against a real server (hf engine, default model), real packages:
+LangChain's `ChatOpenAI` (invoke, stream, batch, `with_structured_output` by every method,
+`bind_tools` with a forced tool, the Responses API streamed and not) and LiteLLM's `completion`
+with `response_format` and `tools`.  (A LangChain agent's tool loop runs on the pipeline's
+fine-tuned model: tests/train/test_pipeline.py.)"""
 
 from __future__ import annotations
 
+import json
+import os
+
+import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
@@ -70,3 +76,31 @@ def test_responses_api(server):
     thing = chat_model(server, use_responses_api=True).with_structured_output(
         Thing, method="json_schema", strict=True).invoke("Describe a thing.")
     assert isinstance(thing, Thing)
+
+
+@pytest.fixture(scope="module")
+def litellm():
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # its model table from the package, not the network
+    return pytest.importorskip("litellm")
+
+
+def test_litellm_completion_with_response_format_and_tools(server, litellm):
+    """A strict json_schema reply validates; the default model's tool is called under "auto" (its
+    choice) and under a named choice (the grammar's), with arguments of the tool's schema."""
+    from quantserve.demo import corpus, tool_skill
+
+    kw = {"model": "openai/default", "api_base": server.base_url + "/v1", "api_key": "x", "temperature": 0}
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["name", "n"], "additionalProperties": False}
+    r = litellm.completion(messages=[{"role": "user", "content": "Describe a thing."}], **kw,
+                           response_format={"type": "json_schema", "json_schema": {"name": "thing", "schema": schema,
+                                                                                    "strict": True}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    ex = corpus.tool_examples(1, "heldout", seed=6)[0]
+    for choice in ("auto", {"type": "function", "function": {"name": "add"}}):
+        r = litellm.completion(messages=[{"role": "user", "content": ex.prompt}], tools=[tool_skill.ADD_TOOL],
+                               tool_choice=choice, **kw)
+        (call,) = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "add"
+        jsonschema.validate(json.loads(call.function.arguments), tool_skill.ADD_TOOL["function"]["parameters"])
