@@ -86,14 +86,18 @@ def test_exact_match():
 
 def test_default_data_files_round_trip(tmp_path):
     files = corpus.write_default_data(tmp_path, n_task_train=60, n_task_heldout=20, n_heldout_text=30,
-                                      n_tool_heldout=10)
+                                      n_tool_train=30, n_tool_heldout=10)
     train = corpus.read_examples(files["task_train"])
     task = [e for e in train if e.prompt.startswith("Last letter?\n")]
-    assert len(task) == 60 and len(train) == 80  # a quarter replays the pretrained skills
-    assert any(e.before and e.after for e in train)  # the tool skill among them, whole exchanges
+    tools = [e for e in train if e.before]
+    assert len(task) == 60 and len(train) == 120  # a quarter replays the pretrained skills
+    assert len(tools) >= 30 and all(len(e.after) == 2 for e in tools)  # whole exchanges: call, result, reply
+    assert not any(corpus.is_dev(e.prompt) or corpus.is_heldout(e.prompt) for e in tools)
     assert len(corpus.read_examples(files["task_heldout"])) == 20
     dev = corpus.read_examples(files["task_dev"])
-    assert len(dev) == 150 and sum(bool(e.before) for e in dev) == 50  # the gate waits for the tool too
+    # the gate waits for the tool too: 50 questions ending at the call, the same ending at the reply
+    assert len(dev) == 200 and sum(bool(e.before) for e in dev) == 100
+    assert sum(len(e.after) == 2 for e in dev) == 50
     tools = corpus.read_examples(files["tool_heldout"])
     assert tools == [corpus.Example("file", e.prompt, e.answer, e.before) for e in corpus.tool_examples(10, "heldout")]
     assert all(corpus.is_heldout(e.prompt) for e in tools)
