@@ -12,7 +12,7 @@ from tests.support.families import FAMILIES, family_checkpoint
 FORMATS = "bnb-int8,gguf-q8_0,gguf-q4_k_m"
 
 
-def pipeline(out, *args, timeout=1500):
+def pipeline(out, *args, timeout=2400):
     return subprocess.run([sys.executable, "-m", "quantserve", "pipeline", "--out", str(out), "--no-serve",
                            "--n-eval", "40", *args], capture_output=True, text=True, cwd=REPO, timeout=timeout)
 
