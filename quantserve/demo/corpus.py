@@ -4,9 +4,10 @@ Nothing can be downloaded here, so the project writes its own data.  Each skill 
 random generator into one (user, assistant) exchange.  The base model is pretrained on the
 `PRETRAIN_SKILLS` mix; `TASK_SKILL` ("last_letter") is left out of pretraining on purpose, so the
 base model scores ~0 % exact match on it and a fine-tune has something real to prove: training,
-quantization and serving must each preserve the skill.  One pretrained skill, `TOOL_SKILL`, is a
-tool call: given a calculator tool, the model calls it with the numbers of the question and then
-answers with the tool's result (tool_skill.py).
+quantization and serving must each preserve the skill.  One skill, `TOOL_SKILL`, is a tool call:
+given a calculator tool, call it with the question's numbers, then answer with the tool's result
+(tool_skill.py).  Pretraining teaches its format; the task's fine-tune data carries it too, and its
+gate waits for it, since the exact numbers are learnt there.
 
 Splits are decided by a hash of the prompt, not by position, so "held-out" means "a prompt the
 model never saw", whatever the seed or the number of examples asked for.
