@@ -70,8 +70,15 @@ def serve(
                                           help="Require 'Authorization: Bearer KEY' (or set $QUANTSERVE_API_KEY)."),
     max_queue: int = typer.Option(_D.max_queue, min=1, help="Requests allowed to wait; more get 429 + Retry-After."),
     max_batch: int = typer.Option(_D.max_batch, min=1, max=512, help="Sequences decoded together (continuous batching)."),
-    prefill_chunk: int = typer.Option(_D.prefill_chunk, min=16, help="Prompt tokens prefilled between two decode steps: "
-                                      "a long prompt is taken in chunks so running streams keep going."),
+    prefill_chunk: Optional[int] = typer.Option(None, min=16, show_default=False, help="hf and gguf engines: prompt "
+                                                "tokens prefilled between two decode steps (default 512): a long "
+                                                "prompt is taken in chunks so running streams keep going."),
+    max_num_batched_tokens: Optional[int] = typer.Option(
+        None, min=16, show_default=False, help="fast engine: tokens per forward, every running sequence's "
+        "next token and prompt chunks together (default 2048)."),
+    kv_blocks: Optional[int] = typer.Option(
+        None, min=1, show_default=False, help="fast engine: the KV cache's size in blocks of 16 tokens, shared by "
+        "all sequences (default: what the GPU memory left after the weights holds)."),
     embedding_pooling: str = typer.Option(_D.embedding_pooling, help="/v1/embeddings: 'last' token's final "
                                           "hidden state (decoder models' usual choice) or 'mean' over the input."),
     prefix_cache: bool = typer.Option(_D.prefix_cache, "--prefix-cache/--no-prefix-cache",
@@ -79,7 +86,7 @@ def serve(
                                       "prompt and earlier turns); usage.prompt_tokens_details.cached_tokens says how many."),
     context: Optional[int] = typer.Option(None, min=16, help="Context length; default: the model's own."),
     gpu_profile: Optional[str] = typer.Option(None, "--gpu-profile", help="'t4' makes a bigger GPU behave like a T4."),
-    engine: str = typer.Option(_D.engine, help="auto (by the path), hf (transformers), fast (static KV cache, "
+    engine: str = typer.Option(_D.engine, help="auto (by the path), hf (transformers), fast (paged KV cache, "
                                "CUDA graphs on a GPU; Llama-family) or gguf (llama.cpp)."),
     weight_quant: str = typer.Option(_D.weight_quant, help="--engine fast only: none, int8 or int4 weight-only."),
     kv_cache_dtype: str = typer.Option(_D.kv_cache_dtype, help="fast and gguf engines: auto (16-bit) or int8 (fast: "
@@ -152,6 +159,8 @@ def serve(
                                                         threads=threads, engine=engine,
                                                         weight_quant=weight_quant, trust_pickle=trust_pickle,
                                                         prefill_chunk=prefill_chunk, prefix_cache=prefix_cache,
+                                                        max_num_batched_tokens=max_num_batched_tokens,
+                                                        kv_blocks=kv_blocks,
                                                         embedding_pooling=embedding_pooling,
                                                         kv_cache_dtype=kv_cache_dtype))
     logging.getLogger("quantserve.server").debug("engine options: %s", engine.options)  # never the API key

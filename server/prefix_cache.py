@@ -246,6 +246,10 @@ class RowBackend:
     def free(self, slot: int) -> None:
         self.rows.release(slot)
 
+    def forget_prefixes(self) -> None:
+        """Drop every finished sequence's tokens (a warm-up's are no prefix anyone asked for)."""
+        self.rows.forget_all()
+
     def cached_tokens(self) -> int:
         return self.rows.held_tokens()
 

@@ -1,6 +1,6 @@
-"""`--engine fast`: server/fastcore's static-KV-cache decoder behind the same scheduler and API.
-Only the decode core differs from the `hf` engine, so these tests check what the core decides:
-greedy tokens and logprobs equal transformers' offline ones, alone and in a concurrent batch."""
+"""`--engine fast`: server/fastcore's paged-KV decoder behind the paged scheduler and the same API.
+Greedy tokens and logprobs equal transformers' offline ones, alone and in a concurrent batch whose
+forwards mix decodes and prompt chunks."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from tests.support.servers import MAX_TOKENS, PROMPTS, ServerProcess, hf_referen
 
 @pytest.fixture(scope="module")
 def server(default_model):
-    # a small prompt chunk: the chat prompts below span several chunks, scheduler and core alike
-    srv = ServerProcess(default_model, "--engine", "fast", "--max-batch", "16", "--prefill-chunk", "16",
+    # a small token budget: the chat prompts below span several forwards, mixed with running decodes
+    srv = ServerProcess(default_model, "--engine", "fast", "--max-batch", "16", "--max-num-batched-tokens", "32",
                         name="fast")
     yield srv
     assert srv.stop() == 0, srv.log()
@@ -27,7 +27,8 @@ def reference(default_model):
 
 def test_fast_engine_is_reported(server):
     assert server.health["engine"] == "fast"
-    assert server.health["prefill_chunk"] == 16  # --prefill-chunk reaches the core, not only the scheduler
+    assert server.health["max_num_batched_tokens"] == 32
+    assert server.health["kv_blocks"] == 16 * 512 // 16  # on a CPU: a whole context per sequence
     assert server.client().models.list().data[0].model_dump()["engine"] == "fast"
 
 
