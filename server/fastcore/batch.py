@@ -21,7 +21,12 @@ import torch
 
 from quantserve.server.fastcore.blocks import BLOCK
 
-PROMPT_TILE = 16  # tokens of one sequence per Triton program when a batch holds prompt chunks
+
+
+def prompt_tile(groups: int) -> int:
+    """Tokens of one sequence per Triton program when a batch holds prompt chunks: 64 query rows
+    (tokens x the G query heads of a KV head, G rounded up to a power of two)."""
+    return max(1, 64 // (1 << (groups - 1).bit_length()))
 
 
 class StepBatch(NamedTuple):
@@ -38,11 +43,12 @@ class StepBatch(NamedTuple):
     kv_blocks: torch.Tensor  # [NB] arange, NB = most blocks one sequence spans (a size carrier)
 
 
-def build_batch(items: list[tuple[int, list[int], int]], device: torch.device) -> StepBatch:
-    """A StepBatch on `device` for (block-table row, token ids, first position) entries."""
+def build_batch(items: list[tuple[int, list[int], int]], device: torch.device, groups: int = 1) -> StepBatch:
+    """A StepBatch on `device` for (block-table row, token ids, first position) entries; groups:
+    the model's query heads per KV head (the tiles' size follows from it)."""
     tokens, pos, tok_slot, tok_seq, tok_col, seq_slot, seq_len, last, tiles = ([] for _ in range(9))
     single = all(len(ids) == 1 for _, ids, _ in items)
-    tile = 1 if single else PROMPT_TILE
+    tile = 1 if single else prompt_tile(groups)
     for s, (row, ids, start) in enumerate(items):
         n = len(ids)
         if n == 0:

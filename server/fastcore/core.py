@@ -75,6 +75,7 @@ class FastCore:
         self.prequantized = weights.prequantized  # an AWQ / GPTQ checkpoint's quantization (quant/prequantized.py)
         self.config = weights.config
         self.args = ModelArgs.from_hf(weights.config)
+        self.groups = self.args.n_heads // self.args.n_kv_heads  # query heads per KV head
         self.model = build_transformer(weights, self.args, device, dtype, weight_quant, quant_kernel, group_size)
         self.attention = use_attention(self.model, attention, device)
         self.load_seconds = time.perf_counter() - t0
@@ -148,7 +149,7 @@ class FastCore:
             kv_blocks = -(-max(start + 1 for _, _, start in entries) // BLOCK)
             logits = self.steps.decode(entries, kv_blocks)
         else:
-            logits = self.steps.mixed(build_batch(entries, self.device))
+            logits = self.steps.mixed(build_batch(entries, self.device, self.groups))
         for slot, ids, _ in entries:
             self.pool.written(slot, list(ids))
         return logits.float()
@@ -219,7 +220,7 @@ class FastCore:
         """One eager forward of `ids` into `slot` with every position's output ([n, vocab] logits
         or [n, dim] hidden states): scoring and embeddings, which the compiled steps do not give."""
         entries = self._reserve([(slot, ids)])
-        out = self.model(build_batch(entries, self.device), all_positions=True, hidden=hidden).float()
+        out = self.model(build_batch(entries, self.device, self.groups), all_positions=True, hidden=hidden).float()
         self.pool.written(slot, ids)
         return out
 
