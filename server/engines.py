@@ -117,7 +117,7 @@ def _scheduler(backend, eos_token_ids: set[int], o: EngineOptions):
     """The paged scheduler (one forward per iteration, preemption) for a backend with a KV pool;
     the row scheduler (a prompt chunk, then a decode step) for the others."""
     if hasattr(backend, "pool"):
-        from quantserve.server.paged import PagedScheduler
+        from quantserve.server.paged_scheduler import PagedScheduler
 
         return PagedScheduler(backend, eos_token_ids, o.max_batch, o.max_queue, log=log.error,
                               max_batched_tokens=o.batched_tokens())

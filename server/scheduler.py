@@ -83,7 +83,7 @@ class Scheduler:
         self._log = log or (lambda msg: None)
         self._cond = threading.Condition()
         self._waiting: collections.deque[tuple[TokenStream, float]] = collections.deque()
-        self._preempted: list[_Running] = []  # sequences sent back to wait (paged.py), admitted first
+        self._preempted: list[_Running] = []  # sequences sent back to wait (paged_scheduler.py), admitted first
         self._arrivals = itertools.count()
         self._running: dict[int, _Running] = {}  # request id -> state
         self._cancelled: set[int] = set()
@@ -126,7 +126,7 @@ class Scheduler:
                            prefix_queried_tokens=queried, prefix_hit_tokens=hits, **self._kv_stats())
 
     def _kv_stats(self) -> dict:
-        """Paged backends add their block use and preemptions (paged.py)."""
+        """Paged backends add their block use and preemptions (paged_scheduler.py)."""
         return {}
 
     def shutdown(self, grace_s: float) -> None:
@@ -194,7 +194,7 @@ class Scheduler:
         return True
 
     def _step(self) -> None:
-        """A prefill chunk, then one decode step (a paged backend does both in one forward: paged.py)."""
+        """A prefill chunk, then one decode step (a paged backend does both in one forward: paged_scheduler.py)."""
         self._prefill_chunk()
         self._flush()  # first tokens go out now, not after the decode step
         if any(seq.decoding for seq in self._running.values()):

@@ -3,7 +3,7 @@
 The scheduler's slots are FastCore's slots (block-table rows) one to one, and its KV pool
 (`pool`, fastcore/blocks.py) is the prefix cache too: a new sequence shares the cached blocks of
 its prompt's longest cached prefix instead of computing them (no copy).  `step` runs decodes and
-prompt chunks of many sequences as one forward (server/paged.py drives it).
+prompt chunks of many sequences as one forward (server/paged_scheduler.py drives it).
 """
 
 from __future__ import annotations

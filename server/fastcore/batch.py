@@ -72,7 +72,8 @@ def build_batch(items: list[tuple[int, list[int], int]], device: torch.device, g
     parts = dict(zip(host, flat.split(sizes)))
     return StepBatch(**parts, tiles=torch.tensor(tiles, dtype=torch.int32).to(device, non_blocking=True),
                      q_cols=torch.arange(longest, device=device),
-                     kv_blocks=torch.arange(-(-max(seq_len) // BLOCK), device=device))
+                     # at least 2: a size of 1 is specialized by torch.compile (a graph of its own)
+                     kv_blocks=torch.arange(max(2, -(-max(seq_len) // BLOCK)), device=device))
 
 
 def decode_batch(tokens: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, tiles: torch.Tensor,

@@ -167,10 +167,10 @@ class FastCore:
                 raise KVPoolFull(f"{len(ids)} more tokens for slot {slot}: {self.pool.free_blocks()} of "
                                  f"{self.pool.num_blocks} KV blocks free")
             entries.append((slot, ids, start))
-        self._sync_table()
+        self.sync_table()
         return entries
 
-    def _sync_table(self) -> None:
+    def sync_table(self) -> None:
         """Copy the block-table rows that changed to the device (in place: graphs read that buffer)."""
         if not self.pool.dirty:
             return
@@ -233,9 +233,9 @@ class FastCore:
         from quantserve.progress import track
 
         t0 = time.perf_counter()
-        buckets = self.steps.buckets if self.steps.pool is not None else ()
-        for batch in track(buckets, "recording decode graphs (batch sizes)", "graph", enabled=progress):
-            self.steps.decode_graph(batch)
+        for batch in track(self.steps.buckets if self.compile else (), "compiling decode steps (batch sizes)",
+                           "batch", enabled=progress):
+            self.steps.warm_decode(batch)
         try:
             self._warm_up_mixed()
         except Exception as e:  # eager steps still serve: say so, once
@@ -243,8 +243,7 @@ class FastCore:
                 raise
             print(f"warning: the compiled forward failed ({type(e).__name__}: {str(e)[:200]}); "
                   "prompts run eagerly", file=sys.stderr)
-            self.steps.compile = False
-            self.steps._fns.pop("mixed", None)
+            self.steps.compile_mixed = False
             self._warm_up_mixed()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

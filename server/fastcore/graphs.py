@@ -31,6 +31,7 @@ class Steps:
     def __init__(self, model, device: torch.device, max_seqs: int, compile: bool, graphs: bool,
                  weight_quant: str, quant_kernel: str):
         self.model, self.device, self.compile = model, device, compile
+        self.compile_mixed = compile  # off: prompt steps eagerly (benches that time decode alone)
         self.weight_quant, self.quant_kernel = weight_quant, quant_kernel
         self.trash_row = max_seqs  # the block table's padding row (every entry the trash block)
         self.buckets = tuple(b for b in BATCH_BUCKETS if b < max_seqs) + (max_seqs,)
@@ -45,7 +46,7 @@ class Steps:
     # ---- any batch -----------------------------------------------------------------------------
     def mixed(self, batch: StepBatch) -> torch.Tensor:
         """Logits at each sequence's last token, [S, vocab]."""
-        return self.mixed_step()(batch)
+        return self.mixed_step()(batch) if self.compile_mixed else self._forward(batch)
 
     def mixed_step(self):
         """The forward over any StepBatch, compiled once for every number of tokens and sequences."""
@@ -78,14 +79,26 @@ class Steps:
         host[0, :n] = torch.tensor([ids[0] for _, ids, _ in entries])
         host[1, :n] = torch.tensor([start for _, _, start in entries])
         host[2, :n] = torch.tensor([row for row, _, _ in entries])
+        return self.decode_raw(host.to(self.device, non_blocking=True), kv_blocks)[:n]
+
+    def decode_raw(self, inputs: torch.Tensor, kv_blocks: int) -> torch.Tensor:
+        """The decode step on a device tensor [3, B] (tokens, positions, block-table rows; B a
+        bucket), with no host sync (benchmarks loop on it).  Returns the logits in the step's own
+        output buffer: copy before the next call."""
+        B = inputs.shape[1]
         if self.pool is None:
-            inputs = host.to(self.device)
             blocks = torch.arange(kv_blocks, device=self.device)
-            return self.decode_step(B)(inputs, decode_tiles(B, self.device), blocks)[:n]
+            return self.decode_step(B)(inputs, decode_tiles(B, self.device), blocks)
         graph, static, out = self.decode_graph(B)
-        static.copy_(host, non_blocking=True)
+        static.copy_(inputs, non_blocking=True)
         graph.replay()  # the whole step, ~10 kernels per layer, in one launch
-        return out[:n]
+        return out
+
+    def warm_decode(self, batch: int) -> None:
+        """Compile (and on a GPU record) the decode step of `batch` rows, at the trash row."""
+        inputs = torch.zeros((3, batch), dtype=torch.long, device=self.device)
+        inputs[2] = self.trash_row
+        self.decode_raw(inputs, 1)
 
     def decode_step(self, batch: int):
         """The decode forward for one padded batch size: compiled when `compile` (dynamic sizes

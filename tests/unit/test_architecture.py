@@ -32,6 +32,7 @@ HTTP = ("quantserve.server.api_server", "quantserve.server.serving*", "quantserv
         "quantserve.server.tools", "quantserve.server.tool_parsers")
 ENGINE = ("quantserve.server.engine", "quantserve.server.engines", "quantserve.server.scheduler",
           "quantserve.server.exceptions", "quantserve.server.faults", "quantserve.server.sampling",
+          "quantserve.server.paged_scheduler",
           "quantserve.server.textstream", "quantserve.server.config", "quantserve.server.structured",
           "quantserve.server.prefix_cache", "quantserve.server.backend", "quantserve.server.*_engine",
           "quantserve.server.fastcore")
