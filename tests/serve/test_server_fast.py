@@ -92,3 +92,74 @@ def test_kv_cache_dtype_is_refused_where_it_does_not_apply(default_model):
     assert_one_line_error(cli("serve", str(default_model), "--kv-cache-dtype", "fp8"), 2, "--kv-cache-dtype")
     assert_one_line_error(cli("serve", str(default_model), "--engine", "hf", "--kv-cache-dtype", "int8"), 1,
                           "--kv-cache-dtype int8 applies to the fast and gguf engines only")
+
+
+def _metric(srv, name: str) -> float:
+    import re
+
+    import httpx
+
+    text = httpx.get(srv.base_url + "/metrics").text
+    return float(re.search(rf"^{re.escape(name)}(?:_total)? ([0-9.e+]+)$", text, re.M).group(1))
+
+
+def test_a_tiny_kv_pool_finishes_every_request_through_preemption(default_model, reference):
+    """8 blocks of 16 tokens for 8 concurrent chats of ~45 tokens each: the pool holds about two
+    at a time, so sequences are preempted and computed again; every answer is still the offline
+    greedy one, nobody sees an error, and the pool is empty once they are done."""
+    srv = ServerProcess(default_model, "--engine", "fast", "--kv-blocks", "8", "--max-batch", "8",
+                        "--max-num-batched-tokens", "64", name="fast")
+    try:
+        assert srv.health["kv_blocks"] == 8
+        users = PROMPTS + ["Repeat: x y z", "Sort: c b a"]
+
+        async def one(ac, user):
+            r = await ac.chat.completions.create(model="fast", messages=[{"role": "user", "content": user}],
+                                                 temperature=0, max_tokens=MAX_TOKENS)
+            return r.choices[0].message.content
+
+        async def run():
+            async with srv.async_client() as ac:
+                return await asyncio.gather(*[one(ac, u) for u in users])
+
+        for user, text in zip(users, asyncio.run(run())):
+            assert text == reference.text(reference.greedy(reference.chat_ids(user))), user
+        assert _metric(srv, "quantserve:num_preemptions") > 0
+        assert _metric(srv, "vllm:num_preemptions") == _metric(srv, "quantserve:num_preemptions")
+        assert _metric(srv, "quantserve:kv_cache_blocks_used") == 0
+        assert _metric(srv, "quantserve:kv_cache_blocks_total") == 8
+        assert _metric(srv, 'quantserve:request_outcome_total{outcome="error"}') == 0
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+def test_a_request_larger_than_the_whole_pool_is_refused_with_the_numbers(default_model):
+    import openai
+
+    srv = ServerProcess(default_model, "--engine", "fast", "--kv-blocks", "4", "--max-batch", "2",
+                        "--max-num-batched-tokens", "32", name="fast")
+    try:
+        client = srv.client()
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="fast", prompt="a b c d e f g h", max_tokens=80)
+        assert "KV cache holds 64 tokens in all (4 blocks of 16)" in str(e.value)
+        assert "80 in the completion" in str(e.value) and e.value.status_code == 400
+        # without max_tokens the completion is bounded by the pool, not the context
+        r = client.completions.create(model="fast", prompt="a b c d e f g h", temperature=0)
+        assert r.usage.prompt_tokens + r.usage.completion_tokens <= 64
+        assert srv.health["status"] == "ok"
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+def test_paged_settings_are_refused_where_they_do_not_apply(default_model):
+    from tests.support.cli import assert_one_line_error, cli
+
+    assert_one_line_error(cli("serve", str(default_model), "--engine", "hf", "--kv-blocks", "8"), 1,
+                          "--kv-blocks 8 applies to the fast engine only")
+    assert_one_line_error(cli("serve", str(default_model), "--engine", "hf", "--max-num-batched-tokens", "64"), 1,
+                          "--max-num-batched-tokens 64 applies to the fast engine only")
+    assert_one_line_error(cli("serve", str(default_model), "--engine", "fast", "--prefill-chunk", "64"), 1,
+                          "--prefill-chunk 64 applies to the hf and gguf engines")
+    assert_one_line_error(cli("serve", str(default_model), "--engine", "fast", "--max-batch", "64",
+                              "--max-num-batched-tokens", "32"), 1, "must hold a token for each of max_batch")
