@@ -151,6 +151,9 @@ class ScheduledEngine:
         for name in ("max_num_batched_tokens", "kv_blocks"):  # the paged fast engine's own settings
             if getattr(options, name) is not None and self.kind != "fast":
                 raise ModelLoadError("applies to the fast engine only", name, getattr(options, name))
+        if self.kind == "fast" and options.batched_tokens() < options.max_batch:
+            raise ModelLoadError(f"must hold a token for each of max_batch ({options.max_batch}) running sequences",
+                                 "max_num_batched_tokens", options.batched_tokens())
         if options.prefill_chunk is not None and self.kind == "fast":
             raise ModelLoadError("applies to the hf and gguf engines (the fast engine's forward takes "
                                  "max_num_batched_tokens tokens, decodes and prompt chunks together)",

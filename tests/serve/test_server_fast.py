@@ -162,4 +162,5 @@ def test_paged_settings_are_refused_where_they_do_not_apply(default_model):
     assert_one_line_error(cli("serve", str(default_model), "--engine", "fast", "--prefill-chunk", "64"), 1,
                           "--prefill-chunk 64 applies to the hf and gguf engines")
     assert_one_line_error(cli("serve", str(default_model), "--engine", "fast", "--max-batch", "64",
-                              "--max-num-batched-tokens", "32"), 1, "must hold a token for each of max_batch")
+                              "--max-num-batched-tokens", "32"), 1,
+                          "--max-num-batched-tokens 32 must hold a token for each of max_batch (64)")
