@@ -14,9 +14,11 @@ from quantserve.server.fastcore.core import FastCore
 class FastCoreBackend:
     def __init__(self, model, max_batch: int, context_length: int, weight_quant: str = "none",
                  profile: str = "native", compile: bool | None = None, device: str | None = None,
-                 prefix_cache: bool = True, kv_cache_dtype: str = "auto", kv_blocks: int | None = None):
+                 prefix_cache: bool = True, kv_cache_dtype: str = "auto", kv_blocks: int | None = None,
+                 max_batched_tokens: int = 2048):
         """model: a checkpoint folder or a loaded (not bitsandbytes-quantized) HF Llama-family model.
-        kv_blocks: the KV pool's size in blocks (None: what the memory holds, fastcore/core.py)."""
+        kv_blocks: the KV pool's size in blocks (None: what the memory holds, fastcore/core.py);
+        max_batched_tokens: the most tokens one forward takes (the scheduler's budget)."""
         if getattr(getattr(model, "config", None), "quantization_config", None):
             raise ValueError("FastCore quantizes fp16 weights itself: give it the unquantized checkpoint "
                              "and weight_quant='int8' or 'int4'")
@@ -27,7 +29,7 @@ class FastCoreBackend:
         if self.core.compile:
             # every decode graph recorded and the forward compiled before /health says ready:
             # lazily, the first request of a new shape waited seconds (and stalled everyone else)
-            self.warm_up_s = self.core.warm_up(progress=True)
+            self.warm_up_s = self.core.warm_up(progress=True, max_tokens=max_batched_tokens)
         self.pool = self.core.pool
         self.vocab_size = self.core.args.vocab_size
         self.kv_capacity_tokens = self.pool.capacity_tokens

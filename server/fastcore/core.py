@@ -226,10 +226,11 @@ class FastCore:
 
     # ---- warm-up -------------------------------------------------------------------------------
     @torch.inference_mode()
-    def warm_up(self, progress: bool = False) -> float:
+    def warm_up(self, progress: bool = False, max_tokens: int = PROMPT_PIECE) -> float:
         """Compile and record, now, what a server's requests would otherwise wait for: the CUDA
-        graph of every decode batch bucket, the compiled mixed forward, the weight kernels'
-        prompt-sized tuning.  Returns the seconds it took (the bar on stderr says how far)."""
+        graph of every decode batch bucket, the compiled mixed forward, and the weight kernels'
+        tiles for every size of forward up to `max_tokens` tokens (they are chosen per power-of-two
+        size).  Returns the seconds it took (the bars on stderr say how far it is)."""
         from quantserve.progress import track
 
         t0 = time.perf_counter()
@@ -237,30 +238,38 @@ class FastCore:
                            "batch", enabled=progress):
             self.steps.warm_decode(batch)
         try:
-            self._warm_up_mixed()
+            self._warm_up_mixed(max_tokens, progress)
         except Exception as e:  # eager steps still serve: say so, once
             if not self.compile:
                 raise
             print(f"warning: the compiled forward failed ({type(e).__name__}: {str(e)[:200]}); "
                   "prompts run eagerly", file=sys.stderr)
             self.steps.compile_mixed = False
-            self._warm_up_mixed()
+            self._warm_up_mixed(max_tokens, progress)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
-    def _warm_up_mixed(self) -> None:
-        """A few mixed steps of other shapes (one prompt; prompts with decodes; a long chunk): the
-        dynamic-shape compile happens on the second shape, and the weight kernels tune their
-        prompt sizes on the long chunk.  The slots and blocks are given back after."""
+    def _warm_up_mixed(self, max_tokens: int, progress: bool) -> None:
+        """Mixed steps of one sequence and of several (a size of 1 compiles a graph of its own),
+        then one of each power-of-two size of forward up to max_tokens.  The slots and blocks
+        are given back after, and nothing they computed stays cached."""
+        from quantserve.progress import track
+
         slots = [self.acquire() for _ in range(min(3, self.max_slots))]
+        widths = [w for w in (64, 128, 256, 512, 1024, 2048, 4096, 8192) if w < max_tokens] + [max_tokens]
         try:
             self.step([(slots[0], [0] * 16)])
             if len(slots) > 1:
                 self.step([(slots[0], [0]), (slots[1], [0] * 8)] + [(s, [0] * 5) for s in slots[2:]])
-            room = min(self.max_seq - self.pool.held(slots[0]), 512, (self.pool.free_blocks() - 1) * BLOCK)
-            if room > 64:
-                self.step([(slots[0], [0] * room)])
+            for width in track(widths, "tuning the weight kernels (tokens per forward)", "size", enabled=progress):
+                pieces = [min(self.max_seq, width - i * self.max_seq) for i in range(len(slots))]
+                pieces = [n for n in pieces if n > 0]
+                if sum(pieces) < width or sum(self.pool.blocks_for(n) for n in pieces) > self.pool.num_blocks:
+                    break  # more than the slots or the pool hold: no forward that large ever runs
+                for s in slots:
+                    self.pool.start(s, [])  # from position 0 again, the blocks back in the pool
+                self.step([(s, [0] * n) for s, n in zip(slots, pieces)])
         finally:
             for s in slots:
                 self.release(s)

@@ -79,7 +79,9 @@ class Steps:
         host[0, :n] = torch.tensor([ids[0] for _, ids, _ in entries])
         host[1, :n] = torch.tensor([start for _, _, start in entries])
         host[2, :n] = torch.tensor([row for row, _, _ in entries])
-        return self.decode_raw(host.to(self.device, non_blocking=True), kv_blocks)[:n]
+        out = self.decode_raw(host.to(self.device, non_blocking=True), kv_blocks)[:n]
+        # a graph's logits live in its own buffer, which the next replay overwrites: a copy
+        return out.clone() if self.pool is not None and out.dtype == torch.float32 else out.float()
 
     def decode_raw(self, inputs: torch.Tensor, kv_blocks: int) -> torch.Tensor:
         """The decode step on a device tensor [3, B] (tokens, positions, block-table rows; B a
