@@ -59,6 +59,8 @@ class FastCore:
         if kv_cache_dtype not in ("auto", "int8"):
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: choose auto or int8")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and device.index is None:  # memory queries need the index
+            device = torch.device("cuda", torch.cuda.current_device())
         if dtype is None:
             dtype = torch.float16 if device.type == "cuda" else torch.float32
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
