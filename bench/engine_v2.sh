@@ -70,11 +70,10 @@ capacity() {  # LABEL ARGS...: 64 concurrent ~1,200-token prompts at --context 8
 }
 
 if [ "$phase" = 1 ]; then
-  if [ ! -d "$site/quantserve" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .devwheels/*.whl \
-        .devwheels/llama/gguf-*.whl .devwheels/llama/diskcache-*.whl
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$site" .
-  fi
+  [ -d "$site/fastapi" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" \
+      .devwheels/*.whl .devwheels/llama/gguf-*.whl .devwheels/llama/diskcache-*.whl
+  # this tree's quantserve every time: a warm machine keeps the last call's
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target "$site" .
   (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) | tee "$out/bench.txt"
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" \
       | tee -a "$out/bench.txt"
