@@ -112,23 +112,31 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, acc_ptr, m_p
 
 
 @triton.jit
-def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, tiles_ptr,
+def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, tiles_ptr, pos_ptr, window,
                   H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                  DP: tl.constexpr, BLOCK_M: tl.constexpr, NSPLIT: tl.constexpr):
+                  DP: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NSPLIT: tl.constexpr,
+                  WINDOW: tl.constexpr):
     tile, h = tl.program_id(0), tl.program_id(1)
     q0 = tl.load(tiles_ptr + tile * 3 + 1)
     nq = tl.load(tiles_ptr + tile * 3 + 2)
+    # only the chunks that had keys to see (the partial kernel's split of the same range)
+    hi = tl.load(pos_ptr + q0 + nq - 1) + 1
+    lo = 0
+    if WINDOW:
+        lo = tl.maximum(tl.load(pos_ptr + q0) - window + 1, 0)
+    per = tl.cdiv(tl.cdiv(hi - lo, NSPLIT), TILE_N) * TILE_N
+    active = tl.cdiv(hi - lo, per)
     r = tl.arange(0, BLOCK_M)
     tok, g = r // GP, r % GP
     d = tl.arange(0, DP)
     base = (tile * HKV + h) * NSPLIT
     m_all = tl.full((BLOCK_M,), -1.0e30, tl.float32)
-    for s in range(NSPLIT):
+    for s in range(0, active):
         m_all = tl.maximum(m_all, tl.load(m_ptr + (base + s) * BLOCK_M + r))
     denom = tl.zeros((BLOCK_M,), tl.float32)
     out = tl.zeros((BLOCK_M, DP), tl.float32)
-    for s in range(NSPLIT):
-        w = tl.exp(tl.load(m_ptr + (base + s) * BLOCK_M + r) - m_all)  # 0 for chunks that saw no key
+    for s in range(0, active):
+        w = tl.exp(tl.load(m_ptr + (base + s) * BLOCK_M + r) - m_all)
         denom += tl.load(l_ptr + (base + s) * BLOCK_M + r) * w
         out += tl.load(acc_ptr + ((base + s) * BLOCK_M + r)[:, None] * DP + d[None, :]) * w[:, None]
     out = out / tl.where(denom > 0, denom, 1.0)[:, None]
@@ -139,8 +147,9 @@ def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, tiles_ptr,
 
 
 def _splits(programs: int, sms: int) -> int:
-    """Key chunks per (tile, KV head): enough programs for two waves over the GPU; a power of two."""
-    want = max(1, min(64, -(-2 * sms // max(programs, 1))))
+    """Key chunks per (tile, KV head): enough programs for two waves over the GPU, at most 16 (the
+    merge reads every chunk that had keys: 64 of them took 30 us a layer on the 1B shape)."""
+    want = max(1, min(16, -(-2 * sms // max(programs, 1))))
     return 1 << (want - 1).bit_length()
 
 
@@ -176,8 +185,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BS=BLOCK, NSPLIT=nsplit, INT8=int8, SOFTCAP=softcap > 0, WINDOW=window > 0,
         FP32=q.dtype == torch.float32, num_warps=4 if block_m <= 64 else 8)
     if nsplit > 1:
-        _merge_kernel[(NT, HKV)](acc, m, l, out, tiles, H=H, HKV=HKV, G=G, GP=GP, D=D, DP=DP, BLOCK_M=block_m,
-                                  NSPLIT=nsplit, num_warps=4)
+        _merge_kernel[(NT, HKV)](acc, m, l, out, tiles, pos, window, H=H, HKV=HKV, G=G, GP=GP, D=D, DP=DP,
+                                  BLOCK_M=block_m, TILE_N=tile_n, NSPLIT=nsplit, WINDOW=window > 0, num_warps=4)
     return out
 
 
