@@ -10,6 +10,9 @@
 #                              ours 8B cold start, random prompts, shared prefix with the cache
 #   bench/engine_v2.sh OUT 3   ours 8B warm start, shared prefix without the cache; capacity at
 #                              --context 8192 with fp16 and int8 KV
+#   bench/engine_v2.sh OUT 4   ours alone, 1B: the attention kernel's GPU test, start-up cold and
+#                              warm, random prompts at 1, 8, 32 with py-spy on the server at 1
+#                              (.devwheels/tools carries py-spy's wheel)
 # Run from the repo root with .devwheels carried (the wheels the GPU image lacks).
 set -uo pipefail
 out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
@@ -69,11 +72,35 @@ capacity() {  # LABEL ARGS...: 64 concurrent ~1,200-token prompts at --context 8
   stop
 }
 
-if [ "$phase" = 1 ]; then
+install() {
   [ -d "$site/fastapi" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" \
       .devwheels/*.whl .devwheels/llama/gguf-*.whl .devwheels/llama/diskcache-*.whl
   # this tree's quantserve every time: a warm machine keeps the last call's
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target "$site" .
+}
+
+if [ "$phase" = 4 ]; then
+  install
+  python3 -m pip install -q --no-index --no-deps --target /tmp/tools .devwheels/tools/*.whl
+  (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) | tee "$out/bench.txt"
+  setsid nohup bash -c "cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape llama-3.2-1b \
+      --out /tmp/ck-llama-3.2-1b --context 8192 && touch /tmp/ck-llama-3.2-1b.done" > /tmp/checkpoints.log 2>&1 < /dev/null &
+  (cd /tmp && timeout 120 python3 -m pytest --import-mode=append -q -p no:cacheprovider \
+      "$repo/tests/serve/test_paged_attention.py") > "$out/gpu-tests.log" 2>&1 || log "gpu tests: rc=$?"
+  tail -n 2 "$out/gpu-tests.log" >> "$out/bench.txt"
+  checkpoint llama-3.2-1b
+  rm -rf "$QUANTSERVE_HOME/compile"
+  if start_ours ours-1b-cold /tmp/ck-llama-3.2-1b "${ours[@]}"; then
+    /tmp/tools/bin/py-spy record -p "$PID" -d 20 -r 250 -f raw --threads -o "$out/pyspy-c1.txt" > /dev/null 2>&1 &
+    load ours-1b 8000 random
+    stop
+  fi
+  start_ours ours-1b-warm /tmp/ck-llama-3.2-1b "${ours[@]}" && stop
+  log "phase 4 done"; exit 0
+fi
+
+if [ "$phase" = 1 ]; then
+  install
   (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) | tee "$out/bench.txt"
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" \
       | tee -a "$out/bench.txt"

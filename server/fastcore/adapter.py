@@ -15,10 +15,11 @@ class FastCoreBackend:
     def __init__(self, model, max_batch: int, context_length: int, weight_quant: str = "none",
                  profile: str = "native", compile: bool | None = None, device: str | None = None,
                  prefix_cache: bool = True, kv_cache_dtype: str = "auto", kv_blocks: int | None = None,
-                 max_batched_tokens: int = 2048):
+                 max_batched_tokens: int = 2048, choices_file=None):
         """model: a checkpoint folder or a loaded (not bitsandbytes-quantized) HF Llama-family model.
         kv_blocks: the KV pool's size in blocks (None: what the memory holds, fastcore/core.py);
-        max_batched_tokens: the most tokens one forward takes (the scheduler's budget)."""
+        max_batched_tokens: the most tokens one forward takes (the scheduler's budget);
+        choices_file: where the weight kernels' choices are kept between starts."""
         if getattr(getattr(model, "config", None), "quantization_config", None):
             raise ValueError("FastCore quantizes fp16 weights itself: give it the unquantized checkpoint "
                              "and weight_quant='int8' or 'int4'")
@@ -29,7 +30,8 @@ class FastCoreBackend:
         if self.core.compile:
             # every decode graph recorded and the forward compiled before /health says ready:
             # lazily, the first request of a new shape waited seconds (and stalled everyone else)
-            self.warm_up_s = self.core.warm_up(progress=True, max_tokens=max_batched_tokens)
+            self.warm_up_s = self.core.warm_up(progress=True, max_tokens=max_batched_tokens,
+                                               choices_file=choices_file)
         self.pool = self.core.pool
         self.vocab_size = self.core.args.vocab_size
         self.kv_capacity_tokens = self.pool.capacity_tokens

@@ -228,14 +228,19 @@ class FastCore:
 
     # ---- warm-up -------------------------------------------------------------------------------
     @torch.inference_mode()
-    def warm_up(self, progress: bool = False, max_tokens: int = PROMPT_PIECE) -> float:
+    def warm_up(self, progress: bool = False, max_tokens: int = PROMPT_PIECE, choices_file=None) -> float:
         """Compile and record, now, what a server's requests would otherwise wait for: the CUDA
         graph of every decode batch bucket, the compiled mixed forward, and the weight kernels'
         tiles for every size of forward up to `max_tokens` tokens (they are chosen per power-of-two
-        size).  Returns the seconds it took (the bars on stderr say how far it is)."""
+        size).  choices_file: where the Triton weight kernels' choices are kept between starts
+        (compile_cache.py's folder).  Returns the seconds it took (the bars on stderr say how far)."""
         from quantserve.progress import track
+        from quantserve.server.fastcore.quant import triton_ops
 
         t0 = time.perf_counter()
+        kernels = triton_ops() if self.weight_quant != "none" and self.quant_kernel == "triton" else None
+        if kernels is not None and choices_file is not None:
+            kernels.load_choices(choices_file)
         for batch in track(self.steps.buckets if self.compile else (), "compiling decode steps (batch sizes)",
                            "batch", enabled=progress):
             self.steps.warm_decode(batch)
@@ -250,6 +255,11 @@ class FastCore:
             self._warm_up_mixed(max_tokens, progress)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        if kernels is not None and choices_file is not None:
+            try:
+                kernels.save_choices(choices_file)
+            except OSError as e:  # a read-only cache: the next start tunes again, nothing worse
+                print(f"warning: could not keep the weight kernels' choices in {choices_file}: {e}", file=sys.stderr)
         return time.perf_counter() - t0
 
     def _warm_up_mixed(self, max_tokens: int, progress: bool) -> None:

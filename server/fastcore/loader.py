@@ -51,7 +51,8 @@ def load_fast(path: Path, gpu_profile: str | None, context: int | None, max_batc
     try:
         backend = FastCoreBackend(str(path), max_batch, context, weight_quant=weight_quant, profile=caps.profile,
                                   prefix_cache=prefix_cache, kv_cache_dtype=kv_cache_dtype, kv_blocks=kv_blocks,
-                                  max_batched_tokens=batched_tokens or EngineOptions().batched_tokens())
+                                  max_batched_tokens=batched_tokens or EngineOptions().batched_tokens(),
+                                  choices_file=compile_cache / "weight-kernels.json" if compile_cache else None)
     except (ValueError, KeyError, NotImplementedError) as e:
         raise ModelLoadError(f"cannot run {path} ({e}); use the hf engine", "engine", "fast") from e
     core = backend.core

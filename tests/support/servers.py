@@ -44,7 +44,10 @@ class ServerProcess:
             env["QUANTSERVE_API_KEY"] = api_key
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"quantserve-test-{self.port}.log"
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        # QUANTSERVE_TEST_CWD: where the GPU scripts run servers from (in the source tree `python -m
+        # quantserve` would import its bare folder instead of the package installed there)
+        self.proc = subprocess.Popen(cmd, cwd=os.environ.get("QUANTSERVE_TEST_CWD", REPO), env=env,
+                                     stdout=self._log, stderr=subprocess.STDOUT)
         try:
             self._wait_ready(start_timeout)
         except BaseException:
