@@ -134,10 +134,9 @@ class Attention(nn.Module):
         self.register_buffer("v_scale", None, persistent=False)
         self.attend = attention.attend_torch  # attention.py; the Triton kernel on a GPU (use_attention)
 
-    def forward(self, x, cos, sin, slot_map, batch, table):
-        """x [T, dim]; cos/sin [T, D]; slot_map [T]: the cache position (block * BLOCK + offset)
-        each new token's K/V go to; batch: the StepBatch (which sequence each token is of);
-        table: the block table."""
+    def forward(self, x, cos, sin, at, batch, table):
+        """x [T, dim]; cos/sin [T, D]; at: ([T] blocks, [T] offsets) where each new token's K/V
+        go; batch: the StepBatch (which sequence each token is of); table: the block table."""
         a = self.a
         T = x.shape[0]
         q, k, v = self.wqkv(x).split([a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim,
@@ -150,16 +149,18 @@ class Attention(nn.Module):
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        flat = (-1, a.n_kv_heads, a.head_dim)
+        # indexed on the cache tensors themselves, not on a flattened view of them: under
+        # torch.compile a write through a view became a copy of the whole cache (functionalized,
+        # then copied back), twice a layer: ~4 GB a decode step for the 1B shape's pool
+        blk, off = at
         if self.k_scale is None:
-            self.k_cache.view(flat)[slot_map] = k.to(self.k_cache.dtype)
-            self.v_cache.view(flat)[slot_map] = v.to(self.v_cache.dtype)
+            self.k_cache[blk, off] = k.to(self.k_cache.dtype)
+            self.v_cache[blk, off] = v.to(self.v_cache.dtype)
         else:
             (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
-            self.k_cache.view(flat)[slot_map] = kq
-            self.v_cache.view(flat)[slot_map] = vq
-            self.k_scale.view(-1, a.n_kv_heads)[slot_map] = ks.squeeze(-1).to(self.k_scale.dtype)
-            self.v_scale.view(-1, a.n_kv_heads)[slot_map] = vs.squeeze(-1).to(self.v_scale.dtype)
+            self.k_cache[blk, off], self.v_cache[blk, off] = kq, vq
+            self.k_scale[blk, off] = ks.squeeze(-1).to(self.k_scale.dtype)
+            self.v_scale[blk, off] = vs.squeeze(-1).to(self.v_scale.dtype)
         y = self.attend(q, self, batch, table)  # [T, n_heads, head_dim]
         return self.wo(y.reshape(T, a.n_heads * a.head_dim))
 
@@ -188,8 +189,8 @@ class Block(nn.Module):
         self.post_attention_norm = RMSNorm(a.dim, a.norm_eps, a.norm_offset) if a.sandwich_norms else None
         self.post_ffn_norm = RMSNorm(a.dim, a.norm_eps, a.norm_offset) if a.sandwich_norms else None
 
-    def forward(self, x, cos, sin, slot_map, batch, table):
-        y = self.attention(self.attention_norm(x), cos, sin, slot_map, batch, table)
+    def forward(self, x, cos, sin, at, batch, table):
+        y = self.attention(self.attention_norm(x), cos, sin, at, batch, table)
         h = x + (self.post_attention_norm(y) if self.post_attention_norm is not None else y)
         y = self.feed_forward(self.ffn_norm(h))
         return h + (self.post_ffn_norm(y) if self.post_ffn_norm is not None else y)
@@ -247,7 +248,7 @@ class Transformer(nn.Module):
         """batch: a StepBatch (batch.py) -> logits [S, vocab] at each sequence's last token, or
         with all_positions [T, vocab] at every token (or the final hidden states with hidden)."""
         pos = batch.pos
-        slot_map = self.block_table[batch.tok_slot, pos // BLOCK].long() * BLOCK + pos % BLOCK
+        at = (self.block_table[batch.tok_slot, pos // BLOCK].long(), pos % BLOCK)  # each token's block, offset
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]
         local = (self.rope_cos_local[pos], self.rope_sin_local[pos]) if self.rope_cos_local is not None else None
         x = self.tok_embeddings(batch.tokens)
@@ -255,7 +256,7 @@ class Transformer(nn.Module):
             x = x * torch.tensor(self.a.embed_scale, dtype=x.dtype)
         for i, layer in enumerate(self.layers):
             c, s = local if local is not None and i in self.a.sliding_layers else (cos, sin)
-            x = layer(x, c, s, slot_map, batch, self.block_table)
+            x = layer(x, c, s, at, batch, self.block_table)
         if not all_positions:  # only the last token of each sequence: the vocab matmul is big
             x = x[batch.last]
         x = self.norm(x)

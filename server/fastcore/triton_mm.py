@@ -30,6 +30,11 @@ from quantserve.server.fastcore.triton_dequant import AUTOTUNE_ON_DISK, int8_to,
 from quantserve.server.fastcore.triton_gemv import fits as gemv_fits, int4_gemv_kernel, int8_gemv_kernel
 
 
+# M (the rows: a decode batch, a forward's tokens) is not specialized on: Triton compiles a kernel
+# per divisibility class of its integer arguments, and a prompt of 716 tokens after warm-up's
+# 512 and 1024 compiled new kernels while requests waited (a quarter of a server's time, py-spy).
+
+
 def _configs():
     # Few configs on purpose: each one is a Triton compile (~1 s) per shape at start-up.
     out = [triton.Config({"BLOCK_N": bn, "BLOCK_K": 128, "SPLIT_K": split}, num_warps=4, num_stages=4)
@@ -65,7 +70,7 @@ def _store(out_ptr, acc, rm, rn, M, N, stride_om, SPLIT_K: tl.constexpr):
         tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _int8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, stride_om,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                  BIT_DEQUANT: tl.constexpr = True):
@@ -83,7 +88,7 @@ def _int8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, str
     _store(out_ptr, acc * scale[None, :], rm, rn, M, N, stride_om, SPLIT_K)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, stride_om,
                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, BIT_DEQUANT: tl.constexpr = True):
