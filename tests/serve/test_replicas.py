@@ -1,4 +1,4 @@
-"""`quantserve serve --replicas`: two copies of the server behind Ray Serve, on the CPU, for real.
+"""`quantserve serve --replicas`: two copies of the server placed by Ray Serve, on the CPU, for real.
 
 One local Ray cluster per fixture (it starts in ~10 s here); the default model, the official
 client.  Which replica answered is read from the `x-quantserve-replica` header; replica processes
@@ -160,28 +160,32 @@ def test_a_killed_replica_loses_no_request(two):
     assert recovered is not None, "the killed replica did not come back within 120 s"
 
 
-def test_coalescing_joins_chunks_but_never_holds_the_first_or_the_end():
-    import asyncio
+def test_routing_least_loaded_in_turn_and_sessions_by_rendezvous():
+    """The gateway's choice of replica (no Ray, no model): ties go in turn, the least loaded
+    first; a session keeps its replica while it is up, and only its sessions move when it goes."""
+    from quantserve.server.gateway import Routes
 
-    from quantserve.server.asgi_call import ResponseStart
-    from quantserve.server.replicas import coalesce
+    routes = Routes("least-loaded")
+    routes.update({"a": "http://127.0.0.1:1", "b": "http://127.0.0.1:2"})
+    assert {routes.pick(None, set()).id for _ in range(2)} == {"a", "b"}  # idle: in turn
+    routes.replicas["a"].inflight = 3
+    assert all(routes.pick(None, set()).id == "b" for _ in range(4))
+    assert routes.pick(None, {"b"}).id == "a"  # a retry goes elsewhere
+    routes.replicas["a"].down_until = float("inf")  # failed a while ago: passed over ...
+    assert all(routes.pick(None, set()).id == "b" for _ in range(4))
+    assert routes.pick(None, {"b"}).id == "a"  # ... unless b just failed too
+    routes.update({"b": "http://127.0.0.1:2"})
+    assert list(routes.replicas) == ["b"] and routes.replicas["b"].inflight == 0
+    assert routes.pick(None, {"b"}).id == "b"  # nothing else: the one that failed, once more
 
-    async def source():
-        yield ResponseStart(200, [])
-        for i in range(10):
-            yield b"%d," % i
-            await asyncio.sleep(0.002)
-
-    async def run(interval):
-        out, times, t0 = [], [], asyncio.get_running_loop().time()
-        async for item in coalesce(source(), interval):
-            out.append(item)
-            times.append(asyncio.get_running_loop().time() - t0)
-        return out, times
-
-    out, times = asyncio.run(run(0.05))
-    assert isinstance(out[0], ResponseStart) and out[1] == b"0," and times[1] < 0.02  # the first at once
-    assert b"".join(out[1:]) == b"".join(b"%d," % i for i in range(10))
-    assert len(out) < 6  # gathered
-    plain, _ = asyncio.run(run(0))
-    assert len(plain) == 11
+    sessions = Routes("session")
+    sessions.update({r: f"http://127.0.0.1:{i}" for i, r in enumerate("abc")})
+    home = {s: sessions.pick(s, set()).id for s in map(str, range(60))}
+    assert set(home.values()) == {"a", "b", "c"}  # sessions spread
+    assert all(sessions.pick(s, set()).id == r for s, r in home.items())  # and stay
+    sessions.replicas["c"].down_until = float("inf")  # c fails: only its sessions move
+    moved = {s: sessions.pick(s, set()).id for s in home}
+    assert all(moved[s] == r for s, r in home.items() if r != "c") and "c" not in moved.values()
+    sessions.update({"a": "http://127.0.0.1:0", "b": "http://127.0.0.1:1"})
+    assert {s: sessions.pick(s, set()).id for s in home} == moved
+    assert Routes("least-loaded").pick(None, set()) is None
