@@ -92,8 +92,10 @@ class ModelReplica:
     async def _beat(self) -> None:
         while True:
             await asyncio.sleep(BEAT_S)
-            if self.engine.alive() and self.thread.is_alive():  # a dead engine falls off the list
-                self.registry.beat.remote(self.id, self.url)
+            if not (self.engine.alive() and self.thread.is_alive()):
+                self.registry.leave.remote(self.id)  # off the list now; Ray Serve's health check replaces it
+                return
+            self.registry.beat.remote(self.id, self.url)
 
     def check_health(self) -> None:
         """Ray Serve's health check: failing, the replica is replaced."""

@@ -154,9 +154,12 @@ def serve_replicas(model: str, engine_options: EngineOptions, name: str, app_kwa
     from quantserve.settings import UserError
 
     start_ray(opts)
+    app_name = None
     try:
         serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
-        registry_name = f"registry-{uuid.uuid4().hex[:12]}"  # several commands may share a cluster
+        # names of their own: several commands may share a cluster (--address)
+        tag = uuid.uuid4().hex[:8]
+        app_name, registry_name = f"quantserve-{tag}", f"registry-{tag}"
         registry = ray.remote(Registry).options(name=registry_name, namespace=NAMESPACE, num_cpus=0,
                                                 max_restarts=-1).remote()
         gateway = Gateway(opts.routing, lambda version: ray.get(registry.watch.remote(version, 5.0)),
@@ -170,7 +173,7 @@ def serve_replicas(model: str, engine_options: EngineOptions, name: str, app_kwa
         def deploy() -> None:
             try:
                 app = build_application(model, engine_options, name, app_kwargs, opts, registry_name)
-                serve.run(app, name="quantserve", route_prefix=None, blocking=False)  # returns once replicas are up
+                serve.run(app, name=app_name, route_prefix=None, blocking=False)  # returns once replicas are up
             except Exception as e:  # noqa: BLE001 - reported by the command, which then stops
                 failure.append(f"{type(e).__name__}: {e}")
                 server.should_exit = True
@@ -187,6 +190,9 @@ def serve_replicas(model: str, engine_options: EngineOptions, name: str, app_kwa
             raise UserError(f"could not start the gateway on {opts.host}:{opts.port} (port in use?)")
     finally:
         try:
-            serve.shutdown()
+            if not opts.address:
+                serve.shutdown()
+            elif app_name:
+                serve.delete(app_name)  # a shared cluster: only this command's replicas go
         finally:
             ray.shutdown()

@@ -2,7 +2,7 @@
 
 One local Ray cluster per fixture (it starts in ~10 s here); the default model, the official
 client.  Which replica answered is read from the `x-quantserve-replica` header; replica processes
-are found by the title Ray gives them (`ray::ServeReplica:quantserve:model`).
+are found by the title Ray gives them (`ray::ServeReplica:quantserve-<tag>:model`).
 """
 
 from __future__ import annotations
@@ -16,15 +16,14 @@ import time
 import httpx
 import pytest
 
-from tests.support.servers import replica_pids
-from tests.support.servers import ServerProcess
+from tests.support.figures import Figures
+from tests.support.servers import ServerProcess, replica_pids
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray", reason="Ray Serve is the 'replicas' extra (make install installs it)")
 
 PROMPTS = ["Sort:\nd b a", "Repeat: k l m", "How many letters?\nq w e r", "What is 12 + 30?",
            "Next letter after f?", "Sort:\nz y", "Repeat: a", "What is 3 + 4?"]
-STATS: dict[str, object] = {}
 
 
 def ask(base_url: str, prompt: str, session: str | None = None, user: str | None = None, timeout: float = 60):
@@ -37,6 +36,15 @@ def ask(base_url: str, prompt: str, session: str | None = None, user: str | None
     r = httpx.post(base_url + "/v1/chat/completions", json=body, headers=headers, timeout=timeout)
     r.raise_for_status()
     return r.json()["choices"][0]["message"]["content"], r.headers["x-quantserve-replica"]
+
+
+@pytest.fixture(scope="module")
+def figures():
+    """The fault test's figures, in runs/reliability/replicas.json (`make reliability`'s table)."""
+    f = Figures("replicas")
+    yield f
+    if f.rows:
+        f.write()
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +97,7 @@ def test_errors_pass_through_as_they_are(two):
     assert "vllm:num_requests_waiting" in metrics and "quantserve:num_requests_running" in metrics
 
 
-def test_a_killed_replica_loses_no_request(two):
+def test_a_killed_replica_loses_no_request(two, figures):
     """SIGKILL one replica under load: non-streamed requests are retried on the other, streams
     finish or end with an error event, and Ray Serve brings a second replica back."""
     before = replica_pids()
@@ -152,8 +160,16 @@ def test_a_killed_replica_loses_no_request(two):
     stop.set()
     for w in workers:
         w.join(120)
-    STATS.update(results, recovered_s=recovered)
-    print("\nkilled replica:", json.dumps(STATS))
+    print("\nkilled replica:", json.dumps({**results, "recovered_s": recovered}))
+    plain_total = results["ok"] + len(results["failed"])
+    streams = results["streams_ok"] + results["streams_error_event"] + len(results["streams_failed"])
+    figures.add("--replicas 2 (hf engine, default model): one replica SIGKILLed under 4 looping clients "
+                "and a streaming one; non-streamed requests",
+                f"{plain_total} sent, {len(results['failed'])} failed (those on the killed replica retried on the other)")
+    figures.add("the same: streams", f"{streams} sent, {results['streams_ok']} complete, {results['streams_error_event']} "
+                f"ended with an error event, {len(results['streams_failed'])} broken")
+    figures.add("the same: seconds from the kill to two replicas answering again",
+                f"{recovered:.1f}" if recovered is not None else "not within 120")
     assert not results["failed"], results["failed"][:3]
     assert not results["streams_failed"], results["streams_failed"][:3]
     assert results["ok"] > 10 and results["streams_ok"] + results["streams_error_event"] >= 1
