@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # What `--replicas 1` costs: a bare server against the same server behind the replicas' gateway
 # (Ray Serve places the replica; requests go gateway -> the replica's own port, never through
-# Ray), the same checkpoint and engine on the same machine, both up at once and benchmarked in
-# turn (the order changing each round), ROUNDS times: output tokens/s and time to first token at concurrency 1 and 8, then the
-# table of bench/replicas_compare.py (median over rounds of each round's ratio).
+# Ray), and against that replica's port directly where `ss` finds it; the same checkpoint and
+# engine on the same machine, all up at once and benchmarked in turn (the order changing each
+# round), ROUNDS times: output tokens/s and time to first token at concurrency 1 and 8, then the
+# table of bench/replicas_compare.py (the median over rounds of each round's ratio to bare).
 #   usage: bench/replicas_overhead.sh SITE_DIR OUT_DIR [SERVE_ARGS...]
 #   SITE_DIR: quantserve and its serving dependencies installed with pip --target, Ray included;
 #             '-' runs the quantserve that $PYTHON already imports (a CPU check from a checkout)
@@ -52,8 +53,16 @@ bench() {  # NAME PORT
   $py -m quantserve.bench.serve --base-url "http://127.0.0.1:$2/v1" $bench_args --label "$1" --out "$out/$1.json" \
       | tail -n 6 | tee -a "$out/bench.txt"
 }
-for n in $(seq 1 "$rounds"); do  # the order turns each round: neither server always goes first
-  if [ $((n % 2)) = 1 ]; then bench "bare-$n" "$bare_port"; bench "ray-$n" "$ray_port"
-  else bench "ray-$n" "$ray_port"; bench "bare-$n" "$bare_port"; fi
+# the replica's own port too, where `ss` can tell it (a local cluster's replica listens on 127.0.0.1):
+# what the gateway's hop costs, apart from what living in a Ray actor costs
+direct_port=$(ss -ltnp 2>/dev/null | awk '/ServeRepli/ && /127\.0\.0\.1:/ {n = split($4, a, ":"); print a[n]; exit}' || true)
+series=("bare $bare_port" "ray $ray_port")
+[ -z "$direct_port" ] || series+=("direct $direct_port")
+echo "series: ${series[*]}" | tee -a "$out/bench.txt"
+for n in $(seq 1 "$rounds"); do  # the order turns each round: no server always goes first
+  for i in $(seq 0 $((${#series[@]} - 1))); do
+    read -r name port <<< "${series[$(( (i + n - 1) % ${#series[@]} ))]}"
+    bench "$name-$n" "$port"
+  done
 done
 $py -m quantserve.bench.replicas_compare "$out" | tee "$out/summary.md"

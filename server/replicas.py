@@ -111,9 +111,11 @@ def start_ray(opts: ReplicaOptions) -> None:
     if opts.address:
         ray.init(address=opts.address, logging_level=logging.WARNING, log_to_driver=False)
         return
-    # A local cluster on this machine only: its ports (GCS, raylet, object store) bound to loopback.
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keeps 127.0.0.1 as the node address
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, logging_level=logging.WARNING,
+    # A new local cluster, even where `ray start` left one to find (address=None would join that),
+    # its node address 127.0.0.1; RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps Ray from rewriting it to
+    # the machine's address.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, logging_level=logging.WARNING,
              log_to_driver=False, configure_logging=True)
 
 
@@ -167,7 +169,8 @@ def serve_replicas(model: str, engine_options: EngineOptions, name: str, app_kwa
         grace = app_kwargs.get("shutdown_grace_s", 10.0)
         server = _uvicorn_server(uvicorn.Config(
             gateway, host=opts.host, port=opts.port, log_level="warning", access_log=False, lifespan="on",
-            timeout_graceful_shutdown=grace, server_header=False, date_header=False))  # the replica's pass through
+            timeout_graceful_shutdown=grace, proxy_headers=False,
+            server_header=False, date_header=False))  # the replica's own Server and Date headers pass through
         failure: list[str] = []
 
         def deploy() -> None:
