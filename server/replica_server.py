@@ -28,6 +28,7 @@ log = logging.getLogger("quantserve.server")
 NAMESPACE = "quantserve"  # the Ray namespace of the registry actors
 BEAT_S = 1.0  # a replica's heartbeat period
 EXPIRY_S = 10.0  # a replica unheard of this long is taken off the list (a killed one is passed over sooner: gateway.py)
+START_FAILED = "the replica did not start: "  # (the command quotes what follows)
 LOAD_METRIC = "engine_requests"  # running + waiting, as each replica reports it to Ray Serve's autoscaler
 
 
@@ -81,7 +82,7 @@ class ModelReplica:
         while not self.server.started:  # the app's start-up loads the model (wait_for_load)
             if not self.thread.is_alive():
                 problem = self.app.state.server.load_error or "its HTTP server stopped while starting"
-                raise RuntimeError(f"the replica did not start: {problem}")
+                raise RuntimeError(START_FAILED + problem)
             await asyncio.sleep(0.1)
         self.id = serve.get_replica_context().replica_id.unique_id
         self.registry = ray.get_actor(registry, namespace=NAMESPACE)

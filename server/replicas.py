@@ -119,6 +119,24 @@ def start_ray(opts: ReplicaOptions) -> None:
              log_to_driver=False, configure_logging=True)
 
 
+def _why_not_deployed(app_name: str) -> str | None:
+    """A failed replica's own words (its model's load error, say), from Ray Serve's status: what
+    `serve.run` raises says only that the deployment failed."""
+    from ray import serve
+
+    from quantserve.server.replica_server import START_FAILED
+
+    try:
+        app = serve.status().applications[app_name]
+        messages = [d.message.strip() for d in app.deployments.values() if d.message and d.message.strip()]
+    except Exception:  # noqa: BLE001 - then serve.run's own message will do
+        return None
+    if not messages:
+        return None
+    last = messages[0].splitlines()[-1]  # the message ends with the replica's traceback
+    return last.split(START_FAILED, 1)[1] if START_FAILED in last else last
+
+
 def _uvicorn_server(config):
     """uvicorn's server without its re-raise of SIGTERM/SIGINT after a graceful shutdown (the
     command then exits 0, as a bare `quantserve serve` does); a second Ctrl-C leaves at once."""
@@ -178,7 +196,7 @@ def serve_replicas(model: str, engine_options: EngineOptions, name: str, app_kwa
                 app = build_application(model, engine_options, name, app_kwargs, opts, registry_name)
                 serve.run(app, name=app_name, route_prefix=None, blocking=False)  # returns once replicas are up
             except Exception as e:  # noqa: BLE001 - reported by the command, which then stops
-                failure.append(f"{type(e).__name__}: {e}")
+                failure.append(_why_not_deployed(app_name) or f"{type(e).__name__}: {e}")
                 server.should_exit = True
                 return
             count = opts.replicas or f"1 (autoscaled up to {opts.max_replicas})"
