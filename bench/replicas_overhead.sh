@@ -6,7 +6,8 @@
 # round), ROUNDS times: output tokens/s and time to first token at concurrency 1 and 8, then the
 # table of bench/replicas_compare.py (the median over rounds of each round's ratio to bare).
 #   usage: bench/replicas_overhead.sh SITE_DIR OUT_DIR [SERVE_ARGS...]
-#   SITE_DIR: quantserve and its serving dependencies installed with pip --target, Ray included;
+#   SITE_DIR: quantserve and its serving dependencies installed with pip --target, Ray included
+#             (on the lent GPU: the wheels of bench/replicas_wheels.sh, its header says how);
 #             '-' runs the quantserve that $PYTHON already imports (a CPU check from a checkout)
 #   SERVE_ARGS default to the GPU run's: --weight-quant int8 --gpu-profile t4 --max-batch 32
 #   environment (all optional): PYTHON (python3), MODEL (/tmp/m1b, built with

@@ -58,6 +58,7 @@ class ModelReplica:
         from ray import serve
 
         from quantserve.server.api_server import create_app
+        from quantserve.server.config import APIOptions
         from quantserve.server.engines import ScheduledEngine
 
         # as for a bare server (server/cli.py): the scheduler thread and the event loop share the
@@ -65,7 +66,7 @@ class ModelReplica:
         sys.setswitchinterval(0.001)
         self.engine = ScheduledEngine(Path(model), engine_options)
         self.app = create_app(self.engine, name, wait_for_load=True, **app_kwargs)
-        self.grace_s = app_kwargs.get("shutdown_grace_s", 10.0)
+        self.grace_s = app_kwargs.get("shutdown_grace_s", APIOptions.shutdown_grace_s)
         host = host or ray.util.get_node_ip_address()
         sock = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.url = _url(host, sock.getsockname()[1])
@@ -112,6 +113,8 @@ class ModelReplica:
     async def __del__(self):
         """Ray Serve's graceful stop (scaling down, shutdown): off the list first, so no new
         request comes, then uvicorn's own shutdown lets the open ones finish."""
+        if getattr(self, "_beats", None) is None:
+            return  # the constructor did not finish: nothing was listed or started
         self._beats.cancel()
         try:
             await self.registry.leave.remote(self.id)

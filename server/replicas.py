@@ -28,7 +28,9 @@ import threading
 import uuid
 from dataclasses import dataclass
 
-from quantserve.server.config import EngineOptions
+from quantserve.server.config import APIOptions, EngineOptions
+
+_API = APIOptions()  # defaults for what app_kwargs leaves out
 
 log = logging.getLogger("quantserve.server")
 
@@ -89,7 +91,7 @@ def build_application(model: str, engine_options: EngineOptions, name: str, app_
         "ray_actor_options": {"num_gpus": gpus, "num_cpus": opts.cpus_per_replica},
         "health_check_period_s": 5, "health_check_timeout_s": 30,
         # Ray Serve's stop calls the replica's __del__, which lets uvicorn finish the open requests
-        "graceful_shutdown_timeout_s": app_kwargs.get("shutdown_grace_s", 10.0) + 15,
+        "graceful_shutdown_timeout_s": app_kwargs.get("shutdown_grace_s", _API.shutdown_grace_s) + 15,
     }
     if opts.replicas is None:
         config["autoscaling_config"] = {
@@ -183,8 +185,8 @@ def serve_replicas(model: str, engine_options: EngineOptions, name: str, app_kwa
         registry = ray.remote(Registry).options(name=registry_name, namespace=NAMESPACE, num_cpus=0,
                                                 max_restarts=-1).remote()
         gateway = Gateway(opts.routing, lambda version: ray.get(registry.watch.remote(version, 5.0)),
-                          app_kwargs.get("max_body_bytes", 4 << 20))
-        grace = app_kwargs.get("shutdown_grace_s", 10.0)
+                          app_kwargs.get("max_body_bytes", _API.max_body_bytes))
+        grace = app_kwargs.get("shutdown_grace_s", _API.shutdown_grace_s)
         server = _uvicorn_server(uvicorn.Config(
             gateway, host=opts.host, port=opts.port, log_level="warning", access_log=False, lifespan="on",
             timeout_graceful_shutdown=grace, proxy_headers=False,
