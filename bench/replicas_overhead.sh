@@ -10,7 +10,8 @@
 #             (on the lent GPU: the wheels of bench/replicas_wheels.sh, its header says how);
 #             '-' runs the quantserve that $PYTHON already imports (a CPU check from a checkout)
 #   SERVE_ARGS default to the GPU run's: --weight-quant int8 --gpu-profile t4 --max-batch 32
-#   environment (all optional): PYTHON (python3), MODEL (/tmp/m1b, built with
+#   environment (all optional): PYTHON (python3; a path from / when not on PATH: the script runs
+#   in /tmp), MODEL (/tmp/m1b, built with
 #   bench.make_checkpoint --shape llama-3.2-1b when absent), ROUNDS (3), BARE_PORT (8000),
 #   RAY_PORT (8001), BENCH_ARGS (the `bench serve` options after --base-url/--label/--out)
 set -euo pipefail
