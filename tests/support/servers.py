@@ -208,5 +208,5 @@ def hf_reference(folder):
 
 
 def replica_pids() -> list[int]:
-    out = subprocess.run(["pgrep", "-f", "ServeReplica:quantserve:model"], capture_output=True, text=True).stdout
+    out = subprocess.run(["pgrep", "-f", "ServeReplica:quantserve-[0-9a-f]+:model"], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]

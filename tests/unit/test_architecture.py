@@ -38,8 +38,8 @@ ENGINE = ("quantserve.server.engine", "quantserve.server.engines", "quantserve.s
           "quantserve.server.fastcore")
 BACKENDS = ("quantserve.server.backend", "quantserve.server.*_engine", "quantserve.server.fastcore",
             "quantserve.server.prefix_cache")
-# above the HTTP layer: copies of the app behind Ray Serve, started by the CLI
-SCALE_OUT = ("quantserve.server.replicas", "quantserve.server.asgi_call")
+# above the HTTP layer: copies of the app placed by Ray Serve, and the gateway in front, started by the CLI
+SCALE_OUT = ("quantserve.server.replicas", "quantserve.server.replica_server", "quantserve.server.gateway")
 LIBRARY = ("quantserve.server", "quantserve.quant", "quantserve.training")
 CLI_ONLY = ("quantserve.cli", "quantserve.cli_util", "quantserve.pipeline", "quantserve.support",
             "quantserve.server.cli", "quantserve.quant.cli", "quantserve.training.cli", "quantserve.bench")
