@@ -19,16 +19,15 @@ Everything Ray-specific stays in these modules; without `--replicas` Ray is neve
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import signal
 import sys
 import threading
 import uuid
 from dataclasses import dataclass
 
 from quantserve.server.config import APIOptions, EngineOptions
+from quantserve.server.uvicorn_server import server_class
 
 _API = APIOptions()  # defaults for what app_kwargs leaves out
 
@@ -48,9 +47,6 @@ class ReplicaOptions:
     upscale_delay_s: float = 5.0
     downscale_delay_s: float = 60.0
     gpus_per_replica: float | None = None  # None: 1 where the node has GPUs, else 0
-    # unused: streamed events no longer pass through Ray, so there is nothing to gather (the CLI
-    # still passes its --stream-interval-ms)
-    stream_interval_ms: float = 10.0
     cpus_per_replica: float = 1.0
 
     def __post_init__(self):
@@ -139,30 +135,6 @@ def _why_not_deployed(app_name: str) -> str | None:
     return last.split(START_FAILED, 1)[1] if START_FAILED in last else last
 
 
-def _uvicorn_server(config):
-    """uvicorn's server without its re-raise of SIGTERM/SIGINT after a graceful shutdown (the
-    command then exits 0, as a bare `quantserve serve` does); a second Ctrl-C leaves at once."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):
-            if self.should_exit and sig == signal.SIGINT:
-                os.write(2, b"\nsecond interrupt: stopped without waiting for requests in flight\n")
-                os._exit(130)
-            super().handle_exit(sig, frame)
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                yield
-            finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
-
-    return Server(config)
-
-
 def serve_replicas(model: str, engine_options: EngineOptions, name: str, app_kwargs: dict,
                    opts: ReplicaOptions) -> None:
     """Serve until SIGINT or SIGTERM.  The gateway listens at once (503 `model_loading` until a
@@ -187,7 +159,7 @@ def serve_replicas(model: str, engine_options: EngineOptions, name: str, app_kwa
         gateway = Gateway(opts.routing, lambda version: ray.get(registry.watch.remote(version, 5.0)),
                           app_kwargs.get("max_body_bytes", _API.max_body_bytes))
         grace = app_kwargs.get("shutdown_grace_s", _API.shutdown_grace_s)
-        server = _uvicorn_server(uvicorn.Config(
+        server = server_class()(uvicorn.Config(
             gateway, host=opts.host, port=opts.port, log_level="warning", access_log=False, lifespan="on",
             timeout_graceful_shutdown=grace, proxy_headers=False,
             server_header=False, date_header=False))  # the replica's own Server and Date headers pass through
