@@ -69,9 +69,6 @@ class _Running:
         return self.generated > 0 and self.ready
 
 
-SHORT_PIECE = 64  # prompt pieces up to this many tokens are prefilled together (padding stays small)
-
-
 class Scheduler:
     def __init__(self, backend: DecodeBackend, eos_token_ids: set[int], max_batch: int, max_queue: int,
                  log=None, prefill_chunk: int | None = None):
@@ -270,9 +267,8 @@ class Scheduler:
     def _prefill_chunk(self) -> None:
         """Prefill up to `prefill_chunk` prompt tokens, oldest admitted prompt first.  A prompt that
         does not fit in what is left of the budget waits for the next iteration instead of being
-        cut there: each piece is a forward of its own, a whole pass over the weights.  Short
-        pieces (a question after a cached system prompt, a chat's new turn) go together in one
-        forward where the backend can batch them."""
+        cut there: each piece is a forward of its own, a whole pass over the weights.  (A paged
+        backend runs every piece and decode in one forward instead: paged_scheduler.py.)"""
         for seq in [s for s in self._running.values() if s.stream.request.params.embed is not None]:
             self._embed(seq)
         budget, pieces = self.prefill_chunk, []
@@ -293,18 +289,6 @@ class Scheduler:
             chunk = prompt[seq.prefilled:seq.prefilled + budget]
             pieces.append((seq, chunk))
             budget -= len(chunk)
-        short = [(seq, chunk) for seq, chunk in pieces if len(chunk) <= SHORT_PIECE and not seq.scoring]
-        many = getattr(self.backend, "prefill_many", None)
-        if many is not None and len(short) > 1:
-            try:
-                logits = many([(seq.slot, chunk, seq.prefilled) for seq, chunk in short])
-            except Exception as e:  # then one by one below: a failure fails only its own request
-                self._log(f"batched prefill of {len(short)} prompts failed: {type(e).__name__}: {e}")
-            else:
-                for (seq, chunk), row in zip(short, logits):
-                    self._prefilled(seq, chunk, row)
-                done = {id(seq) for seq, _ in short}
-                pieces = [(seq, chunk) for seq, chunk in pieces if id(seq) not in done]
         for seq, chunk in pieces:
             try:
                 if seq.scoring:
