@@ -16,7 +16,7 @@
 # Run from the repo root with .devwheels carried (the wheels the GPU image lacks).
 set -uo pipefail
 out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
-export PYTHONPATH=$site QUANTSERVE_HOME=/tmp/qs-home
+export PYTHONPATH=$site QUANTSERVE_HOME=/tmp/qs-home QUANTSERVE_TEST_CWD=/tmp QUANTSERVE_TEST_START_TIMEOUT=300
 log() { echo "[$(date +%T) +${SECONDS}s] $*" | tee -a "$out/bench.txt"; }
 ours=(--engine fast --weight-quant int8 --gpu-profile t4 --max-batch 32 --context 2048)
 
