@@ -1,8 +1,13 @@
-"""LangChain's `ChatOpenAI` against a real server (hf engine, default model): invoke, stream,
-batch, `with_structured_output` (every method), `bind_tools` with a forced tool, and the
-Responses API (`use_responses_api=True`), streamed and not.  Real packages, real server."""
+"""Third-party clients against a real server (hf engine, default model).  LangChain's `ChatOpenAI`:
+invoke, stream, batch, `with_structured_output` (every method), `bind_tools` with a forced tool,
+and the Responses API (`use_responses_api=True`), streamed and not.  LiteLLM's `completion`:
+`response_format` json_schema and `tools` with required and named choices.  Real packages, real
+server."""
 
 from __future__ import annotations
+
+import json
+import os
 
 import pytest
 from pydantic import BaseModel, Field
@@ -70,3 +75,27 @@ def test_responses_api(server):
     thing = chat_model(server, use_responses_api=True).with_structured_output(
         Thing, method="json_schema", strict=True).invoke("Describe a thing.")
     assert isinstance(thing, Thing)
+
+
+def test_litellm_completion_with_response_format_and_tools(server):
+    """LiteLLM's OpenAI-compatible provider: a strict json_schema reply validates against its
+    schema; a tool under "required" and under a named choice (both constrained by the grammar, as
+    the default model never learnt a tool) is called with arguments of its schema."""
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # its model table from the package, not the network
+    litellm = pytest.importorskip("litellm")
+    import jsonschema
+
+    kw = {"model": "openai/default", "api_base": server.base_url + "/v1", "api_key": "x", "temperature": 0}
+    schema = Thing.model_json_schema()
+    r = litellm.completion(messages=[{"role": "user", "content": "Describe a thing."}], **kw,
+                           response_format={"type": "json_schema", "json_schema": {"name": "thing", "schema": schema,
+                                                                                    "strict": True}})
+    Thing.model_validate_json(r.choices[0].message.content)
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                             "parameters": get_weather.model_json_schema()}}
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = litellm.completion(messages=[{"role": "user", "content": "What is the weather in Velmor?"}],
+                               tools=[tool], tool_choice=choice, parallel_tool_calls=False, **kw)
+        (call,) = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
