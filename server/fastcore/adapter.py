@@ -48,8 +48,6 @@ class FastCoreBackend:
         return self.core.step(items)
 
     def prefill(self, slot: int, prompt_ids: list[int], start: int = 0, all_logits: bool = False):
-        if start == 0 and not self.pool.live[slot]:
-            self.pool.start(slot, [])
         return self.core.prefill(slot, prompt_ids, start, all_logits).cpu()
 
     def decode(self, slots: list[int], tokens: list[int]):
