@@ -30,7 +30,7 @@ import torch
 from quantserve.server.fastcore.attention import use_attention
 from quantserve.server.fastcore.batch import build_batch
 from quantserve.server.fastcore.blocks import BLOCK, BlockPool
-from quantserve.server.fastcore.graphs import BATCH_BUCKETS, Steps
+from quantserve.server.fastcore.graphs import Steps
 from quantserve.server.fastcore.model import ModelArgs
 from quantserve.server.fastcore.quant import default_kernel, int4_tinygemm_supported, linear_weight_bytes
 from quantserve.server.fastcore.weights import build_transformer, open_weights
@@ -288,4 +288,4 @@ class FastCore:
             self.pool.forget_all()  # the warm-up's tokens are no prefix anyone asked for
 
 
-__all__ = ["BATCH_BUCKETS", "FastCore", "KVPoolFull"]
+__all__ = ["FastCore", "KVPoolFull"]
