@@ -1,22 +1,29 @@
 """FastCore's forward steps, compiled (torch.compile) and, for decode steps on a GPU, replayed from
 CUDA graphs.
 
-    mixed   any flattened batch (prompt chunks and decodes together): compiled once with dynamic
-            shapes, launched from Python
+    mixed   any flattened batch (prompt chunks and decodes together), launched from Python
     decode  one token for each of B sequences: on a GPU with the Triton attention, one CUDA graph
             per batch bucket (BATCH_BUCKETS), recorded at warm-up
+
+What is compiled is one transformer block, not the whole model ("regional compilation"): every
+layer runs the same code on its own weights, which dynamo takes as inputs, so one compiled block
+serves them all, with dynamic shapes for any number of tokens and sequences (two graphs: torch
+specializes a size of 1, a decode of one sequence).  The whole model compiled as one graph took
+four compiles of every layer unrolled, minutes on an 8B model even with a warm cache; a block
+compiles in seconds.  The embedding, the rotary lookups and the vocabulary matmul around the
+blocks run eagerly: a few kernels per forward.
 
 A decode step is where launch overhead hurts (~10 kernels a layer for little GPU work each), so
 it replays as one graph; a graph has fixed shapes, so the batch is padded to the next bucket, the
 padding rows reading and writing the cache's trash block (model.py).  The attention kernel reads
-each sequence's length and blocks from the batch, so one graph serves every context length: a
-few graphs in all, recorded in seconds (the unpaged engine needed one per batch and KV length).
-Prompt-carrying steps do enough GPU work per launch that the compiled graph runs as it is.
+each sequence's length and blocks from the batch, so one graph serves every context length.
+Prompt-carrying steps do enough GPU work per launch that they run as they are.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 
 import torch
 
@@ -32,40 +39,40 @@ class Steps:
                  weight_quant: str, quant_kernel: str):
         self.model, self.device, self.compile = model, device, compile
         self.compile_mixed = compile  # off: prompt steps eagerly (benches that time decode alone)
-        self.weight_quant, self.quant_kernel = weight_quant, quant_kernel
         self.trash_row = max_seqs  # the block table's padding row (every entry the trash block)
         self.buckets = tuple(b for b in BATCH_BUCKETS if b < max_seqs) + (max_seqs,)
-        self._fns: dict[str, object] = {}
         self.graphs: dict[int, tuple] = {}  # batch bucket -> (graph, its input buffer, its logits)
         self.pool = torch.cuda.graph_pool_handle() if graphs else None
+        if compile:
+            # gpt-fast's setting: coordinate-descent tuning makes inductor turn 1-row matmuls into
+            # fused reductions (int8/int4 dequant folded in).  With the Triton int8/int4 kernels no
+            # weight matmul is left for it to fuse, and the tuning only costs compile time.  No
+            # inductor CUDA graphs (cudagraph trees assert when the scheduler thread replays a
+            # graph recorded on another thread, pytorch#123177): decode_graph records its own.
+            fuse = weight_quant == "none" or quant_kernel not in ("triton", "gemlite")
+            options = {"coordinate_descent_tuning": fuse, **_cpu_compile_options(device)}
+            # the graphs are few (sizes of 1 are specialized; Gemma's window layers differ), but
+            # more than dynamo's default limit of 8 would silently run eagerly
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+            for layer in model.layers:  # compiled on first call; every layer finds the same graphs
+                layer.compile(fullgraph=True, dynamic=True, options=options)
 
     def padded_batch(self, n: int) -> int:
         """The batch bucket that holds n sequences."""
         return self.buckets[bisect.bisect_left(self.buckets, n)]
 
+    def _forward(self, batch: StepBatch, eager: bool = False) -> torch.Tensor:
+        """The model's forward, through the compiled blocks unless `eager`."""
+        stance = torch.compiler.set_stance("force_eager") if eager or not self.compile else contextlib.nullcontext()
+        # no "duck sizing": a step whose token count equals its sequence count (all decodes) must
+        # not tie the two sizes together for the steps after it
+        with stance, torch.fx.experimental._config.patch(use_duck_shape=False):
+            return self.model(batch)
+
     # ---- any batch -----------------------------------------------------------------------------
     def mixed(self, batch: StepBatch) -> torch.Tensor:
         """Logits at each sequence's last token, [S, vocab]."""
-        return self.mixed_step()(batch) if self.compile_mixed else self._forward(batch)
-
-    def mixed_step(self):
-        """The forward over any StepBatch, compiled once for every number of tokens and sequences."""
-        if "mixed" not in self._fns:
-            fn = self._forward
-            if self.compile:
-                torch._dynamo.config.recompile_limit += 4
-                compiled = torch.compile(fn, fullgraph=True, dynamic=True, options=_cpu_compile_options(self.device))
-
-                def fn(batch):
-                    # no "duck sizing": a step whose token count equals its sequence count (all
-                    # decodes) must not tie the two sizes together for the steps after it
-                    with torch.fx.experimental._config.patch(use_duck_shape=False):
-                        return compiled(batch)
-            self._fns["mixed"] = fn
-        return self._fns["mixed"]
-
-    def _forward(self, batch):
-        return self.model(batch)
+        return self._forward(batch, eager=not self.compile_mixed)
 
     # ---- decode --------------------------------------------------------------------------------
     def decode(self, entries: list[tuple[int, list[int], int]], kv_blocks: int) -> torch.Tensor:
@@ -90,7 +97,7 @@ class Steps:
         B = inputs.shape[1]
         if self.pool is None:
             blocks = torch.arange(kv_blocks, device=self.device)
-            return self.decode_step(B)(inputs, decode_tiles(B, self.device), blocks)
+            return self._decode(inputs, decode_tiles(B, self.device), blocks)
         graph, static, out = self.decode_graph(B)
         static.copy_(inputs, non_blocking=True)
         graph.replay()  # the whole step, ~10 kernels per layer, in one launch
@@ -102,32 +109,8 @@ class Steps:
         inputs[2] = self.trash_row
         self.decode_raw(inputs, 1)
 
-    def decode_step(self, batch: int):
-        """The decode forward for one padded batch size: compiled when `compile` (dynamic sizes
-        from batch 2 on; batch 1 static, so its matmuls become reductions)."""
-        key = "b1" if batch == 1 else "bN"
-        if key not in self._fns:
-            # two functions, not one: dynamo keeps compiled code per Python code object
-            fn = self._decode_b1 if batch == 1 else self._decode_bn
-            if self.compile:
-                # gpt-fast's setting: coordinate-descent tuning makes inductor turn 1-row matmuls
-                # into fused reductions (int8/int4 dequant folded in).  With the Triton int8/int4
-                # kernels no weight matmul is left for it to fuse, and the tuning costs minutes of
-                # compile on an 8B model.  No inductor CUDA graphs (cudagraph trees assert when the
-                # scheduler thread replays a graph recorded on another thread, pytorch#123177):
-                # decode_graph records its own.
-                fuse = batch == 1 and (self.weight_quant == "none" or self.quant_kernel not in ("triton", "gemlite"))
-                torch._dynamo.config.recompile_limit += len(self.buckets) + 2
-                fn = torch.compile(fn, fullgraph=True, dynamic=batch > 1,
-                                   options={"coordinate_descent_tuning": fuse, **_cpu_compile_options(self.device)})
-            self._fns[key] = fn
-        return self._fns[key]
-
-    def _decode_b1(self, inputs, tiles, kv_blocks):
-        return self.model(decode_batch(inputs[0], inputs[1], inputs[2], tiles, kv_blocks))
-
-    def _decode_bn(self, inputs, tiles, kv_blocks):
-        return self.model(decode_batch(inputs[0], inputs[1], inputs[2], tiles, kv_blocks))
+    def _decode(self, inputs, tiles, kv_blocks):
+        return self._forward(decode_batch(inputs[0], inputs[1], inputs[2], tiles, kv_blocks))
 
     def decode_graph(self, batch: int) -> tuple:
         """The CUDA graph of a decode step of `batch` rows, recorded on first use (warm-up)."""
@@ -136,7 +119,7 @@ class Steps:
             static[2] = self.trash_row  # recorded at the trash row: the eager runs write nothing real
             tiles = decode_tiles(batch, self.device)
             blocks = torch.arange(1, device=self.device)  # unused by the Triton kernel
-            graph, out = self._capture(self.decode_step(batch), static, tiles, blocks)
+            graph, out = self._capture(self._decode, static, tiles, blocks)
             # every input stays referenced: the graph reads them at their recorded addresses
             self.graphs[batch] = (graph, static, out, tiles, blocks)
         return self.graphs[batch][:3]

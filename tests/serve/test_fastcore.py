@@ -120,24 +120,26 @@ def test_int4_layout_is_the_one_torch_int4_kernels_expect():
 
 
 def test_warm_up_compiles_every_decode_bucket_within_dynamos_limit(hf, monkeypatch):
-    """On CUDA dynamo was seen to compile every decode shape separately, and a server with
-    --max-batch 64 died at dynamo's limit of 8 recompiles during warm-up.  With sizes kept static
-    (no dynamic shapes, dynamo's eager backend for speed) every batch bucket still compiles and
-    decodes, and so does the mixed forward."""
+    """A server with --max-batch 64 once died at dynamo's limit of 8 recompiles during warm-up
+    (every decode shape compiled on its own).  Now the blocks are compiled with dynamic shapes at
+    warm-up, and after it nothing compiles again: not a bucket's decode, not a prompt's forward
+    (dynamo's eager backend here, for speed; `fail_on_recompile` raises on any compile)."""
     import torch._dynamo
 
     model, _ = hf
     real_compile = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend="eager", fullgraph=True))
-    # the config's own patch(): monkeypatch's undo leaves dynamo's config without the attribute
-    with torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=8):
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend="eager", fullgraph=True,
+                                                                        dynamic=kw.get("dynamic")))
+    with torch._dynamo.config.patch(recompile_limit=8):
         core = FastCore(model, max_slots=64, max_seq=512, device="cpu", compile=True)
         assert core.steps.buckets == (1, 2, 4, 8, 16, 32, 64)
         core.warm_up()
-        slots = [core.acquire() for _ in range(33)]
-        for s in slots:
-            core.prefill(s, [1, 2, 3])
-        assert core.decode(slots, [4] * 33).shape == (33, core.args.vocab_size)
+        with torch.compiler.set_stance("fail_on_recompile"):
+            slots = [core.acquire() for _ in range(33)]
+            for s in slots:
+                core.prefill(s, [1, 2, 3])
+            assert core.decode(slots, [4] * 33).shape == (33, core.args.vocab_size)
+            assert core.step([(0, [5]), (1, list(range(40)))]).shape == (2, core.args.vocab_size)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.compile + CUDA graph decode needs a CUDA GPU")
@@ -280,9 +282,14 @@ def test_the_compiled_forward_is_one_graph_for_every_batch(default_model):
     from torch._dynamo.utils import counters
 
     eager = FastCore(default_model, max_slots=4, max_seq=512, device="cpu", compile=False)
+    before = counters["stats"]["unique_graphs"]
     fast = FastCore(default_model, max_slots=4, max_seq=512, device="cpu", compile=True)
     fast.warm_up()
     graphs = counters["stats"]["unique_graphs"]
+    # one block compiled for all layers, not one per layer: its graphs are the sizes torch
+    # specializes (one token; one sequence; one token per sequence; a sequence spanning the whole
+    # block table) and the general one
+    assert graphs - before <= 5 < fast.args.n_layers * 2
     torch.manual_seed(0)
     ids = lambda n: torch.randint(0, fast.args.vocab_size, (n,)).tolist()  # noqa: E731
     batches = [[(0, ids(300))], [(0, ids(1)), (1, ids(200))], [(3, ids(2)), (2, ids(7)), (1, ids(1))],
@@ -305,11 +312,15 @@ def _positions(core, cache, slot):
 def test_a_failing_compile_falls_back_to_eager_steps(default_model, monkeypatch, capsys):
     core = FastCore(default_model, max_slots=2, max_seq=256, device="cpu", compile=True)
 
-    def broken():
-        raise RuntimeError("inductor could not lower this")
+    real = core.steps._forward
 
-    monkeypatch.setattr(core.steps, "mixed_step", broken)
-    monkeypatch.setattr(core.steps, "decode_step", lambda batch: lambda *a: None)  # only prompts are under test
+    def broken(batch, eager=False):  # the compiled forward fails to build; eager runs
+        if not eager:
+            raise RuntimeError("inductor could not lower this")
+        return real(batch, eager=True)
+
+    monkeypatch.setattr(core.steps, "_forward", broken)
+    monkeypatch.setattr(core.steps, "warm_decode", lambda batch: None)  # only prompts are under test
     core.warm_up()
     assert core.steps.compile_mixed is False
     assert "compiled forward failed (RuntimeError: inductor could not lower this)" in capsys.readouterr().err
