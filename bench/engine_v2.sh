@@ -5,11 +5,11 @@
 # theirs: llama-server on the Q8_0 GGUF of the same checkpoint, -np 32, flash attention.
 #   bench/engine_v2.sh OUT 1   install; llama.cpp's build and the checkpoints start detached; the GPU
 #                              tests of the engine; ours 1B: start-up cold and warm, ~690-token
-#                              prompts at concurrency 1, 8, 32
-#   bench/engine_v2.sh OUT 2   llama-server 1B and 8B (random prompts; 8B also the shared prefix);
-#                              ours 8B cold start, random prompts, shared prefix with the cache
+#                              prompts at concurrency 1, 8, 32; llama-server 1B the same
+#   bench/engine_v2.sh OUT 2   8B: llama-server and ours (cold start), random prompts and the shared
+#                              prefix
 #   bench/engine_v2.sh OUT 3   ours 8B warm start, shared prefix without the cache; capacity at
-#                              --context 8192 with fp16 and int8 KV
+#                              --context 8192 with fp16 and int8 KV; int8 KV's quality, 1B shape
 #   bench/engine_v2.sh OUT 4   ours alone, 1B: the attention kernel's GPU test, start-up cold and
 #                              warm, random prompts at 1, 8, 32 with py-spy on the server at 1
 #                              (.devwheels/tools carries py-spy's wheel)
@@ -19,6 +19,7 @@ out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
 export PYTHONPATH=$site QUANTSERVE_HOME=/tmp/qs-home QUANTSERVE_TEST_CWD=/tmp QUANTSERVE_TEST_START_TIMEOUT=300
 log() { echo "[$(date +%T) +${SECONDS}s] $*" | tee -a "$out/bench.txt"; }
 ours=(--engine fast --weight-quant int8 --gpu-profile t4 --max-batch 32 --context 2048)
+ours+=(${OURS_EXTRA:-})  # e.g. OURS_EXTRA="--kv-blocks 3000"
 
 wait_ready() {  # PORT PID LABEL: seconds from launch to a 200 on /health
   local t0=$SECONDS
@@ -111,25 +112,28 @@ if [ "$phase" = 1 ]; then
       python3 -m quantserve convert /tmp/ck-\$s -f gguf-q8_0 -o /tmp/gguf-\$s -q && touch /tmp/ck-\$s.done; }; done" \
       > /tmp/checkpoints.log 2>&1 < /dev/null &
   # from /tmp: in the source tree `quantserve` would be the bare folder, not the installed package
-  (cd /tmp && timeout 240 python3 -m pytest --import-mode=append -q -p no:cacheprovider -x \
-      "$repo/tests/serve/test_paged_attention.py" "$repo/tests/serve/test_fastcore.py" "$repo/tests/serve/test_server_fast.py" \
-      -k "match_the_reference or close_to_fp32 or compiled_cuda or compiled_triton or greedy_and or concurrent or tiny") \
+  (cd /tmp && timeout 150 python3 -m pytest --import-mode=append -q -p no:cacheprovider \
+      "$repo/tests/serve/test_paged_attention.py" "$repo/tests/serve/test_fastcore.py" \
+      -k "match_the_reference or close_to_fp32 or compiled_cuda or compiled_triton or greedy_and or paged") \
       > "$out/gpu-tests.log" 2>&1 || log "gpu tests: rc=$?"
   tail -n 5 "$out/gpu-tests.log" >> "$out/bench.txt"
   checkpoint llama-3.2-1b
   rm -rf "$QUANTSERVE_HOME/compile"
   start_ours ours-1b-cold /tmp/ck-llama-3.2-1b "${ours[@]}" && { load ours-1b 8000 random; stop; }
   start_ours ours-1b-warm /tmp/ck-llama-3.2-1b "${ours[@]}" && stop
-elif [ "$phase" = 2 ]; then
-  for i in $(seq 200); do [ -x /tmp/llama-cpp/bin/llama-server ] && break; sleep 2; done
+  for i in $(seq 120); do [ -x /tmp/llama-cpp/bin/llama-server ] && break; sleep 2; done
   tail -n 3 /tmp/llama-build.out >> "$out/bench.txt"
   start_llama llama-1b /tmp/gguf-llama-3.2-1b/*.gguf && { load llama-1b 8001 random; stop; }
+elif [ "$phase" = 2 ]; then
   checkpoint llama-3.1-8b
   start_llama llama-8b /tmp/gguf-llama-3.1-8b/*.gguf && { load llama-8b 8001 random; load llama-8b 8001 shared; stop; }
   start_ours ours-8b-cold /tmp/ck-llama-3.1-8b "${ours[@]}" && { load ours-8b 8000 random; load ours-8b 8000 shared; stop; }
 else
   start_ours ours-8b-warm /tmp/ck-llama-3.1-8b "${ours[@]}" --no-prefix-cache && { load ours-8b-nocache 8000 shared; stop; }
-  capacity capacity-fp16-kv
-  capacity capacity-int8-kv --kv-cache-dtype int8
+  capacity capacity-fp16-kv ${CAPACITY_FP16:-}
+  capacity capacity-int8-kv --kv-cache-dtype int8 ${CAPACITY_INT8:-}
+  (cd /tmp && timeout 120 python3 -m quantserve.bench.kv_quality --shape 1b) > "$out/kv-quality-1b.txt" 2>&1 \
+      || log "kv quality: rc=$?"
+  tail -n 8 "$out/kv-quality-1b.txt" >> "$out/bench.txt"
 fi
 log "phase $phase done"

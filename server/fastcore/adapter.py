@@ -25,7 +25,7 @@ class FastCoreBackend:
                              "and weight_quant='int8' or 'int4'")
         self.core = FastCore(model, max_slots=max_batch, max_seq=context_length, weight_quant=weight_quant,
                              profile=profile, compile=compile, device=device, kv_cache_dtype=kv_cache_dtype,
-                             kv_blocks=kv_blocks, prefix_cache=prefix_cache)
+                             kv_blocks=kv_blocks, prefix_cache=prefix_cache, max_batched_tokens=max_batched_tokens)
         self.warm_up_s = 0.0
         if self.core.compile:
             # every decode graph recorded and the forward compiled before /health says ready:

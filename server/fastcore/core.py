@@ -48,14 +48,15 @@ class FastCore:
                  compile: bool | None = None, quant_kernel: str = "auto", group_size: int = 128,
                  profile: str = "native", kv_blocks: int | None = None, kv_budget_gib: float | None = None,
                  random_config=None, seed: int = 0, attention: str = "auto", kv_cache_dtype: str = "auto",
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, max_batched_tokens: int = PROMPT_PIECE):
         """model: a checkpoint folder, a loaded HF model, or None with `random_config` (an HF
         config: random weights, for benchmarks).  max_slots: sequences at once; max_seq: the
         longest sequence.  kv_blocks: the pool's size in blocks of BLOCK positions; None sizes it
         from kv_budget_gib, or on a GPU from the memory left after the weights, or on a CPU as
         max_slots whole contexts.  attention: "triton", "torch" or "auto" (attention.py).
         kv_cache_dtype: "auto" (the model's dtype) or "int8" (a scale per head and position:
-        about twice the tokens in the same memory)."""
+        about twice the tokens in the same memory).  max_batched_tokens: the most tokens one
+        forward takes (the scheduler's budget; the pool leaves room for its activations)."""
         if kv_cache_dtype not in ("auto", "int8"):
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: choose auto or int8")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -70,7 +71,7 @@ class FastCore:
             raise ValueError("the tinygemm int4 kernel needs a CUDA GPU with compute capability >= 8.0 "
                              "(not a T4, not the T4 profile)")
         self.device, self.dtype, self.weight_quant, self.quant_kernel = device, dtype, weight_quant, quant_kernel
-        self.max_slots, self.max_seq = max_slots, max_seq
+        self.max_slots, self.max_seq, self.max_batched_tokens = max_slots, max_seq, max(max_batched_tokens, PROMPT_PIECE)
         self.kv_int8 = kv_cache_dtype == "int8"
         t0 = time.perf_counter()
         weights = open_weights(model, device, dtype, weight_quant, random_config, seed)
@@ -105,9 +106,25 @@ class FastCore:
     def resident_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in list(self.model.parameters()) + list(self.model.buffers()))
 
-    def blocks_for_budget(self, budget_gib: float | None = None, reserve_gib: float = 1.0) -> int:
+    def forward_reserve_bytes(self, tokens: int) -> int:
+        """Memory a forward of `tokens` tokens needs at its peak beyond the weights and the cache,
+        with a margin: 1 GiB (CUDA graphs, the allocator's slack, cuBLAS workspaces), Triton's
+        timing buffer at warm-up (256 MB), the widest layer's activations, and a dense fp16 copy
+        of the largest weight (prompt-sized int8/int4 matmuls may dequantize it for cuBLAS,
+        triton_mm.py).  An 8B model in int8 ran out of memory under the T4 profile with a flat
+        1 GiB: its gate-up weight alone is 224 MiB in fp16."""
+        a, b = self.args, torch.finfo(self.dtype).bits // 8
+        qkv = (a.n_heads + 2 * a.n_kv_heads) * a.head_dim
+        widest = tokens * (a.dim * 3 + qkv + 3 * a.ffn_dim) * b  # residual, norms, qkv, gate-up, act
+        largest = max(2 * a.ffn_dim * a.dim, qkv * a.dim, a.vocab_size * a.dim) * b
+        return 2**30 + 256 * 10**6 + widest + largest
+
+    def blocks_for_budget(self, budget_gib: float | None = None, reserve_gib: float | None = None) -> int:
         """How many KV blocks fit in the memory left (minus a reserve for activations and the
-        graphs); at most two whole contexts per slot (the rest would only hold cached prefixes)."""
+        graphs: forward_reserve_bytes); at most two whole contexts per slot (the rest would only
+        hold cached prefixes)."""
+        if reserve_gib is None:
+            reserve_gib = self.forward_reserve_bytes(self.max_batched_tokens) / 2**30
         per_seq = -(-self.max_seq // BLOCK)
         if budget_gib is None and self.device.type != "cuda":
             return self.max_slots * per_seq

@@ -149,14 +149,14 @@ def _m_bucket(M: int) -> int:
 def _int8_dense(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Prefill-sized M: the whole weight dequantized to x's dtype, then one cuBLAS matmul.  Writes
     and reads a dense copy, which long prompts amortise over many rows."""
-    return torch.mm(x, (weight.to(x.dtype) * scales[:, None]).t())
+    return torch.mm(x, weight.to(x.dtype).mul_(scales[:, None]).t())  # in place: one copy at the peak
 
 
 def _int4_dense(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                 group: int) -> torch.Tensor:
     N = packed.shape[0]
     q = torch.stack([packed >> 4, packed & 0xF], dim=-1).view(N, -1, group).to(x.dtype)
-    return torch.mm(x, (q * scales[..., None] + mins[..., None]).view(N, -1).t())
+    return torch.mm(x, q.mul_(scales[..., None]).add_(mins[..., None]).view(N, -1).t())  # in place, as above
 
 
 # (kernel name, M bucket, batch 1?, N, K, dtype, group) -> (kernel, config, BLOCK_M, flags) chosen for

@@ -365,3 +365,23 @@ def test_an_int8_kv_cache_costs_little_quality_and_half_the_memory():
 
     a = ModelArgs(vocab_size=8, dim=64, ffn_dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=128, norm_eps=1e-6)
     assert a.kv_bytes_per_token(2, int8=True) / a.kv_bytes_per_token(2) == pytest.approx(130 / 256)  # vs fp16
+
+
+def test_the_pool_leaves_room_for_the_largest_prompt_forward():
+    """The KV pool takes the memory left after the weights minus what a forward needs at its
+    peak.  A flat 1 GiB was too little for the 8B shape in int8 under the T4 profile (an
+    allocation of 224 MiB, its gate-up weight dequantized to fp16 for a prompt, failed at start-up
+    on the GPU); the reserve now grows with the model's widest layer and the token budget."""
+    from types import SimpleNamespace
+
+    from quantserve.server.fastcore.model import ModelArgs
+
+    def reserve(tokens, **shape):
+        args = ModelArgs(vocab_size=128256, n_kv_heads=8, head_dim=128, norm_eps=1e-5, **shape)
+        return FastCore.forward_reserve_bytes(SimpleNamespace(args=args, dtype=torch.float16), tokens)
+
+    eight_b = dict(dim=4096, ffn_dim=14336, n_layers=32, n_heads=32)
+    one_b = dict(dim=2048, ffn_dim=8192, n_layers=16, n_heads=32)
+    gate_up_fp16 = 2 * 14336 * 4096 * 2
+    assert reserve(2048, **eight_b) > 2**30 + 256 * 10**6 + gate_up_fp16
+    assert reserve(8192, **eight_b) > reserve(2048, **eight_b) > reserve(2048, **one_b)
