@@ -6,6 +6,8 @@ bench/decode.py on a GPU; here every code path they share is checked for exact t
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from tests.support.families import FAMILIES
@@ -385,3 +387,30 @@ def test_the_pool_leaves_room_for_the_largest_prompt_forward():
     gate_up_fp16 = 2 * 14336 * 4096 * 2
     assert reserve(2048, **eight_b) > 2**30 + 256 * 10**6 + gate_up_fp16
     assert reserve(8192, **eight_b) > reserve(2048, **eight_b) > reserve(2048, **one_b)
+
+
+def test_a_checkpoint_is_read_tensor_by_tensor_and_copied(default_model, tmp_path):
+    """A checkpoint folder is read straight from its safetensors files (no transformers model
+    built first), each tensor copied off the file; a folder whose tensors are not the layout's
+    (here: an untied model without its lm_head) goes through transformers instead."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from quantserve.server.fastcore.weights import _checkpoint_tensors
+
+    src = _checkpoint_tensors(default_model, torch.float32)
+    assert src is not None
+    emb = src.get("model.embed_tokens.weight")
+    assert emb.dtype == torch.float32 and emb.untyped_storage().data_ptr() != src.get("model.embed_tokens.weight").untyped_storage().data_ptr()
+    assert src.has("model.layers.0.self_attn.q_proj.weight") and not src.has("model.layers.99.mlp.up_proj.weight")
+
+    odd = tmp_path / "odd"
+    shutil.copytree(default_model, odd)
+    (files,) = list(odd.glob("*.safetensors"))
+    tensors = load_file(files)
+    tensors.pop("lm_head.weight", None)
+    save_file(tensors, files, metadata={"format": "pt"})
+    cfg = json.loads((odd / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": False}))
+    assert _checkpoint_tensors(odd, torch.float32) is None
