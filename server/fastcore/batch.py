@@ -66,10 +66,15 @@ def build_batch(items: list[tuple[int, list[int], int]], device: torch.device, g
     longest = max(len(ids) for _, ids, _ in items)
     host = dict(tokens=tokens, pos=pos, tok_slot=tok_slot, tok_seq=tok_seq, tok_col=tok_col, seq_slot=seq_slot,
                 seq_len=seq_len, last=last)
-    # one host-to-device copy for all the integer inputs (each copy is a sync point's worth of latency)
+    # one host-to-device copy for all the integer inputs (each copy is a sync point's worth of
+    # latency), each part starting 16-byte aligned: Triton specializes a kernel on its pointers'
+    # alignment, so a part at an odd offset (a prompt of odd length) compiled the attention kernel
+    # again while a request waited
     sizes = [len(v) for v in host.values()]
-    flat = torch.tensor([x for v in host.values() for x in v], dtype=torch.long).to(device, non_blocking=True)
-    parts = dict(zip(host, flat.split(sizes)))
+    padded = [n + n % 2 for n in sizes]
+    flat = torch.tensor([x for v, p in zip(host.values(), padded) for x in (*v, *[0] * (p - len(v)))],
+                        dtype=torch.long).to(device, non_blocking=True)
+    parts = {name: part[:n] for name, part, n in zip(host, flat.split(padded), sizes)}
     return StepBatch(**parts, tiles=torch.tensor(tiles, dtype=torch.int32).to(device, non_blocking=True),
                      q_cols=torch.arange(longest, device=device),
                      # at least 2: a size of 1 is specialized by torch.compile (a graph of its own)

@@ -96,3 +96,19 @@ def test_disabled_the_pool_finds_nothing():
     pool.start(0, prompt)
     _fill(pool, 0, prompt)
     assert pool.start(1, prompt) == 0
+
+
+def test_every_part_of_a_batch_starts_16_byte_aligned():
+    """Kernels are specialized on their pointers' alignment: a part of the flattened batch at an
+    odd offset (a prompt of odd length) would compile a kernel again mid-serving."""
+    import torch
+
+    from quantserve.server.fastcore.batch import build_batch
+
+    for lengths in ([1], [3], [7, 1], [5, 1, 1], [2, 9, 4]):
+        batch = build_batch([(row, list(range(n)), 0) for row, n in enumerate(lengths)], torch.device("cpu"))
+        for name in ("tokens", "pos", "tok_slot", "tok_seq", "tok_col", "seq_slot", "seq_len", "last"):
+            part = getattr(batch, name)
+            assert part.data_ptr() % 16 == 0, (lengths, name)
+        assert batch.pos.tolist() == [p for n in lengths for p in range(n)]
+        assert batch.last.tolist() == [sum(lengths[:i + 1]) - 1 for i in range(len(lengths))]
