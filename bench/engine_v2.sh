@@ -124,6 +124,10 @@ if [ "$phase" = 1 ]; then
   for i in $(seq 120); do [ -x /tmp/llama-cpp/bin/llama-server ] && break; sleep 2; done
   tail -n 3 /tmp/llama-build.out >> "$out/bench.txt"
   start_llama llama-1b /tmp/gguf-llama-3.2-1b/*.gguf && { load llama-1b 8001 random; stop; }
+elif [ ! -f /tmp/checkpoints.log ]; then
+  # a fresh machine (the last one went back between calls): nothing of phase 1 is here, and
+  # waiting for its checkpoints would spend the whole call
+  log "phase $phase needs phase 1's files in /tmp: this machine is fresh, run phase 1 first"; exit 3
 elif [ "$phase" = 2 ]; then
   checkpoint llama-3.1-8b
   start_llama llama-8b /tmp/gguf-llama-3.1-8b/*.gguf && { load llama-8b 8001 random; load llama-8b 8001 shared; stop; }
