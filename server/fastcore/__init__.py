@@ -10,7 +10,7 @@ weights.py   where the weights come from (checkpoint, AWQ / GPTQ, random) and th
 quant.py     weight-only int8 / int4 linear layers, quantized at load
 triton_mm.py the Triton int8 / int4 matmul kernels those layers use on a GPU
 triton_gemv.py  batch-1 matrix-vector variants, kept per layer shape where they are faster
-graphs.py    the compiled forward (any batch) and the decode steps' CUDA graphs per batch bucket
+graphs.py    the compiled block (every layer, any batch) and the decode steps' CUDA graphs per bucket
 core.py      FastCore: one step of decodes and prompt chunks together, warm-up; ties the above together
 adapter.py   FastCore behind the server's decode seam (sampling is the server's, per request)
 loader.py    the `fast` engine's loader: checks, FastCoreBackend, EngineInfo
