@@ -30,7 +30,7 @@ PYTEST_ARGS ?=
 help:
 	@echo "make run   - install and run the whole pipeline on the embedded default model"
 	@echo "make test  - install and run the test suite"
-	@echo "make reliability - fuzzing, hostile input, security, soak and faults at full size (~13 min on 2 cores)"
+	@echo "make reliability - fuzzing, hostile input, security, soak, faults and replica faults at full size (~15 min on 2 cores)"
 
 # The versions the Docker image ships (requirements-docker.txt) are constraints here too: a fresh
 # clone tests what ships, not whatever the package index holds that day (a newer accelerate once
@@ -56,8 +56,10 @@ test: install
 
 # The reliability and security suites at full size (`make test` runs them at the quick size):
 # schemathesis fuzzing, hostile requests, security checks, a 64-client x 2-minute soak per engine,
-# fault injection; then the figures as one table.
-RELIABILITY_TESTS := tests/reliability/test_fuzz.py tests/reliability/test_hostile.py tests/reliability/test_security.py tests/reliability/test_soak.py tests/reliability/test_faults.py
+# fault injection, a replica SIGKILLed under load and autoscaling 1 -> 2 -> 1 (Ray, the
+# 'replicas' extra); then the figures as one table.
+RELIABILITY_TESTS := tests/reliability/test_fuzz.py tests/reliability/test_hostile.py tests/reliability/test_security.py tests/reliability/test_soak.py tests/reliability/test_faults.py \
+	tests/serve/test_replicas.py tests/serve/test_replicas_autoscale.py
 reliability: install
 	QUANTSERVE_RELIABILITY=full $(PY) -m pytest -q $(RELIABILITY_TESTS)
 	$(PY) -m bench.reliability_table

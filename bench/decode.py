@@ -213,7 +213,7 @@ def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], p
     # Prompts eagerly: this measures decode, and the compiled prompt path (torch.compile with
     # dynamic shapes over the whole model) is a minute or more of compile on the 8B shape before
     # the first step, which ran two GPU calls' rows out of their time (bench/RESULTS.md).
-    core.compile_prefill = False
+    core.steps.compile_mixed = False
     print(f"  {quant}: weights ready in {build_s:.1f} s", file=sys.stderr, flush=True)
     wbytes = core.weight_bytes_per_token()
     kv_tok = core.kv_bytes_per_token()
@@ -226,14 +226,20 @@ def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], p
             t1 = time.perf_counter()
             first = [int(core.prefill(s, prompt).argmax()) for s in range(b)]
             row["first_prompts_s"] = round(time.perf_counter() - t1, 1)  # the prompt path's compile, first time
-            tok = torch.tensor(first, device=device)
-            pos = torch.full((b,), prompt_len, device=device)
-            L = core.steps.kv_len(prompt_len + new_tokens + 1)
-            kv_idx = core._kv_idx[:L]
+            for s in range(b):  # every position the timed steps write, reserved now
+                core.pool.reserve(s, prompt_len + new_tokens + 1)
+            core.sync_table()
+            kv_blocks = -(-(prompt_len + new_tokens + 1) // 16)
+            slots = torch.arange(b, device=device)
+            inputs = torch.stack([torch.tensor(first, device=device), torch.full((b,), prompt_len, device=device), slots])
+
+            def step(inputs):  # one token per sequence, the argmax fed back on the device
+                tok = core.steps.decode_raw(inputs, kv_blocks).argmax(-1)
+                return torch.stack([tok, inputs[1] + 1, inputs[2]])
+
             t1 = time.perf_counter()
             for _ in range(3):  # compile, CUDA-graph record, first replay
-                tok = core.decode_padded(tok, pos, kv_idx).argmax(-1)
-                pos = pos + 1
+                inputs = step(inputs)
             sync(device)
             row["warmup_s"] = round(time.perf_counter() - t1, 1)
             # as it happens: a run cut short by a time limit still says where its minutes went
@@ -242,8 +248,7 @@ def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], p
             n = new_tokens - 3
             t1 = time.perf_counter()
             for _ in range(n):
-                tok = core.decode_padded(tok, pos, kv_idx).argmax(-1)
-                pos = pos + 1
+                inputs = step(inputs)
             sync(device)
             step = (time.perf_counter() - t1) / n
             avg_ctx = prompt_len + 3 + n / 2
@@ -252,10 +257,10 @@ def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], p
             if device.type == "cuda":
                 row["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
             if profile_steps and b == batches[0]:
-                state = {"tok": tok}
+                fixed = inputs.clone()
 
                 def one_step():  # the same step at a fixed position: the profile does not move the KV length
-                    state["tok"] = core.decode_padded(state["tok"], pos, kv_idx).argmax(-1)
+                    core.steps.decode_raw(fixed, kv_blocks).argmax(-1)
 
                 row["profile"] = step_profile(one_step, device, profile_steps)
         except Exception as e:  # one failing row must not lose the others
@@ -278,7 +283,7 @@ def fit_check(cfg, device, caps, quant: str, kernel: str, slots: int = 8, seq: i
     fill = seq - 16
     for s in range(slots):
         core.prefill(s, torch.randint(0, cfg.vocab_size, (fill,)))
-    core.decode(list(range(slots)), [1] * slots, [fill] * slots)
+    core.decode(list(range(slots)), [1] * slots)
     sync(device)
     out = {"slots": slots, "seq": seq, "ok": True,
            "resident_gib": round(core.resident_bytes() / 2**30, 2),

@@ -1,4 +1,5 @@
-"""Plot serving results: output throughput and p99 TPOT against concurrency, one line per JSON.
+"""Plot serving results: output throughput, median time to first token and p99 TPOT against
+concurrency, one line per JSON.
 
     quantserve bench plot bench/results/serve-ours.json bench/results/serve-llamacpp.json -o serve.png
 """
@@ -13,12 +14,12 @@ def load_result(path: str) -> dict:
     """A `bench serve` JSON, or ValueError naming the file."""
     try:
         res = json.loads(Path(path).read_text())
-        if all(isinstance(r, dict) and {"concurrency", "output_throughput", "tpot_ms"} <= r.keys()
+        if all(isinstance(r, dict) and {"concurrency", "output_throughput", "ttft_ms", "tpot_ms"} <= r.keys()
                for r in res["runs"]):
             return res
     except (ValueError, KeyError, TypeError):  # not JSON, or JSON of another shape
         pass
-    raise ValueError(f"{path}: not a `bench serve` result (a JSON with runs of concurrency, throughput, TPOT)")
+    raise ValueError(f"{path}: not a `bench serve` result (a JSON with runs of concurrency, throughput, TTFT, TPOT)")
 
 
 def plot(paths: list[str], out: str, labels: list[str] | None = None) -> str:
@@ -27,16 +28,17 @@ def plot(paths: list[str], out: str, labels: list[str] | None = None) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax1, ax3, ax2) = plt.subplots(1, 3, figsize=(14, 4))
     for i, p in enumerate(paths):
         res = load_result(p)
         runs = sorted(res["runs"], key=lambda r: r["concurrency"])
         label = labels[i] if labels and i < len(labels) else res.get("label") or Path(p).stem
         conc = [r["concurrency"] for r in runs]
         ax1.plot(conc, [r["output_throughput"] or 0 for r in runs], marker="o", label=label)
-        ax2.plot(conc, [r["tpot_ms"]["p99"] if r["tpot_ms"]["p99"] is not None else float("nan") for r in runs],
-                 marker="o", label=label)
-    for ax, title, ylabel in ((ax1, "output throughput", "tokens/s"), (ax2, "p99 TPOT", "ms")):
+        ax2.plot(conc, [_ms(r["tpot_ms"]["p99"]) for r in runs], marker="o", label=label)
+        ax3.plot(conc, [_ms(r["ttft_ms"]["median"]) for r in runs], marker="o", label=label)
+    for ax, title, ylabel in ((ax1, "output throughput", "tokens/s"), (ax3, "median time to first token", "ms"),
+                              (ax2, "p99 TPOT", "ms")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency")
         ax.set_ylabel(ylabel)
@@ -47,3 +49,7 @@ def plot(paths: list[str], out: str, labels: list[str] | None = None) -> str:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def _ms(value) -> float:
+    return float("nan") if value is None else value

@@ -1,37 +1,70 @@
 #!/usr/bin/env bash
-# What Ray Serve's hops cost: one bare server against `--replicas 1` (the gateway, then one
-# replica) with streamed events gathered for 10 ms (the default) and sent one by one (0 ms), the
-# same checkpoint and engine on the same GPU, all up at once and benchmarked in turn, twice: time
-# to first token and output tokens/s at concurrency 1 and 8.
+# What `--replicas 1` costs: a bare server against the same server behind the replicas' gateway
+# (Ray Serve places the replica; requests go gateway -> the replica's own port, never through
+# Ray), and against that replica's port directly where `ss` finds it; the same checkpoint and
+# engine on the same machine, all up at once and benchmarked in turn (the order changing each
+# round), ROUNDS times: output tokens/s and time to first token at concurrency 1 and 8, then the
+# table of bench/replicas_compare.py (the median over rounds of each round's ratio to bare).
 #   usage: bench/replicas_overhead.sh SITE_DIR OUT_DIR [SERVE_ARGS...]
-#   (SITE_DIR: quantserve and its serving dependencies installed with pip --target, Ray included)
+#   SITE_DIR: quantserve and its serving dependencies installed with pip --target, Ray included
+#             (on the lent GPU: the wheels of bench/replicas_wheels.sh, its header says how);
+#             '-' runs the quantserve that $PYTHON already imports (a CPU check from a checkout)
+#   SERVE_ARGS default to the GPU run's: --weight-quant int8 --gpu-profile t4 --max-batch 32
+#   environment (all optional): PYTHON (python3; a path from / when not on PATH: the script runs
+#   in /tmp), MODEL (/tmp/m1b, built with
+#   bench.make_checkpoint --shape llama-3.2-1b when absent), ROUNDS (3), BARE_PORT (8000),
+#   RAY_PORT (8001), BENCH_ARGS (the `bench serve` options after --base-url/--label/--out)
 set -euo pipefail
-site=$(realpath "$1"); out=$(realpath -m "$2"); shift 2; mkdir -p "$out"
-export PYTHONPATH=$site
+site=$1; out=$(realpath -m "$2"); shift 2; mkdir -p "$out"
+[ "$site" = - ] || export PYTHONPATH=$(realpath "$site")
+py=${PYTHON:-python3}; model=${MODEL:-/tmp/m1b}; rounds=${ROUNDS:-3}
+bare_port=${BARE_PORT:-8000}; ray_port=${RAY_PORT:-8001}
+bench_args=${BENCH_ARGS:---concurrency 1,8 --input-len 256 --output-len 128 --ignore-eos --num-prompts 32}
 cd /tmp  # not the source tree: the installed package is the one to run
 args=("$@")
 [ ${#args[@]} -gt 0 ] || args=(--weight-quant int8 --gpu-profile t4 --max-batch 32)
-(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) | tee "$out/gpu.txt"
-python3 -c "import importlib.metadata as m, torch; print('torch', torch.__version__, 'ray', m.version('ray'))" | tee -a "$out/gpu.txt"
-[ -d /tmp/m1b ] || python3 -m quantserve.bench.make_checkpoint --shape llama-3.2-1b --out /tmp/m1b
+(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || lscpu | grep -m1 'Model name') \
+    | tee "$out/machine.txt"
+$py -c "
+import importlib.metadata as m
+def v(p):
+    try:
+        return m.version(p)
+    except m.PackageNotFoundError:
+        return 'absent'
+print(', '.join(f'{p} {v(p)}' for p in ('torch', 'ray', 'aiohttp', 'uvicorn', 'uvloop', 'quantserve')))" \
+    | tee -a "$out/machine.txt"
+if [ "$model" = /tmp/m1b ] && [ ! -d /tmp/m1b ]; then
+  $py -m quantserve.bench.make_checkpoint --shape llama-3.2-1b --out /tmp/m1b
+fi
 t0=$(date +%s)
-python3 -m quantserve serve /tmp/m1b --port 8000 "${args[@]}" > "$out/bare.log" 2>&1 &
+$py -m quantserve serve "$model" --port "$bare_port" "${args[@]}" > "$out/bare.log" 2>&1 &
 bare=$!
-python3 -m quantserve serve /tmp/m1b --port 8001 --replicas 1 "${args[@]}" > "$out/ray.log" 2>&1 &
+$py -m quantserve serve "$model" --port "$ray_port" --replicas 1 "${args[@]}" > "$out/ray.log" 2>&1 &
 ray=$!
-python3 -m quantserve serve /tmp/m1b --port 8002 --replicas 1 --stream-interval-ms 0 "${args[@]}" \
-    > "$out/ray0.log" 2>&1 &
-ray0=$!
-for port in 8000 8001 8002; do
-  until curl -sf -o /dev/null http://127.0.0.1:$port/health; do
-    kill -0 $bare 2>/dev/null && kill -0 $ray 2>/dev/null && kill -0 $ray0 2>/dev/null || { tail -n 30 "$out"/*.log; exit 1; }; sleep 2
+trap 'kill -TERM $bare $ray 2>/dev/null; wait $bare $ray 2>/dev/null || true' EXIT
+for port in "$bare_port" "$ray_port"; do
+  until curl -sf -o /dev/null "http://127.0.0.1:$port/health"; do
+    kill -0 $bare 2>/dev/null && kill -0 $ray 2>/dev/null || { tail -n 30 "$out"/*.log; exit 1; }; sleep 2
   done
   echo "port $port ready after $(( $(date +%s) - t0 )) s" | tee -a "$out/bench.txt"
 done
-curl -s http://127.0.0.1:8000/health | tee "$out/health.json"; echo
+curl -s "http://127.0.0.1:$bare_port/health" | tee "$out/health.json"; echo
 bench() {  # NAME PORT
-  python3 -m quantserve.bench.serve --base-url http://127.0.0.1:$2/v1 --concurrency 1,8 --input-len 256 \
-      --output-len 128 --ignore-eos --num-prompts 32 --label "$1" --out "$out/$1.json" | tail -n 6 | tee -a "$out/bench.txt"
+  # shellcheck disable=SC2086 # BENCH_ARGS is a list of options
+  $py -m quantserve.bench.serve --base-url "http://127.0.0.1:$2/v1" $bench_args --label "$1" --out "$out/$1.json" \
+      | tail -n 6 | tee -a "$out/bench.txt"
 }
-bench bare-1 8000; bench ray10-1 8001; bench ray0-1 8002; bench bare-2 8000; bench ray10-2 8001; bench ray0-2 8002
-kill -TERM $bare $ray $ray0; wait $bare $ray $ray0 || true
+# the replica's own port too, where `ss` can tell it (a local cluster's replica listens on 127.0.0.1):
+# what the gateway's hop costs, apart from what living in a Ray actor costs
+direct_port=$(ss -ltnp 2>/dev/null | awk '/ServeRepli/ && /127\.0\.0\.1:/ {n = split($4, a, ":"); print a[n]; exit}' || true)
+series=("bare $bare_port" "ray $ray_port")
+[ -z "$direct_port" ] || series+=("direct $direct_port")
+echo "series: ${series[*]}" | tee -a "$out/bench.txt"
+for n in $(seq 1 "$rounds"); do  # the order turns each round: no server always goes first
+  for i in $(seq 0 $((${#series[@]} - 1))); do
+    read -r name port <<< "${series[$(( (i + n - 1) % ${#series[@]} ))]}"
+    bench "$name-$n" "$port"
+  done
+done
+$py -m quantserve.bench.replicas_compare "$out" | tee "$out/summary.md"

@@ -82,31 +82,35 @@ def run_one(shape: str, quant: str, kernel: str, steps: int, prompt_len: int, ca
     core = FastCore(None, random_config=cfg, max_slots=1, max_seq=-(-(max(prompt_len, 128) + steps + 64) // 256) * 256,
                     device=torch.device("cuda"), weight_quant=quant, quant_kernel=kernel, compile=True,
                     profile=caps.profile)
-    core.compile_prefill = False
+    core.steps.compile_mixed = False  # prompts eagerly: this measures decode
     row = {"model": shape, "quant": quant, "kernel": core.quant_kernel if quant != "none" else None,
            "weight_bytes": core.weight_bytes_per_token(), "build_s": round(time.perf_counter() - t0, 1)}
     prompt = torch.randint(0, cfg.vocab_size, (128,))
-    tok = torch.tensor([int(core.prefill(0, prompt).argmax())], device="cuda")
-    pos = torch.full((1,), 128, device="cuda")
-    kv_len = core.steps.kv_len
-    kv_idx = core._kv_idx[:kv_len(128 + steps + 32)]
+    first = int(core.prefill(0, prompt).argmax())
+    core.pool.reserve(0, 128 + steps + 8)  # every position the timed steps write
+    core.sync_table()
+    kv_blocks = -(-(128 + steps + 8) // 16)
+    inputs = torch.tensor([[first], [128], [0]], device="cuda")
+
+    def step(inputs):
+        tok = core.steps.decode_raw(inputs, kv_blocks).argmax(-1)
+        return torch.stack([tok, inputs[1] + 1, inputs[2]])
+
     t1 = time.perf_counter()
     for _ in range(3):  # compile, record, first replay
-        tok = core.decode_padded(tok, pos, kv_idx).argmax(-1)
-        pos = pos + 1
+        inputs = step(inputs)
     torch.cuda.synchronize()
     row["warmup_s"] = round(time.perf_counter() - t1, 1)
     t1 = time.perf_counter()
     for _ in range(steps):
-        tok = core.decode_padded(tok, pos, kv_idx).argmax(-1)
-        pos = pos + 1
+        inputs = step(inputs)
     torch.cuda.synchronize()
     step_s = (time.perf_counter() - t1) / steps
     row.update(step_ms=round(step_s * 1e3, 4), tok_s=round(1 / step_s, 1))
-    state = {"tok": tok}
+    fixed = inputs.clone()
 
     def one_step():  # at a fixed position: the profile does not move the KV length
-        state["tok"] = core.decode_padded(state["tok"], pos, kv_idx).argmax(-1)
+        core.steps.decode_raw(fixed, kv_blocks).argmax(-1)
 
     row["profile"] = profile_steps(one_step, 16)
     print(f"{shape} {quant:5} {row['kernel'] or 'fp16':8} {row['tok_s']:8.1f} tok/s  step {row['step_ms']:.3f} ms  "

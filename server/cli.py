@@ -15,37 +15,6 @@ from quantserve.server.config import EngineOptions as _D
 from quantserve.settings import UsageError, UserError
 
 
-def _server_class():
-    import contextlib
-    import signal
-
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        """uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, so the process would die by
-        the signal; a clean shutdown here exits 0 instead."""
-
-        def handle_exit(self, sig, frame):
-            if self.should_exit and sig == signal.SIGINT:
-                # A second Ctrl-C: the user will not wait for in-flight requests.  Letting uvicorn
-                # cancel them prints a traceback per stream (and, with daemon threads still
-                # writing, can abort the interpreter); leave at once instead.
-                os.write(2, b"\nsecond interrupt: stopped without waiting for requests in flight\n")
-                os._exit(130)
-            super().handle_exit(sig, frame)
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                yield
-            finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
-
-    return Server
-
-
 class _NoQueryStrings(logging.Filter):
     """Drop query strings from uvicorn's access log lines.
 
@@ -70,8 +39,15 @@ def serve(
                                           help="Require 'Authorization: Bearer KEY' (or set $QUANTSERVE_API_KEY)."),
     max_queue: int = typer.Option(_D.max_queue, min=1, help="Requests allowed to wait; more get 429 + Retry-After."),
     max_batch: int = typer.Option(_D.max_batch, min=1, max=512, help="Sequences decoded together (continuous batching)."),
-    prefill_chunk: int = typer.Option(_D.prefill_chunk, min=16, help="Prompt tokens prefilled between two decode steps: "
-                                      "a long prompt is taken in chunks so running streams keep going."),
+    prefill_chunk: Optional[int] = typer.Option(None, min=16, show_default=False, help="hf and gguf engines: prompt "
+                                                "tokens prefilled between two decode steps (default 512): a long "
+                                                "prompt is taken in chunks so running streams keep going."),
+    max_num_batched_tokens: Optional[int] = typer.Option(
+        None, min=16, show_default=False, help="fast engine: tokens per forward, every running sequence's "
+        "next token and prompt chunks together (default 2048)."),
+    kv_blocks: Optional[int] = typer.Option(
+        None, min=1, show_default=False, help="fast engine: the KV cache's size in blocks of 16 tokens, shared by "
+        "all sequences (default: what the GPU memory left after the weights holds)."),
     embedding_pooling: str = typer.Option(_D.embedding_pooling, help="/v1/embeddings: 'last' token's final "
                                           "hidden state (decoder models' usual choice) or 'mean' over the input."),
     prefix_cache: bool = typer.Option(_D.prefix_cache, "--prefix-cache/--no-prefix-cache",
@@ -79,7 +55,7 @@ def serve(
                                       "prompt and earlier turns); usage.prompt_tokens_details.cached_tokens says how many."),
     context: Optional[int] = typer.Option(None, min=16, help="Context length; default: the model's own."),
     gpu_profile: Optional[str] = typer.Option(None, "--gpu-profile", help="'t4' makes a bigger GPU behave like a T4."),
-    engine: str = typer.Option(_D.engine, help="auto (by the path), hf (transformers), fast (static KV cache, "
+    engine: str = typer.Option(_D.engine, help="auto (by the path), hf (transformers), fast (paged KV cache, "
                                "CUDA graphs on a GPU; Llama-family) or gguf (llama.cpp)."),
     weight_quant: str = typer.Option(_D.weight_quant, help="--engine fast only: none, int8 or int4 weight-only."),
     kv_cache_dtype: str = typer.Option(_D.kv_cache_dtype, help="fast and gguf engines: auto (16-bit) or int8 (fast: "
@@ -105,13 +81,11 @@ def serve(
         None, help="Run N copies of the server behind Ray Serve (one GPU each where there are GPUs), "
         "or 'auto' to scale between 1 and --max-replicas on waiting requests. Needs the 'replicas' extra."),
     max_replicas: int = typer.Option(4, min=1, help="--replicas auto: the most replicas."),
-    routing: str = typer.Option("least-loaded", help="--replicas: least-loaded (Ray Serve's power of two "
-                                "choices) or session (one replica per x-session-id header, else per 'user')."),
+    routing: str = typer.Option("least-loaded", help="--replicas: least-loaded (fewest requests in flight, ties in turn) "
+                                "or session (one replica per x-session-id header, else per 'user')."),
     address: Optional[str] = typer.Option(None, help="--replicas: join this Ray cluster (e.g. ray://head:10001 "
                                           "or auto); default: start a local one bound to 127.0.0.1."),
     downscale_delay: float = typer.Option(60.0, min=0, help="--replicas auto: seconds of low load before a replica is removed."),
-    stream_interval_ms: float = typer.Option(10.0, min=0, help="--replicas: a stream's events leave a replica at most this "
-                                             "often, gathered (the first at once); 0 sends each alone."),
 ) -> None:
     """Serve a model with an OpenAI-compatible API (completions, chat, models, health, metrics)."""
     import uvicorn
@@ -119,7 +93,9 @@ def serve(
     from quantserve.server.api_server import create_app
     from quantserve.server.engines import EngineOptions, ScheduledEngine
 
-    _Server = _server_class()
+    from quantserve.server.uvicorn_server import server_class
+
+    _Server = server_class()
 
     # uvicorn's 'trace' level logs whole ASGI scopes, Authorization header (the API key) included
     if log_level.lower() not in ("debug", "info", "warning", "error"):
@@ -152,6 +128,8 @@ def serve(
                                                         threads=threads, engine=engine,
                                                         weight_quant=weight_quant, trust_pickle=trust_pickle,
                                                         prefill_chunk=prefill_chunk, prefix_cache=prefix_cache,
+                                                        max_num_batched_tokens=max_num_batched_tokens,
+                                                        kv_blocks=kv_blocks,
                                                         embedding_pooling=embedding_pooling,
                                                         kv_cache_dtype=kv_cache_dtype))
     logging.getLogger("quantserve.server").debug("engine options: %s", engine.options)  # never the API key
@@ -163,7 +141,7 @@ def serve(
     if replicas is not None:
         sock.close()  # Ray Serve's proxy binds it
         _serve_replicas(str(given), engine.options, name, replicas, max_replicas, routing, address, host, port,
-                        downscale_delay, stream_interval_ms, dict(api_key=api_key, max_body_bytes=max_body_bytes,
+                        downscale_delay, dict(api_key=api_key, max_body_bytes=max_body_bytes,
                                               max_logprobs=max_logprobs, shutdown_grace_s=shutdown_grace,
                                               cors_origins=cors_origin, tool_call_parser=tool_call_parser))
         return
@@ -206,7 +184,7 @@ def load_error_message(error: Exception) -> str:
 
 
 def _serve_replicas(model, options, name, replicas, max_replicas, routing, address, host, port,
-                    downscale_delay, stream_interval_ms, app_kwargs) -> None:
+                    downscale_delay, app_kwargs) -> None:
     from quantserve.server.replicas import ROUTINGS, ReplicaOptions, parse_replicas, serve_replicas
 
     try:
@@ -223,7 +201,7 @@ def _serve_replicas(model, options, name, replicas, max_replicas, routing, addre
                         "(make install does)") from None
     serve_replicas(model, options, name, app_kwargs,
                    ReplicaOptions(count, max_replicas, routing, address, host, port,
-                                  downscale_delay_s=downscale_delay, stream_interval_ms=stream_interval_ms))
+                                  downscale_delay_s=downscale_delay))
 
 
 def _engine_or_exit(path: Path, options):

@@ -20,10 +20,20 @@ class EngineOptions:
     weight_quant: str = "none"  # fast engine only: none, int8 or int4 weight-only
     threads: int | None = None  # CPU threads for the model; default: torch's own / half the cores for llama.cpp
     trust_pickle: bool = False  # serve a checkpoint whose weights are only pickles (rewritten as safetensors)
-    prefill_chunk: int = 512  # prompt tokens prefilled between two decode steps (chunked prefill)
+    prefill_chunk: int | None = None  # hf / gguf: prompt tokens per iteration (chunked prefill); None: 512
+    max_num_batched_tokens: int | None = None  # fast: tokens per forward, decodes and prompt chunks; None: 2048
+    kv_blocks: int | None = None  # fast: the KV pool in blocks of 16 tokens; None: what memory holds
     prefix_cache: bool = True  # reuse the K/V of prompt prefixes computed before (server/prefix_cache.py)
     embedding_pooling: str = "last"  # /v1/embeddings: the last token's final hidden state, or the mean
     kv_cache_dtype: str = "auto"  # fast / gguf engines: auto (16-bit) or int8 (~twice the tokens per GiB)
+
+    def chunk(self) -> int:
+        """The row engines' prompt tokens per iteration."""
+        return self.prefill_chunk or 512
+
+    def batched_tokens(self) -> int:
+        """The fast engine's tokens per forward."""
+        return self.max_num_batched_tokens or 2048
 
 
 @dataclass

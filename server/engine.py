@@ -63,6 +63,9 @@ class EngineStats:
     decode_rows: int = 0  # sequences those steps advanced: decode_rows / decode_steps is the mean batch
     prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache, since start
     prefix_hit_tokens: int = 0  # of those, found there (not computed again)
+    kv_blocks_used: int | None = None  # a paged KV cache's blocks held by live sequences (fast engine)
+    kv_blocks_total: int | None = None
+    preemptions: int = 0  # sequences sent back to wait for KV blocks (and computed again), since start
 
     @property
     def kv_usage(self) -> float:
@@ -82,6 +85,8 @@ class EngineInfo:
     dtype: str
     attention: str  # hf: flash_attention_2 / sdpa / eager; gguf: llama.cpp
     quantization: str | None = None
+    # a paged KV cache's capacity in tokens (fast engine): no request may need more than all of it
+    kv_pool_tokens: int | None = None
     extra: dict = field(default_factory=dict)
 
 

@@ -88,8 +88,8 @@ def _load_fast(path: Path, o: EngineOptions):
     from quantserve.server.fastcore.loader import load_fast
 
     _set_threads(o.threads)
-    return load_fast(path, o.gpu_profile, o.context, o.max_batch, o.max_queue, o.weight_quant, o.prefill_chunk,
-                     o.prefix_cache, o.kv_cache_dtype)
+    return load_fast(path, o.gpu_profile, o.context, o.max_batch, o.max_queue, o.weight_quant, o.prefix_cache,
+                     o.kv_cache_dtype, o.kv_blocks, o.batched_tokens())
 
 
 def _load_gguf(path: Path, o: EngineOptions):
@@ -110,7 +110,20 @@ def _warm_up(backend) -> None:
     logits = backend.prefill(0, [0])
     backend.decode([0], [int(logits.argmax())])
     backend.free(0)
-    backend.rows.forget_all()  # the warm-up's token is no prefix anyone asked for
+    backend.forget_prefixes()  # the warm-up's token is no prefix anyone asked for
+
+
+def _scheduler(backend, eos_token_ids: set[int], o: EngineOptions):
+    """The paged scheduler (one forward per iteration, preemption) for a backend with a KV pool;
+    the row scheduler (a prompt chunk, then a decode step) for the others."""
+    if hasattr(backend, "pool"):
+        from quantserve.server.paged_scheduler import PagedScheduler
+
+        return PagedScheduler(backend, eos_token_ids, o.max_batch, o.max_queue, log=log.error,
+                              max_batched_tokens=o.batched_tokens())
+    from quantserve.server.scheduler import Scheduler
+
+    return Scheduler(backend, eos_token_ids, o.max_batch, o.max_queue, log=log.error, prefill_chunk=o.chunk())
 
 
 class ScheduledEngine:
@@ -135,6 +148,16 @@ class ScheduledEngine:
             raise ModelLoadError("applies to the fast engine only", "weight_quant", options.weight_quant)
         if options.kv_cache_dtype != "auto" and self.kind == "hf":
             raise ModelLoadError("applies to the fast and gguf engines only", "kv_cache_dtype", options.kv_cache_dtype)
+        for name in ("max_num_batched_tokens", "kv_blocks"):  # the paged fast engine's own settings
+            if getattr(options, name) is not None and self.kind != "fast":
+                raise ModelLoadError("applies to the fast engine only", name, getattr(options, name))
+        if self.kind == "fast" and options.batched_tokens() < options.max_batch:
+            raise ModelLoadError(f"must hold a token for each of max_batch ({options.max_batch}) running sequences",
+                                 "max_num_batched_tokens", options.batched_tokens())
+        if options.prefill_chunk is not None and self.kind == "fast":
+            raise ModelLoadError("applies to the hf and gguf engines (the fast engine's forward takes "
+                                 "max_num_batched_tokens tokens, decodes and prompt chunks together)",
+                                 "prefill_chunk", options.prefill_chunk)
         self.info: EngineInfo | None = None
         self.tokenizer = None
         self.grammars = None  # structured.GrammarCompiler, once the tokenizer is loaded
@@ -156,8 +179,6 @@ class ScheduledEngine:
         return safetensors_copy(self.path, Path(self._converted.name) / self.path.name)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        from quantserve.server.scheduler import Scheduler
-
         import time
 
         o = self.options
@@ -167,8 +188,7 @@ class ScheduledEngine:
         _warm_up(backend)
         backend = with_faults(backend)  # the reliability tests' injected failures; unset: a no-op
         self._loop = loop
-        self._scheduler = Scheduler(backend, self.tokenizer.eos_token_ids, o.max_batch, o.max_queue,
-                                    log=log.error, prefill_chunk=o.prefill_chunk)
+        self._scheduler = _scheduler(backend, self.tokenizer.eos_token_ids, o)
         from quantserve.server.structured import GrammarCompiler
 
         vocab = backend.vocab_size

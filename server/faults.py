@@ -26,11 +26,19 @@ class FaultyDecode:
     def __getattr__(self, name):
         return getattr(self._backend, name)
 
-    def decode(self, slots, tokens):
+    def _count(self) -> None:
         self._step += 1
         if self._step in self._fail_at:
             raise RuntimeError(f"injected fault: decode step {self._step} failed")
+
+    def decode(self, slots, tokens):
+        self._count()
         return self._backend.decode(slots, tokens)
+
+    def step(self, items):
+        """A paged backend's forward (decodes and prompt pieces together) counts as a decode step."""
+        self._count()
+        return self._backend.step(items)
 
 
 def with_faults(backend):

@@ -41,6 +41,14 @@ class _EngineCollector:
             ("vllm:gpu_cache_usage_perc", "Fraction of KV-cache capacity in use, 0-1 (vLLM's name).", s.kv_usage),
         ]:
             yield GaugeMetricFamily(name, doc, value=value)
+        if s.kv_blocks_total is not None:  # a paged KV cache (fast engine)
+            yield GaugeMetricFamily("quantserve:kv_cache_blocks_used", "KV-cache blocks (16 tokens) held by "
+                                    "running sequences.", value=s.kv_blocks_used)
+            yield GaugeMetricFamily("quantserve:kv_cache_blocks_total", "KV-cache blocks in the pool.",
+                                    value=s.kv_blocks_total)
+            for prefix in ("quantserve", "vllm"):
+                yield CounterMetricFamily(f"{prefix}:num_preemptions", "Sequences sent back to wait for KV "
+                                          "blocks (their context computed again on resuming).", value=s.preemptions)
         yield CounterMetricFamily("quantserve:engine_generated_tokens", "Tokens sampled by the engine, "
                                   "including those of requests cancelled later.", value=s.generated_tokens)
         yield CounterMetricFamily("quantserve:engine_cancelled_requests", "Requests stopped early by "

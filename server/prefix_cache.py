@@ -239,12 +239,12 @@ class RowBackend:
             raise RuntimeError(f"slot {slot} holds {len(self.rows.tokens[row])} tokens: cannot write at {start}")
         return row
 
-    def prefill_many(self, items: list[tuple[int, list[int], int]]) -> list:
-        """Several (slot, ids, start) prompt pieces; a backend that can runs them as one forward."""
-        return [self.prefill(slot, ids, start) for slot, ids, start in items]
-
     def free(self, slot: int) -> None:
         self.rows.release(slot)
+
+    def forget_prefixes(self) -> None:
+        """Drop every finished sequence's tokens (a warm-up's are no prefix anyone asked for)."""
+        self.rows.forget_all()
 
     def cached_tokens(self) -> int:
         return self.rows.held_tokens()

@@ -19,9 +19,10 @@ the step is retried without it, so one oversized request does not take the other
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from quantserve.server.backend import DecodeBackend
 from quantserve.server.config import EngineOptions
@@ -38,34 +39,49 @@ class _Running:
     last_token: int
     generated: int
     submitted_at: float
-    prefilled: int = 0  # prompt tokens already in the KV cache
-    cached: int = 0  # of those, taken from the prefix cache instead of computed
+    arrival: int = 0  # admission order: the newest sequence is the first preempted
+    prefilled: int = 0  # tokens of `context()` whose K/V are in the cache
+    cached: int = 0  # prompt tokens taken from the prefix cache instead of computed
     prompt_scores: list | None = None  # with prompt_logprobs: (token, logprob, top) per prompt token
+    output_ids: list[int] = field(default_factory=list)  # tokens sampled so far
 
     @property
     def scoring(self) -> bool:
         """Its prompt's log-probabilities are wanted: every position computed, none from the cache."""
-        return self.stream.request.params.prompt_logprobs is not None
+        return self.stream.request.params.prompt_logprobs is not None and not self.generated
+
+    def context(self) -> list[int]:
+        """The tokens whose K/V the next decode step needs: the prompt and every sampled token but
+        the last (which that step feeds in)."""
+        prompt = self.stream.request.prompt_ids
+        return prompt + self.output_ids[:-1] if self.output_ids else prompt
+
+    def context_len(self) -> int:
+        return len(self.stream.request.prompt_ids) + max(self.generated - 1, 0)
+
+    @property
+    def ready(self) -> bool:
+        """Its whole context is in the cache."""
+        return self.prefilled == self.context_len()
 
     @property
     def decoding(self) -> bool:
-        return self.prefilled == len(self.stream.request.prompt_ids)
-
-
-SHORT_PIECE = 64  # prompt pieces up to this many tokens are prefilled together (padding stays small)
+        return self.generated > 0 and self.ready
 
 
 class Scheduler:
     def __init__(self, backend: DecodeBackend, eos_token_ids: set[int], max_batch: int, max_queue: int,
-                 log=None, prefill_chunk: int = EngineOptions.prefill_chunk):
+                 log=None, prefill_chunk: int | None = None):
         self.backend = backend
         self.eos_token_ids = set(eos_token_ids)
         self.max_batch = max_batch
         self.max_queue = max_queue
-        self.prefill_chunk = prefill_chunk  # prompt tokens prefilled per iteration, over all prompts
+        self.prefill_chunk = prefill_chunk or EngineOptions().chunk()  # prompt tokens per iteration, all prompts
         self._log = log or (lambda msg: None)
         self._cond = threading.Condition()
         self._waiting: collections.deque[tuple[TokenStream, float]] = collections.deque()
+        self._preempted: list[_Running] = []  # sequences sent back to wait (paged_scheduler.py), admitted first
+        self._arrivals = itertools.count()
         self._running: dict[int, _Running] = {}  # request id -> state
         self._cancelled: set[int] = set()
         self._free_slots = list(range(max_batch - 1, -1, -1))
@@ -98,13 +114,17 @@ class Scheduler:
 
     def stats(self) -> EngineStats:
         with self._cond:
-            running, waiting = len(self._running), len(self._waiting)
+            running, waiting = len(self._running), len(self._waiting) + len(self._preempted)
         queried, hits = self.backend.prefix_cache_stats()
         return EngineStats(running=running, waiting=waiting, kv_used_tokens=self.backend.cached_tokens(),
                            kv_capacity_tokens=self.backend.kv_capacity_tokens,
                            generated_tokens=self._generated_tokens, cancelled=self._cancelled_count,
                            decode_steps=self._decode_steps, decode_rows=self._decode_rows,
-                           prefix_queried_tokens=queried, prefix_hit_tokens=hits)
+                           prefix_queried_tokens=queried, prefix_hit_tokens=hits, **self._kv_stats())
+
+    def _kv_stats(self) -> dict:
+        """Paged backends add their block use and preemptions (paged_scheduler.py)."""
+        return {}
 
     def shutdown(self, grace_s: float) -> None:
         """Stop admitting; let queued and running work finish for `grace_s`, then cancel the rest."""
@@ -145,25 +165,37 @@ class Scheduler:
                 self._log(f"could not deliver {undelivered} events: their event loop is closed")
 
     def _iteration(self) -> bool:
-        """One round: cancellations, admissions, a prefill chunk, one decode step.  True when shut down."""
+        """One round: cancellations, admissions, then the model's work (`_step`).  True when shut down."""
         with self._cond:
-            while not (self._running or self._waiting or self._closing):
+            while not (self._running or self._waiting or self._preempted or self._closing):
                 self._cond.wait()
             self._drop_cancelled()
             if self._closing and self._deadline is not None and time.perf_counter() >= self._deadline:
                 self._cancel_everything()
-            if self._closing and not (self._running or self._waiting):
+            if self._closing and not (self._running or self._waiting or self._preempted):
                 return True
+            resumed = []
+            while self._preempted and self._free_slots and self._may_resume(self._preempted[0]):
+                resumed.append((self._preempted.pop(0), self._free_slots.pop()))
             admitted = []
-            while self._waiting and self._free_slots:
+            while self._waiting and self._free_slots and not self._preempted:
                 admitted.append((*self._waiting.popleft(), self._free_slots.pop()))
+        for seq, slot in resumed:
+            self._start(seq, slot)
         for stream, submitted_at, slot in admitted:
             self._admit(stream, submitted_at, slot)
+        self._step()
+        return False
+
+    def _may_resume(self, seq: _Running) -> bool:
+        return True
+
+    def _step(self) -> None:
+        """A prefill chunk, then one decode step (a paged backend does both in one forward: paged_scheduler.py)."""
         self._prefill_chunk()
         self._flush()  # first tokens go out now, not after the decode step
         if any(seq.decoding for seq in self._running.values()):
             self._decode_step()
-        return False
 
     def _drop_cancelled(self) -> None:
         if not self._cancelled:
@@ -176,12 +208,19 @@ class Scheduler:
         for rid in list(self._running):
             if rid in self._cancelled:
                 self._finish(self._running[rid], TokenEvent(None, finish_reason="cancelled"))
+        for seq in [s for s in self._preempted if s.stream.request.request_id in self._cancelled]:
+            self._preempted.remove(seq)
+            self._cancelled_count += 1
+            self._send(seq.stream, TokenEvent(None, finish_reason="cancelled"))
         self._cancelled.clear()
 
     def _cancel_everything(self) -> None:
         for stream, _ in self._waiting:
             self._send(stream, TokenEvent(None, finish_reason="cancelled"))
         self._waiting.clear()
+        for seq in self._preempted:
+            self._send(seq.stream, TokenEvent(None, finish_reason="cancelled"))
+        self._preempted.clear()
         for seq in list(self._running.values()):
             self._finish(seq, TokenEvent(None, finish_reason="cancelled"))
 
@@ -201,18 +240,26 @@ class Scheduler:
 
     @staticmethod
     def _kv_tokens(seq: _Running) -> int:
-        return seq.prefilled + seq.generated
+        return seq.prefilled
 
     def _admit(self, stream: TokenStream, submitted_at: float, slot: int) -> None:
         req = stream.request
         seq = _Running(stream, slot, SequenceSampler(req.params, req.prompt_ids, self.backend.vocab_size),
-                       last_token=-1, generated=0, submitted_at=submitted_at)
+                       last_token=-1, generated=0, submitted_at=submitted_at, arrival=next(self._arrivals))
+        self._start(seq, slot)
+        seq.cached = seq.prefilled
+
+    def _start(self, seq: _Running, slot: int) -> None:
+        """`seq` (new, or resumed after preemption) runs in `slot`, from the longest cached prefix
+        of its context."""
+        req = seq.stream.request
+        seq.slot = slot
         self._running[req.request_id] = seq
         if seq.scoring:
             seq.prompt_scores = [(req.prompt_ids[0], None, [])]  # the first token has no context
         fresh = seq.scoring or req.params.embed is not None  # every position computed, nothing reused
         try:
-            seq.prefilled = seq.cached = self.backend.start(slot, [] if fresh else req.prompt_ids)
+            seq.prefilled = self.backend.start(slot, [] if fresh else seq.context())
         except Exception as e:
             self._log(f"starting request {req.request_id} failed: {type(e).__name__}: {e}")
             self._fail(seq, EngineError.from_exception(e))
@@ -220,9 +267,8 @@ class Scheduler:
     def _prefill_chunk(self) -> None:
         """Prefill up to `prefill_chunk` prompt tokens, oldest admitted prompt first.  A prompt that
         does not fit in what is left of the budget waits for the next iteration instead of being
-        cut there: each piece is a forward of its own, a whole pass over the weights.  Short
-        pieces (a question after a cached system prompt, a chat's new turn) go together in one
-        forward where the backend can batch them."""
+        cut there: each piece is a forward of its own, a whole pass over the weights.  (A paged
+        backend runs every piece and decode in one forward instead: paged_scheduler.py.)"""
         for seq in [s for s in self._running.values() if s.stream.request.params.embed is not None]:
             self._embed(seq)
         budget, pieces = self.prefill_chunk, []
@@ -243,18 +289,6 @@ class Scheduler:
             chunk = prompt[seq.prefilled:seq.prefilled + budget]
             pieces.append((seq, chunk))
             budget -= len(chunk)
-        short = [(seq, chunk) for seq, chunk in pieces if len(chunk) <= SHORT_PIECE and not seq.scoring]
-        many = getattr(self.backend, "prefill_many", None)
-        if many is not None and len(short) > 1:
-            try:
-                logits = many([(seq.slot, chunk, seq.prefilled) for seq, chunk in short])
-            except Exception as e:  # then one by one below: a failure fails only its own request
-                self._log(f"batched prefill of {len(short)} prompts failed: {type(e).__name__}: {e}")
-            else:
-                for (seq, chunk), row in zip(short, logits):
-                    self._prefilled(seq, chunk, row)
-                done = {id(seq) for seq, _ in short}
-                pieces = [(seq, chunk) for seq, chunk in pieces if id(seq) not in done]
         for seq, chunk in pieces:
             try:
                 if seq.scoring:
@@ -297,7 +331,7 @@ class Scheduler:
 
     def _prefilled(self, seq: _Running, chunk: list[int], logits) -> None:
         seq.prefilled += len(chunk)
-        if not seq.decoding:
+        if not seq.ready or seq.generated:  # more to come, or a resumed sequence: its next token is known
             return
         if seq.stream.request.params.max_tokens == 0:  # scoring only (echo): the prompt is the reply
             self._finish(seq, TokenEvent(None, finish_reason="length", cached_tokens=seq.cached,
@@ -310,8 +344,6 @@ class Scheduler:
         while True:
             try:
                 logits = self.backend.decode([s.slot for s in batch], [s.last_token for s in batch])
-                self._decode_steps += 1
-                self._decode_rows += len(batch)
                 break
             except Exception as e:
                 self._log(f"decode step of {len(batch)} sequences failed: {type(e).__name__}: {e}")
@@ -327,6 +359,15 @@ class Scheduler:
                       "tokens in KV cache) to free memory")
             batch.remove(victim)
             self._fail(victim, error)
+        self._decoded(batch, logits)
+
+    def _decoded(self, batch: list[_Running], logits) -> None:
+        """A decode step fed each sequence of `batch` its last token: sample the next ones from
+        `logits` (a row per sequence, in order)."""
+        self._decode_steps += 1
+        self._decode_rows += len(batch)
+        for seq in batch:
+            seq.prefilled += 1
         # Plain greedy rows take one batched argmax where the logits are (on a GPU: a copy of
         # `batch` ints instead of batch x vocab floats, 16 MB a step at 32 x 128k); the rest are
         # sampled on the CPU, each with its own generator, penalties and logprobs.
@@ -371,6 +412,7 @@ class Scheduler:
         seq.generated += 1
         self._generated_tokens += 1
         seq.last_token = token
+        seq.output_ids.append(token)
         event = TokenEvent(token, logprob, [TopLogprob(t, lp) for t, lp in top] if top is not None else None)
         if seq.generated == 1:
             event.cached_tokens, event.prompt_logprobs = seq.cached, seq.prompt_scores

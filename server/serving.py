@@ -170,10 +170,12 @@ def sampling_params(state: ServerState, req: _SamplingFields, prompt_len: int, m
                     prompt_logprobs: int | None = None) -> SamplingParams:
     # the format first: a schema that cannot compile is the more specific error
     constraint = constraint_for(state, fmt) if fmt is not None else None
-    context = state.engine.info.context_length
+    info = state.engine.info
+    context = info.context_length
+    pool = info.kv_pool_tokens if info.kv_pool_tokens is not None and info.kv_pool_tokens < context else None
     if max_tokens is None:
-        max_tokens = context - prompt_len
-        if max_tokens < 1:
+        max_tokens = min(context, pool or context) - prompt_len
+        if max_tokens < 1 and pool is None:
             raise APIError(400, f"This model's maximum context length is {context} tokens. However, your "
                            f"{param} is {prompt_len} tokens, leaving no room for a completion.",
                            param=param, code="context_length_exceeded")
@@ -182,6 +184,11 @@ def sampling_params(state: ServerState, req: _SamplingFields, prompt_len: int, m
                        f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the {param}, "
                        f"{max_tokens} in the completion). Please reduce the length of the {param} or "
                        "the completion.", param=param, code="context_length_exceeded")
+    if pool is not None and prompt_len + max(max_tokens, 1) > pool:
+        raise APIError(400, f"The server's KV cache holds {pool} tokens in all ({pool // 16} blocks of 16), "
+                       f"fewer than this request needs alone: {prompt_len + max(max_tokens, 1)} "
+                       f"({prompt_len} in the {param}, {max(max_tokens, 1)} in the completion). Please reduce "
+                       f"the length of the {param} or the completion.", param=param, code="context_length_exceeded")
     if logprobs is not None and logprobs > state.max_logprobs:
         raise APIError(400, f"at most {state.max_logprobs} top logprobs are returned (asked for {logprobs})",
                        param="logprobs")

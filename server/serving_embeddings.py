@@ -52,6 +52,10 @@ async def embed(state: ServerState, req: EmbeddingRequest, request) -> dict:
         if len(ids) > context:
             raise APIError(400, f"input {i} is {len(ids)} tokens; this model's maximum context length is "
                            f"{context} tokens", param="input", code="context_length_exceeded")
+        pool = engine.info.kv_pool_tokens
+        if pool is not None and len(ids) > pool:
+            raise APIError(400, f"input {i} is {len(ids)} tokens; the server's KV cache holds {pool} tokens "
+                           "in all", param="input", code="context_length_exceeded")
     if len(prompts) > engine.info.max_batch + engine.info.max_queue:
         raise APIError(400, f"{len(prompts)} inputs exceed what this server holds at once "
                        f"({engine.info.max_batch} running + {engine.info.max_queue} queued)", param="input")

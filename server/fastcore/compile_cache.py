@@ -3,6 +3,7 @@
 A cold start compiles the decode and prompt graphs (torch.compile / inductor) and tunes the
 Triton weight kernels for every shape; both libraries can keep what they built on disk and find
 it again on the next start, keyed by the source, the shapes, the GPU and their own versions.
+The weight kernels' choice per layer shape (triton_mm.save_choices) is kept there too.
 Their defaults sit in /tmp (gone after a reboot, or a fresh container), so the server points
 them at a folder of its cache, one per GPU model and library versions.  Settings the user made
 ($TORCHINDUCTOR_CACHE_DIR, $TRITON_CACHE_DIR) win.

@@ -1,25 +1,23 @@
-"""FastCore: the decode engine object the server's `fast` engine plugs in, and bench/decode.py times.
+"""FastCore: the engine object the server's `fast` engine plugs in, and the benches time.
 
     core = FastCore(model_dir_or_hf_model, max_slots=8, max_seq=2048, weight_quant="int8")
     slot = core.acquire()
-    logits = core.prefill(slot, prompt_ids)                 # [vocab] float32, last position
-    logits = core.decode([slot, ...], [tok, ...], [pos, ...])  # [n, vocab] float32
+    logits = core.step([(slot, prompt_ids), (other, [token]), ...])   # [2, vocab] float32
     core.release(slot)
 
-`decode` runs any subset of slots at their own positions.  It pads the batch to the next size in
-BATCH_BUCKETS covering slots 0..max(slot) (slots are handed out lowest-first, so the active set
-stays compact) and the attended cache prefix to the next multiple of `kv_bucket`, so on a GPU each
-(batch, kv-length) pair replays one CUDA graph; `warm_up()` records them all at start-up.
-Padding rows write into the cache's trash row.
+A sequence lives in a slot (a row of the block table) and its K/V in blocks of a shared pool
+(blocks.py): `step` appends each entry's tokens to its slot's sequence, in one forward for all of
+them (a decoding slot brings one token, a prompt a chunk of any length), and returns the logits
+at each entry's last token.  The pool is sized from the memory left after the weights, so slots
+hold what their sequences really use, not a whole context each.  `pool.start(slot, prompt)`
+shares the blocks of a cached prefix instead of computing them.
 
-`prefill(slot, ids, start)` appends `ids` at position `start`; a scheduler that wants running
-decodes not to stall calls it with chunks (`prefill_chunk` tokens) between decode steps.  A chunk
-runs through one compiled graph whatever its length; on a GPU it is padded to the next of a few
-widths (padding writes the trash row) and replays that width's CUDA graph, recorded at warm-up too.
+On a GPU, decode-only steps replay a CUDA graph per batch bucket and every other step runs the
+model with its transformer block compiled once, with dynamic shapes, for every layer (graphs.py);
+`warm_up()` records and compiles them all before a server says it is ready.  On a CPU everything runs eagerly, the same code.
 
-The parts: weights.py loads and builds the model, graphs.py runs its compiled steps and CUDA
-graphs, slots.py records which slots are live and how long each sequence is.  This class ties
-them together.
+The parts: weights.py loads and builds the model, blocks.py keeps the pool, batch.py flattens a
+step's entries, attention.py attends over the pages, graphs.py runs the compiled steps.
 """
 
 from __future__ import annotations
@@ -29,29 +27,41 @@ import time
 
 import torch
 
-from quantserve.server.config import EngineOptions
-from quantserve.server.fastcore.graphs import BATCH_BUCKETS, Steps, prefill_inputs, use_decode_attention
+from quantserve.server.fastcore.attention import use_attention
+from quantserve.server.fastcore.batch import build_batch
+from quantserve.server.fastcore.blocks import BLOCK, BlockPool
+from quantserve.server.fastcore.graphs import Steps
 from quantserve.server.fastcore.model import ModelArgs
 from quantserve.server.fastcore.quant import default_kernel, int4_tinygemm_supported, linear_weight_bytes
-from quantserve.server.fastcore.slots import SlotTable
 from quantserve.server.fastcore.weights import build_transformer, open_weights
+
+PROMPT_PIECE = 2048  # tokens per forward when `prefill` is given a longer prompt at once
+
+
+class KVPoolFull(RuntimeError):
+    """A step needs more KV blocks than the pool has free (the scheduler reserves them first)."""
 
 
 class FastCore:
-    def __init__(self, model, max_slots: int | None = 8, max_seq: int = 2048, dtype: str | torch.dtype | None = None,
+    def __init__(self, model, max_slots: int = 8, max_seq: int = 2048, dtype: str | torch.dtype | None = None,
                  device: str | torch.device | None = None, weight_quant: str = "none",
                  compile: bool | None = None, quant_kernel: str = "auto", group_size: int = 128,
-                 prefill_chunk: int = EngineOptions.prefill_chunk, profile: str = "native", kv_budget_gib: float | None = None,
-                 random_config=None, seed: int = 0, attention: str = "auto", kv_cache_dtype: str = "auto"):
-        """model: a checkpoint folder, a loaded HF LlamaForCausalLM, or None with `random_config`
-        (an HF config: random weights, for benchmarks).  max_slots=None sizes the KV cache from the
-        GPU memory left after the weights (or from kv_budget_gib).  attention: the decode step's
-        kernel, "triton" (split-KV, triton_attention.py), "sdpa", or "auto" (triton on a GPU).
-        kv_cache_dtype: "auto" (the model's dtype) or "int8" (a scale per head and position: twice
-        the sequences in the same memory; its attention runs through SDPA)."""
+                 profile: str = "native", kv_blocks: int | None = None, kv_budget_gib: float | None = None,
+                 random_config=None, seed: int = 0, attention: str = "auto", kv_cache_dtype: str = "auto",
+                 prefix_cache: bool = True, max_batched_tokens: int = PROMPT_PIECE):
+        """model: a checkpoint folder, a loaded HF model, or None with `random_config` (an HF
+        config: random weights, for benchmarks).  max_slots: sequences at once; max_seq: the
+        longest sequence.  kv_blocks: the pool's size in blocks of BLOCK positions; None sizes it
+        from kv_budget_gib, or on a GPU from the memory left after the weights, or on a CPU as
+        max_slots whole contexts.  attention: "triton", "torch" or "auto" (attention.py).
+        kv_cache_dtype: "auto" (the model's dtype) or "int8" (a scale per head and position:
+        about twice the tokens in the same memory).  max_batched_tokens: the most tokens one
+        forward takes (the scheduler's budget; the pool leaves room for its activations)."""
         if kv_cache_dtype not in ("auto", "int8"):
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: choose auto or int8")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and device.index is None:  # memory queries need the index
+            device = torch.device("cuda", torch.cuda.current_device())
         if dtype is None:
             dtype = torch.float16 if device.type == "cuda" else torch.float32
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -61,28 +71,25 @@ class FastCore:
             raise ValueError("the tinygemm int4 kernel needs a CUDA GPU with compute capability >= 8.0 "
                              "(not a T4, not the T4 profile)")
         self.device, self.dtype, self.weight_quant, self.quant_kernel = device, dtype, weight_quant, quant_kernel
-        self.prefill_chunk, self.max_seq = prefill_chunk, max_seq
+        self.max_slots, self.max_seq, self.max_batched_tokens = max_slots, max_seq, max(max_batched_tokens, PROMPT_PIECE)
         self.kv_int8 = kv_cache_dtype == "int8"
         t0 = time.perf_counter()
         weights = open_weights(model, device, dtype, weight_quant, random_config, seed)
         self.prequantized = weights.prequantized  # an AWQ / GPTQ checkpoint's quantization (quant/prequantized.py)
         self.config = weights.config
         self.args = ModelArgs.from_hf(weights.config)
+        self.groups = self.args.n_heads // self.args.n_kv_heads  # query heads per KV head
         self.model = build_transformer(weights, self.args, device, dtype, weight_quant, quant_kernel, group_size)
-        self.attention = use_decode_attention(self.model, attention, device)
+        self.attention = use_attention(self.model, attention, device)
         self.load_seconds = time.perf_counter() - t0
-        if max_slots is None:
-            max_slots = self.slots_for_budget(kv_budget_gib)
-        self.max_slots = max_slots
-        self.model.setup_caches(max_slots, max_seq, weights.rope, dtype, device,
+        if kv_blocks is None:
+            kv_blocks = self.blocks_for_budget(kv_budget_gib)
+        self.pool = BlockPool(kv_blocks, max_slots, prefix_cache)
+        self.model.setup_caches(kv_blocks, max_slots, max_seq, weights.rope, dtype, device,
                                 torch.int8 if self.kv_int8 else None)
-        self.slots = SlotTable(max_slots)
         self.compile = device.type == "cuda" if compile is None else compile
-        self.compile_prefill = self.compile
-        self.compile_prefill_many = True  # prefill_many through the compiled prompt graph (see warm_up)
-        self.steps = Steps(self.model, device, max_slots, max_seq, prefill_chunk, self.compile,
-                           weight_quant, quant_kernel)
-        self._kv_idx = torch.arange(max_seq, device=device)
+        graphs = self.compile and device.type == "cuda" and self.attention == "triton"
+        self.steps = Steps(self.model, device, max_slots, self.compile, graphs, weight_quant, quant_kernel)
 
     # ---- sizes ---------------------------------------------------------------------------------
     def weight_bytes_per_token(self) -> int:
@@ -99,237 +106,203 @@ class FastCore:
     def resident_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in list(self.model.parameters()) + list(self.model.buffers()))
 
-    def slots_for_budget(self, budget_gib: float | None = None, reserve_gib: float = 1.0) -> int:
-        """How many max_seq-long sequences fit in the memory left (minus a reserve for activations)."""
+    def forward_reserve_bytes(self, tokens: int) -> int:
+        """Memory a forward of `tokens` tokens needs at its peak beyond the weights and the cache,
+        with a margin: 1 GiB (CUDA graphs, the allocator's slack, cuBLAS workspaces), Triton's
+        timing buffer at warm-up (256 MB), the widest layer's activations, and a dense fp16 copy
+        of the largest weight (prompt-sized int8/int4 matmuls may dequantize it for cuBLAS,
+        triton_mm.py).  An 8B model in int8 ran out of memory under the T4 profile with a flat
+        1 GiB: its gate-up weight alone is 224 MiB in fp16."""
+        a, b = self.args, torch.finfo(self.dtype).bits // 8
+        qkv = (a.n_heads + 2 * a.n_kv_heads) * a.head_dim
+        widest = tokens * (a.dim * 3 + qkv + 3 * a.ffn_dim) * b  # residual, norms, qkv, gate-up, act
+        largest = max(2 * a.ffn_dim * a.dim, qkv * a.dim, a.vocab_size * a.dim) * b
+        return 2**30 + 256 * 10**6 + widest + largest
+
+    def blocks_for_budget(self, budget_gib: float | None = None, reserve_gib: float | None = None) -> int:
+        """How many KV blocks fit in the memory left (minus a reserve for activations and the
+        graphs: forward_reserve_bytes); at most two whole contexts per slot (the rest would only
+        hold cached prefixes)."""
+        if reserve_gib is None:
+            reserve_gib = self.forward_reserve_bytes(self.max_batched_tokens) / 2**30
+        per_seq = -(-self.max_seq // BLOCK)
+        if budget_gib is None and self.device.type != "cuda":
+            return self.max_slots * per_seq
         if budget_gib is None:
-            if self.device.type != "cuda":
-                return 8
             free, _ = torch.cuda.mem_get_info(self.device)
             # respect a per-process cap (the T4 profile) as well as what the device has free
             cap = torch.cuda.get_per_process_memory_fraction(self.device) * torch.cuda.get_device_properties(self.device).total_memory \
                 if hasattr(torch.cuda, "get_per_process_memory_fraction") else free
-            budget = min(free, cap - torch.cuda.memory_allocated(self.device)) / 2**30
-        else:
-            budget = budget_gib
-        per_slot = (self.max_seq + 1) * self.kv_bytes_per_token() / 2**30
-        return max(1, min(BATCH_BUCKETS[-1], int((budget - reserve_gib) / per_slot)))
-
-    # ---- slots ---------------------------------------------------------------------------------
-    def free_slots(self) -> list[int]:
-        return self.slots.free()
-
-    def acquire(self) -> int:
-        """The lowest free slot (keeps active slots compact, so decode batches stay small)."""
-        return self.slots.acquire()
-
-    def release(self, slot: int) -> None:
-        """The slot's sequence is over (its K/V stay where they are: a prefix cache may copy them)."""
-        self.slots.release(slot)
-
-    def occupy(self, slot: int, length: int) -> None:
-        """`slot` holds a live sequence whose first `length` positions are already in the cache."""
-        self.slots.occupy(slot, length)
-
-    @torch.inference_mode()
-    def copy_kv(self, src: int, dst: int, n: int) -> None:
-        """dst's first n cache positions := src's (prefix caching: a copy instead of a prompt
-        forward).  In place, so the captured CUDA graphs keep reading the same buffers."""
-        for layer in self.model.layers:
-            att = layer.attention
-            for cache in (att.k_cache, att.v_cache, att.k_scale, att.v_scale):
-                if cache is not None:  # the scales exist with an int8 cache only
-                    cache[dst, :, :n].copy_(cache[src, :, :n])
-        if self.slots.in_use[dst]:
-            self.slots.occupy(dst, n)
-
-    def kv_usage(self) -> float:
-        """Fraction of the KV cache's token positions holding live tokens."""
-        return self.slots.held_tokens() / (self.max_slots * self.max_seq)
-
-    # ---- shapes (graphs.py) --------------------------------------------------------------------
-    def kv_lengths(self) -> list[int]:
-        """Every attended KV length a step can run at (multiples of `kv_bucket`, and max_seq)."""
-        return self.steps.kv_lengths()
-
-    def decode_shapes(self) -> list[tuple[int, int]]:
-        """Every (padded batch, attended KV length) a decode step can run at."""
-        return self.steps.decode_shapes()
-
-    def prefill_widths(self) -> list[int]:
-        """The padded chunk lengths a prompt chunk runs at on a GPU (graphs.Steps.prefill_widths)."""
-        return self.steps.prefill_widths()
-
-    def prefill_shapes(self) -> list[tuple[int, int]]:
-        """Every (padded chunk width, attended KV length) a prompt chunk can run at."""
-        return self.steps.prefill_shapes()
+            budget_gib = min(free, cap - torch.cuda.memory_allocated(self.device)) / 2**30
+        per_block = BLOCK * self.kv_bytes_per_token() / 2**30
+        return max(1, min(2 * self.max_slots * per_seq, int((budget_gib - reserve_gib) / per_block)))
 
     @property
-    def _graphs(self) -> dict:
-        """The CUDA graphs recorded so far, by shape."""
-        return self.steps.graphs
+    def kv_capacity_tokens(self) -> int:
+        return self.pool.capacity_tokens
 
-    # ---- warm-up -------------------------------------------------------------------------------
+    def kv_usage(self) -> float:
+        """Fraction of the pool's blocks that live sequences hold."""
+        return self.pool.used_blocks() / self.pool.num_blocks
+
+    # ---- slots ---------------------------------------------------------------------------------
+    def acquire(self) -> int:
+        """The lowest free slot, holding an empty sequence."""
+        if all(self.pool.live):
+            raise RuntimeError("no free slot")
+        slot = self.pool.live.index(False)
+        self.pool.start(slot, [])
+        return slot
+
+    def release(self, slot: int) -> None:
+        """The slot's sequence is over; its full blocks stay cached for later prompts."""
+        self.pool.release(slot)
+
+    # ---- the forward ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def warm_up(self, progress: bool = False) -> float:
-        """Compile and record every decode shape a server can hit (each batch bucket x each attended
-        length) and every prompt shape now, so that no request waits on torch.compile, Triton
-        autotuning or a CUDA-graph recording later.  Returns the seconds it took (the bars on stderr
-        say how far it is)."""
-        from quantserve.progress import track
+    def step(self, items: list[tuple[int, list[int]]]) -> torch.Tensor:
+        """Append each (slot, ids) entry's tokens to its slot's sequence, all in one forward, and
+        return the logits at each entry's last token: [len(items), vocab] float32 on the device."""
+        entries = self._reserve(items)
+        if all(len(ids) == 1 for _, ids, _ in entries):
+            kv_blocks = -(-max(start + 1 for _, _, start in entries) // BLOCK)
+            logits = self.steps.decode(entries, kv_blocks)
+        else:
+            logits = self.steps.mixed(build_batch(entries, self.device, self.groups))
+        for slot, ids, _ in entries:
+            self.pool.written(slot, list(ids))
+        return logits.float()
 
-        t0 = time.perf_counter()
-        shapes = self.decode_shapes()
-        for batch, length in track(shapes, "compiling decode shapes (batch x KV length)", "shape", enabled=progress):
-            tok = torch.zeros(batch, dtype=torch.long, device=self.device)
-            pos = torch.full((batch,), self.max_seq, dtype=torch.long, device=self.device)  # the trash row
-            self.decode_padded(tok, pos, self._kv_idx[:length])
-        try:
-            self._warm_up_prompts(progress)
-        except Exception as e:  # eager prompts still serve: say so, once
-            if not self.compile_prefill:
-                raise
-            print(f"warning: the compiled prompt path failed ({type(e).__name__}: {str(e)[:200]}); "
-                  "prompts run eagerly", file=sys.stderr)
-            self.compile_prefill = False
-            self._warm_up_prompts(progress)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter() - t0
+    def _reserve(self, items) -> list[tuple[int, list[int], int]]:
+        """(slot, ids, first position) per item, with blocks for them; the device's block table
+        brought up to date."""
+        entries = []
+        for slot, ids in items:
+            ids = [int(t) for t in (ids.tolist() if torch.is_tensor(ids) else ids)]
+            start = self.pool.held(slot)
+            if not ids or start + len(ids) > self.max_seq:
+                raise ValueError(f"{len(ids)} tokens at position {start} do not fit max_seq {self.max_seq}")
+            if not self.pool.reserve(slot, start + len(ids)):
+                raise KVPoolFull(f"{len(ids)} more tokens for slot {slot}: {self.pool.free_blocks()} of "
+                                 f"{self.pool.num_blocks} KV blocks free")
+            entries.append((slot, ids, start))
+        self.sync_table()
+        return entries
 
-    def _warm_up_prompts(self, progress: bool) -> None:
-        """Compile the prompt graph, let the weight kernels pick their prompt-sized path, and on a
-        GPU record every (chunk width, KV length) prompt graph."""
-        from quantserve.progress import track
+    def sync_table(self) -> None:
+        """Copy the block-table rows that changed to the device (in place: graphs read that buffer)."""
+        if not self.pool.dirty:
+            return
+        rows = sorted(self.pool.dirty)
+        width = self.model.block_table.shape[1]
+        host = torch.full((len(rows), width), self.pool.num_blocks, dtype=torch.int32)  # the trash block
+        for i, r in enumerate(rows):
+            blocks = self.pool.table[r]
+            host[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        self.model.block_table[torch.tensor(rows, device=self.device)] = host.to(self.device)
+        self.pool.dirty.clear()
 
-        if self.compile_prefill and self.steps.pool is not None:
-            shapes = self.prefill_shapes()
-            for width, length in track(shapes, "recording prompt shapes (width x KV length)", "shape",
-                                       enabled=progress):
-                self.steps.prefill_graph(width, length)
-        else:  # one full chunk (slot 0 is reset afterwards)
-            self.prefill(0, torch.zeros(min(self.prefill_chunk, self.max_seq), dtype=torch.long))
-            self.release(0)
-        if self.compile_prefill and self.max_slots > 2:
-            # the batched form of the prompt forward (prefill_many): compiled now, not on the first
-            # request that needs it; its batch size is dynamic from the second size on.  Should it
-            # fail to compile, it runs eagerly (still one pass over the weights for all pieces).
-            try:
-                for batch in (2, 3):
-                    self.prefill_many([(s, [0] * 16, 0) for s in range(batch)])
-            except Exception as e:
-                print(f"warning: the compiled batched prompt path failed ({type(e).__name__}: {str(e)[:200]}); "
-                      "batched prompt pieces run eagerly", file=sys.stderr)
-                self.compile_prefill_many = False
-            for s in range(3):
-                self.release(s)
-
-    # ---- prompts -------------------------------------------------------------------------------
-    @torch.inference_mode()
+    # ---- conveniences over `step` --------------------------------------------------------------
     def prefill(self, slot: int, ids, start: int = 0, all_logits: bool = False) -> torch.Tensor:
-        """Write `ids` into `slot` at positions start.. and return the last position's logits
-        ([vocab]), or with all_logits every position's ([n, vocab]: prompt log-probabilities;
-        eager, as scoring is not what the compiled graphs are recorded for)."""
-        ids = torch.as_tensor(list(ids) if not torch.is_tensor(ids) else ids, dtype=torch.long).view(-1).cpu()
-        n = ids.numel()
-        if n == 0 or start + n > self.max_seq:
-            raise ValueError(f"prefill of {n} tokens at {start} does not fit max_seq {self.max_seq}")
+        """Write `ids` into `slot` at positions start.. (start 0: a fresh sequence, nothing taken
+        from the prefix cache) and return the last position's logits ([vocab]), or with all_logits
+        every position's ([n, vocab]: prompt log-probabilities)."""
+        ids = [int(t) for t in (ids.tolist() if torch.is_tensor(ids) else ids)]
+        if start == 0:
+            self.pool.start(slot, [])
+        elif start != self.pool.held(slot):
+            raise ValueError(f"slot {slot} holds {self.pool.held(slot)} positions: cannot write at {start}")
         rows = []
-        for c0 in range(0, n, self.prefill_chunk):
-            chunk, at = ids[c0:c0 + self.prefill_chunk], start + c0
-            if all_logits:
-                rows.append(self._eager_chunk(slot, chunk, at))
-            else:
-                logits = self._prefill_chunk(slot, chunk, at)
-        self.slots.occupy(slot, start + n)
-        return torch.cat(rows) if all_logits else logits
+        for c0 in range(0, len(ids), PROMPT_PIECE):
+            piece = ids[c0:c0 + PROMPT_PIECE]
+            rows.append(self._every_position(slot, piece) if all_logits else self.step([(slot, piece)])[0])
+        return torch.cat(rows) if all_logits else rows[-1]
+
+    def decode(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
+        """One token for each of `slots` -> logits [len(slots), vocab] float32."""
+        return self.step([(s, [int(t)]) for s, t in zip(slots, tokens)])
 
     @torch.inference_mode()
     def embed(self, slot: int, ids: list[int], pooling: str) -> torch.Tensor:
-        """Write `ids` into `slot` from position 0 (eagerly, in chunks) and return the final hidden
-        state pooled over the prompt: the last token's ("last") or the mean of all ("mean")."""
-        ids_t = torch.as_tensor(ids, dtype=torch.long)
-        if not 0 < ids_t.numel() <= self.max_seq:
-            raise ValueError(f"an embedding input of {ids_t.numel()} tokens does not fit max_seq {self.max_seq}")
+        """Write `ids` into `slot` from position 0 and return the final hidden state pooled over
+        them: the last token's ("last") or the mean of all ("mean")."""
+        self.pool.start(slot, [])
         total, last = None, None
-        for c0 in range(0, ids_t.numel(), self.prefill_chunk):
-            h = self._eager_chunk(slot, ids_t[c0:c0 + self.prefill_chunk], c0, hidden=True)
+        for c0 in range(0, len(ids), PROMPT_PIECE):
+            h = self._every_position(slot, ids[c0:c0 + PROMPT_PIECE], hidden=True)
             total = h.sum(0) if total is None else total + h.sum(0)
             last = h[-1]
-        self.slots.occupy(slot, ids_t.numel())
-        return (total / ids_t.numel() if pooling == "mean" else last).cpu()
-
-    def _eager_chunk(self, slot: int, chunk: torch.Tensor, start: int, hidden: bool = False) -> torch.Tensor:
-        """One prompt chunk at positions start.., eagerly, with every position's output ([n, vocab]
-        logits, or [n, dim] final hidden states): scoring and embeddings, which the compiled
-        graphs (last position only) do not give."""
-        kv_idx = torch.arange(self.steps.kv_len(start + chunk.numel()), device=self.device)
-        tok, pos = (t.to(self.device) for t in prefill_inputs(slot, chunk, start, chunk.numel(), self.max_seq)[:2])
-        return self.model(tok, pos, slot, kv_idx, hidden=hidden)[0].float()
+        return (total / len(ids) if pooling == "mean" else last).cpu()
 
     @torch.inference_mode()
-    def prefill_many(self, items: list[tuple[int, list[int], int]]) -> torch.Tensor:
-        """Several short prompt pieces, (slot, ids, start) each, in one forward: one pass over the
-        weights instead of one per piece (what 32 users of one cached system prompt need: only
-        their questions are left to compute).  Pieces are padded to the longest (padding writes
-        the trash row).  Returns the last real position's logits, [len(items), vocab] float32."""
-        width = max(len(ids) for _, ids, _ in items)
-        if width > self.prefill_chunk or any(start + len(ids) > self.max_seq for _, ids, start in items):
-            raise ValueError(f"prefill_many pieces must fit the chunk ({self.prefill_chunk}) and max_seq")
-        B = len(items)
-        tok = torch.zeros((B, width), dtype=torch.long)
-        pos = torch.full((B, width), self.max_seq, dtype=torch.long)
-        for i, (_, ids, start) in enumerate(items):
-            tok[i, :len(ids)] = torch.as_tensor(ids, dtype=torch.long)
-            pos[i, :len(ids)] = torch.arange(start, start + len(ids))
-        rows = torch.tensor([slot for slot, _, _ in items])
-        last = torch.tensor([len(ids) - 1 for _, ids, _ in items])
-        kv_idx = torch.arange(self.steps.kv_len(max(start + len(ids) for _, ids, start in items)), device=self.device)
-        inputs = [t.to(self.device) for t in (tok, pos, rows, last)]
-        if self.compile_prefill and self.compile_prefill_many:
-            logits = self._prefill_step()(*inputs, kv_idx)
-        else:
-            logits = self.model(inputs[0], inputs[1], inputs[2], kv_idx, last=inputs[3])
-        for slot, ids, start in items:
-            self.slots.occupy(slot, start + len(ids))
-        return logits[:, -1].float()
+    def _every_position(self, slot: int, ids: list[int], hidden: bool = False) -> torch.Tensor:
+        """One eager forward of `ids` into `slot` with every position's output ([n, vocab] logits
+        or [n, dim] hidden states): scoring and embeddings, which the compiled steps do not give."""
+        entries = self._reserve([(slot, ids)])
+        out = self.model(build_batch(entries, self.device, self.groups), all_positions=True, hidden=hidden).float()
+        self.pool.written(slot, ids)
+        return out
 
-    def _prefill_chunk(self, slot: int, chunk: torch.Tensor, start: int) -> torch.Tensor:
-        n = chunk.numel()
-        if self.compile_prefill and self.steps.pool is not None:
-            return self.steps.prefill_replay(slot, chunk, start)
-        kv_idx = torch.arange(self.steps.kv_len(start + n), device=self.device)
-        inputs = [t.to(self.device) for t in prefill_inputs(slot, chunk, start, n, self.max_seq)]
-        if self.compile_prefill and n > 1:  # a 1-token chunk would be a graph of its own (sizes 0 and 1 specialize)
-            logits = self._prefill_step()(*inputs, kv_idx)
-        else:
-            tok, pos, _, last = inputs
-            logits = self.model(tok, pos, slot, kv_idx, last=last)
-        return logits[0, -1].float()
-
-    def _prefill_step(self):
-        """The compiled prompt forward (graphs.Steps.prefill_step)."""
-        return self.steps.prefill_step()
-
-    # ---- decode --------------------------------------------------------------------------------
+    # ---- warm-up -------------------------------------------------------------------------------
     @torch.inference_mode()
-    def decode(self, slots, tokens, positions) -> torch.Tensor:
-        """One token for each of `slots` at its own position -> logits [len(slots), vocab] float32."""
-        slots = list(slots)
-        P = self.steps.padded_batch(max(slots) + 1)
-        tok = torch.zeros(P, dtype=torch.long)
-        pos = torch.full((P,), self.max_seq, dtype=torch.long)  # padding rows hit the trash row
-        idx = torch.tensor(slots, dtype=torch.long)
-        tok[idx] = torch.as_tensor(tokens, dtype=torch.long).view(-1).cpu()
-        pos[idx] = torch.as_tensor(positions, dtype=torch.long).view(-1).cpu()
-        if int(pos[idx].max()) >= self.max_seq:
-            raise ValueError(f"decode position beyond max_seq {self.max_seq}")
-        kv_idx = self._kv_idx[: self.steps.kv_len(int(pos[idx].max()) + 1)]
-        logits = self.decode_padded(tok.to(self.device, non_blocking=True), pos.to(self.device, non_blocking=True), kv_idx)
-        for s, p in zip(slots, pos[idx].tolist()):
-            self.slots.occupy(s, p + 1)
-        return logits[idx.to(self.device)].float()
+    def warm_up(self, progress: bool = False, max_tokens: int = PROMPT_PIECE, choices_file=None) -> float:
+        """Compile and record, now, what a server's requests would otherwise wait for: the CUDA
+        graph of every decode batch bucket, the compiled mixed forward, and the weight kernels'
+        tiles for every size of forward up to `max_tokens` tokens (they are chosen per power-of-two
+        size).  choices_file: where the Triton weight kernels' choices are kept between starts
+        (compile_cache.py's folder).  Returns the seconds it took (the bars on stderr say how far)."""
+        from quantserve.progress import track
+        from quantserve.server.fastcore.quant import triton_ops
 
-    def decode_padded(self, tok: torch.Tensor, pos: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        """The raw step on device tensors of a bucket size (no host sync: benchmarks loop on it).
-        Returns the logits in the step's own output buffer: copy before the next call."""
-        return self.steps.decode_padded(tok, pos, kv_idx)
+        t0 = time.perf_counter()
+        kernels = triton_ops() if self.weight_quant != "none" and self.quant_kernel == "triton" else None
+        if kernels is not None and choices_file is not None:
+            kernels.load_choices(choices_file)
+        for batch in track(self.steps.buckets if self.compile else (), "compiling decode steps (batch sizes)",
+                           "batch", enabled=progress):
+            self.steps.warm_decode(batch)
+        try:
+            self._warm_up_mixed(max_tokens, progress)
+        except Exception as e:  # eager steps still serve: say so, once
+            if not self.compile:
+                raise
+            print(f"warning: the compiled forward failed ({type(e).__name__}: {str(e)[:200]}); "
+                  "prompts run eagerly", file=sys.stderr)
+            self.steps.compile_mixed = False
+            self._warm_up_mixed(max_tokens, progress)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if kernels is not None and choices_file is not None:
+            try:
+                kernels.save_choices(choices_file)
+            except OSError as e:  # a read-only cache: the next start tunes again, nothing worse
+                print(f"warning: could not keep the weight kernels' choices in {choices_file}: {e}", file=sys.stderr)
+        return time.perf_counter() - t0
+
+    def _warm_up_mixed(self, max_tokens: int, progress: bool) -> None:
+        """Mixed steps of one sequence and of several (a size of 1 compiles a graph of its own),
+        then one of each power-of-two size of forward up to max_tokens.  The slots and blocks
+        are given back after, and nothing they computed stays cached."""
+        from quantserve.progress import track
+
+        slots = [self.acquire() for _ in range(min(3, self.max_slots))]
+        widths = [w for w in (64, 128, 256, 512, 1024, 2048, 4096, 8192) if w < max_tokens] + [max_tokens]
+        try:
+            self.step([(slots[0], [0] * 16)])
+            if len(slots) > 1:
+                self.step([(slots[0], [0]), (slots[1], [0] * 8)] + [(s, [0] * 5) for s in slots[2:]])
+            for width in track(widths, "tuning the weight kernels (tokens per forward)", "size", enabled=progress):
+                pieces = [min(self.max_seq, width - i * self.max_seq) for i in range(len(slots))]
+                pieces = [n for n in pieces if n > 0]
+                if sum(pieces) < width or sum(self.pool.blocks_for(n) for n in pieces) > self.pool.num_blocks:
+                    break  # more than the slots or the pool hold: no forward that large ever runs
+                for s in slots:
+                    self.pool.start(s, [])  # from position 0 again, the blocks back in the pool
+                self.step([(s, [0] * n) for s, n in zip(slots, pieces)])
+        finally:
+            for s in slots:
+                self.release(s)
+            self.pool.forget_all()  # the warm-up's tokens are no prefix anyone asked for
+
+
+__all__ = ["FastCore", "KVPoolFull"]

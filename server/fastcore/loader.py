@@ -17,9 +17,9 @@ from quantserve.server.hf_engine import HFTokenizer, quantization_of
 
 
 def load_fast(path: Path, gpu_profile: str | None, context: int | None, max_batch: int, max_queue: int,
-              weight_quant: str, prefill_chunk: int = EngineOptions.prefill_chunk, prefix_cache: bool = True,
-              kv_cache_dtype: str = EngineOptions.kv_cache_dtype):
-    """The `fast` engine: server/fastcore's static-KV-cache decoder behind the same seam.
+              weight_quant: str, prefix_cache: bool = True, kv_cache_dtype: str = EngineOptions.kv_cache_dtype,
+              kv_blocks: int | None = None, batched_tokens: int | None = None):
+    """The `fast` engine: server/fastcore's paged-KV decoder behind the same seam.
     Returns (FastCoreBackend, HFTokenizer, EngineInfo)."""
     from quantserve.capabilities import apply_profile, detect
     from quantserve.modeling import load_tokenizer
@@ -49,20 +49,22 @@ def load_fast(path: Path, gpu_profile: str | None, context: int | None, max_batc
 
         compile_cache = use_compile_cache(caps.gpu_name or "cuda")
     try:
-        # the core's prompt forwards (and, on a GPU, its recorded prompt widths) match the scheduler's chunk
         backend = FastCoreBackend(str(path), max_batch, context, weight_quant=weight_quant, profile=caps.profile,
-                                  prefill_chunk=prefill_chunk, prefix_cache=prefix_cache,
-                                  kv_cache_dtype=kv_cache_dtype)
+                                  prefix_cache=prefix_cache, kv_cache_dtype=kv_cache_dtype, kv_blocks=kv_blocks,
+                                  max_batched_tokens=batched_tokens or EngineOptions().batched_tokens(),
+                                  choices_file=compile_cache / "weight-kernels.json" if compile_cache else None)
     except (ValueError, KeyError, NotImplementedError) as e:
         raise ModelLoadError(f"cannot run {path} ({e}); use the hf engine", "engine", "fast") from e
     core = backend.core
     info = EngineInfo(engine="fast", model_path=str(path), context_length=context, max_batch=max_batch,
                       max_queue=max_queue, device=str(core.device), dtype=str(core.dtype).replace("torch.", ""),
-                      attention="sdpa (fastcore static KV cache)",
+                      attention=f"{core.attention} (paged KV cache, {core.pool.num_blocks} blocks of 16 tokens)",
+                      kv_pool_tokens=core.pool.capacity_tokens,
                       quantization=(f"{pre['method']} int4 g{pre['group_size']} (repacked)" if pre and weight_quant == "int4"
                                     else None if weight_quant == "none" else f"{weight_quant} weight-only"),
                       extra={"gpu_profile": caps.profile, "gpu": caps.gpu_name, "compiled": core.compile,
-                             "prefill_chunk": core.prefill_chunk, "load_s": round(core.load_seconds, 1),
+                             "max_num_batched_tokens": batched_tokens or EngineOptions().batched_tokens(),
+                             "kv_blocks": core.pool.num_blocks, "load_s": round(core.load_seconds, 1),
                              "hidden_size": core.args.dim,
                              "kv_cache_dtype": "int8" if core.kv_int8 else str(core.dtype).replace("torch.", ""),
                              "warm_up_s": round(getattr(backend, "warm_up_s", 0.0), 1),

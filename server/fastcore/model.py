@@ -1,16 +1,20 @@
-"""A self-contained Llama-family decoder with a static, slot-addressed KV cache.
+"""A self-contained Llama-family decoder over a paged KV cache and a flattened token batch.
 
-Follows gpt-fast's shape: one small module, no framework.  The cache holds `max_slots` sequences
-of up to `max_seq` tokens per layer, laid out `[slots, kv_heads, max_seq + 1, head_dim]`; the extra
-last position is a *trash* row that padded (inactive) batch rows write into, so a decode step can
-always run over a contiguous slice `cache[:P]` of slots without gathering or disturbing a slot that
-is half-way through its prefill.
+Follows gpt-fast's shape: one small module, no framework.  A forward takes one `StepBatch`
+(batch.py): the tokens of several sequences laid end to end, each with its own position and
+sequence, some sequences with one new token (decoding), some with a prompt chunk.  Every layer
+writes the new keys and values into the paged cache through the block table (blocks.py: position
+p of the sequence in block-table row r is at block `block_table[r, p // BLOCK]`, offset
+`p % BLOCK`), then each token attends over its own sequence's cached positions (attention.py).
+Only each sequence's last token goes through the final norm and the vocabulary matmul, unless
+every position is asked for (prompt log-probabilities, embeddings).
+
+The cache per layer is `[num_blocks + 1, BLOCK, kv_heads, head_dim]`; the extra last block is a
+*trash* block that padding tokens (a CUDA graph's unused batch rows) write into and read.
 
 Works for the families of architectures.py's table (Llama, Mistral, Qwen2 with q/k/v biases, Qwen3
 with q/k RMSNorm per head, Phi-3, Gemma 2 and 3 text) with GQA; the table says which options each
-one switches on and which checkpoint tensors become which weights.  Grouped queries are folded
-into the query-length axis (`[B, kv_heads, groups * q_len, D]`), so attention never copies K/V to
-repeat them and runs on every SDPA backend (a T4 only has efficient + math).
+one switches on and which checkpoint tensors become which weights.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quantserve.server.fastcore import attention
 from quantserve.server.fastcore.architectures import ARCHITECTURES
+from quantserve.server.fastcore.blocks import BLOCK
 
 
 @dataclass
@@ -123,69 +129,40 @@ class Attention(nn.Module):
         # captured CUDA graph writes the cache itself (no copy in and out on every step)
         self.register_buffer("k_cache", None, persistent=False)
         self.register_buffer("v_cache", None, persistent=False)
-        # int8 KV cache only: one scale per (row, kv head, position), [slots, kv_heads, max_seq + 1, 1]
+        # int8 KV cache only: one scale per (block, offset, kv head), [num_blocks + 1, BLOCK, kv_heads]
         self.register_buffer("k_scale", None, persistent=False)
         self.register_buffer("v_scale", None, persistent=False)
-        # one-token (decode) attention kernel, e.g. triton_attention.decode_attention; None: SDPA
-        self.decode_kernel = None
+        self.attend = attention.attend_torch  # attention.py; the Triton kernel on a GPU (use_attention)
 
-    def forward(self, x, cos, sin, rows, pos, row0, kv_idx):
-        """x [B, C, dim]; cos/sin [B, C, D]; rows/pos [B, C] cache coordinates of the new tokens;
-        row0: first cache row of this batch (rows are row0..row0+B-1), or a [B] tensor of the rows
-        themselves; kv_idx: arange(L), the cache prefix to attend over."""
+    def forward(self, x, cos, sin, at, batch, table):
+        """x [T, dim]; cos/sin [T, D]; at: ([T] blocks, [T] offsets) where each new token's K/V
+        go; batch: the StepBatch (which sequence each token is of); table: the block table."""
         a = self.a
-        B, C, _ = x.shape
+        T = x.shape[0]
         q, k, v = self.wqkv(x).split([a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim,
                                       a.n_kv_heads * a.head_dim], dim=-1)
-        q = q.view(B, C, a.n_heads, a.head_dim)
-        k = k.view(B, C, a.n_kv_heads, a.head_dim)
-        v = v.view(B, C, a.n_kv_heads, a.head_dim)
+        q = q.view(T, a.n_heads, a.head_dim)
+        k = k.view(T, a.n_kv_heads, a.head_dim)
+        v = v.view(T, a.n_kv_heads, a.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        # write the new keys/values at (row, :, pos): value shape is [B, C, kv_heads, D]
+        # indexed on the cache tensors themselves, not on a flattened view of them: under
+        # torch.compile a write through a view became a copy of the whole cache (functionalized,
+        # then copied back), twice a layer: ~4 GB a decode step for the 1B shape's pool
+        blk, off = at
         if self.k_scale is None:
-            self.k_cache[rows, :, pos] = k.to(self.k_cache.dtype)
-            self.v_cache[rows, :, pos] = v.to(self.v_cache.dtype)
+            self.k_cache[blk, off] = k.to(self.k_cache.dtype)
+            self.v_cache[blk, off] = v.to(self.v_cache.dtype)
         else:
             (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
-            self.k_cache[rows, :, pos], self.k_scale[rows, :, pos] = kq, ks.to(self.k_scale.dtype)
-            self.v_cache[rows, :, pos], self.v_scale[rows, :, pos] = vq, vs.to(self.v_scale.dtype)
-        L = kv_idx.shape[0]
-        kc, vc = self._cached(row0, B, L, q.dtype)
-        g = a.n_heads // a.n_kv_heads
-        # [B, C, Hkv*g, D] -> [B, Hkv, g*C, D]: query heads of one kv head share its K/V
-        q = q.view(B, C, a.n_kv_heads, g, a.head_dim).permute(0, 2, 3, 1, 4).reshape(B, a.n_kv_heads, g * C, a.head_dim)
-        if (C == 1 and self.decode_kernel is not None and self.window is None and isinstance(row0, int)
-                and self.k_scale is None):  # the Triton decode kernel reads a 16-bit cache
-            y = self.decode_kernel(q, self.k_cache, self.v_cache, pos.view(B), row0, L)
-        else:
-            mask = (kv_idx.view(1, 1, L) <= pos.view(B, C, 1))  # [B, C, L]
-            if self.window is not None:
-                mask = mask & (kv_idx.view(1, 1, L) > pos.view(B, C, 1) - self.window)
-            mask = mask.unsqueeze(1).expand(B, g, C, L).reshape(B, 1, g * C, L)
-            if a.attn_softcap:  # soft-capped scores (Gemma 2): SDPA has no such option
-                scores = (q @ kc.transpose(-1, -2)) * (a.attn_scale or a.head_dim ** -0.5)
-                scores = torch.tanh(scores / a.attn_softcap) * a.attn_softcap
-                scores = scores.masked_fill(~mask, float("-inf"))
-                y = torch.softmax(scores.float(), dim=-1).to(q.dtype) @ vc
-            else:
-                y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask,
-                                                   scale=a.attn_scale)
-        y = y.view(B, a.n_kv_heads, g, C, a.head_dim).permute(0, 3, 1, 2, 4).reshape(B, C, a.n_heads * a.head_dim)
-        return self.wo(y)
-
-    def _cached(self, row0, B: int, L: int, dtype: torch.dtype):
-        """K and V of the batch's rows, positions 0..L-1, in `dtype`: a view of consecutive rows
-        (row0 an int), or the rows in tensor row0 gathered (the compiled prefill: one graph for
-        every slot); an int8 cache is scaled back here."""
-        pick = (lambda t: t[row0:row0 + B, :, :L]) if isinstance(row0, int) else (lambda t: t[row0, :, :L])
-        kc, vc = pick(self.k_cache), pick(self.v_cache)
-        if self.k_scale is None:
-            return kc.to(dtype), vc.to(dtype)
-        return kc.to(dtype) * pick(self.k_scale).to(dtype), vc.to(dtype) * pick(self.v_scale).to(dtype)
+            self.k_cache[blk, off], self.v_cache[blk, off] = kq, vq
+            self.k_scale[blk, off] = ks.squeeze(-1).to(self.k_scale.dtype)
+            self.v_scale[blk, off] = vs.squeeze(-1).to(self.v_scale.dtype)
+        y = self.attend(q, self, batch, table)  # [T, n_heads, head_dim]
+        return self.wo(y.reshape(T, a.n_heads * a.head_dim))
 
 
 class FeedForward(nn.Module):
@@ -212,8 +189,8 @@ class Block(nn.Module):
         self.post_attention_norm = RMSNorm(a.dim, a.norm_eps, a.norm_offset) if a.sandwich_norms else None
         self.post_ffn_norm = RMSNorm(a.dim, a.norm_eps, a.norm_offset) if a.sandwich_norms else None
 
-    def forward(self, x, cos, sin, rows, pos, row0, kv_idx):
-        y = self.attention(self.attention_norm(x), cos, sin, rows, pos, row0, kv_idx)
+    def forward(self, x, cos, sin, at, batch, table):
+        y = self.attention(self.attention_norm(x), cos, sin, at, batch, table)
         h = x + (self.post_attention_norm(y) if self.post_attention_norm is not None else y)
         y = self.feed_forward(self.ffn_norm(h))
         return h + (self.post_ffn_norm(y) if self.post_ffn_norm is not None else y)
@@ -228,30 +205,35 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(a.dim, a.norm_eps, a.norm_offset)
         self.output = nn.Linear(a.dim, a.vocab_size, bias=False)
         self.max_seq = 0
+        self.register_buffer("block_table", None, persistent=False)  # [max_seqs + 1, blocks per sequence]
         self.register_buffer("rope_cos", None, persistent=False)
         self.register_buffer("rope_sin", None, persistent=False)
         self.register_buffer("rope_cos_local", None, persistent=False)  # Gemma 3's sliding layers
         self.register_buffer("rope_sin_local", None, persistent=False)
 
-    def setup_caches(self, max_slots: int, max_seq: int, rope: dict, dtype: torch.dtype, device,
+    def setup_caches(self, num_blocks: int, max_seqs: int, max_seq: int, rope: dict, dtype: torch.dtype, device,
                      kv_dtype: torch.dtype | None = None) -> None:
-        """Allocate the static KV cache and the rotary tables (max_seq + 1: the trash row).  rope:
-        {"full": (inv_freq, scale)}, and "sliding" for sliding-window layers rotated otherwise.
-        kv_dtype torch.int8: the cache in int8 with a scale per row, head and position (half the
-        memory of fp16); default: `dtype`."""
+        """Allocate the paged KV cache (num_blocks blocks of BLOCK positions, plus the trash block),
+        the block table (max_seqs rows, plus a trash row for padding, every entry the trash block
+        until a block is given) and the rotary tables for positions 0..max_seq - 1.
+        rope: {"full": (inv_freq, scale)}, and "sliding" for sliding-window layers rotated
+        otherwise.  kv_dtype torch.int8: the cache in int8 with a scale per position and head
+        (half the memory of fp16); default: `dtype`."""
         a = self.a
         self.max_seq = max_seq
         for i in a.sliding_layers:  # a window as long as the context changes nothing: left off then
             self.layers[i].attention.window = a.sliding_window if max_seq > a.sliding_window else None
-        shape = (max_slots, a.n_kv_heads, max_seq + 1, a.head_dim)
+        shape = (num_blocks + 1, BLOCK, a.n_kv_heads, a.head_dim)
         int8 = kv_dtype == torch.int8
         for layer in self.layers:
             att = layer.attention
             att.k_cache = torch.zeros(shape, dtype=torch.int8 if int8 else dtype, device=device)
             att.v_cache = torch.zeros(shape, dtype=torch.int8 if int8 else dtype, device=device)
-            att.k_scale = torch.zeros(shape[:-1] + (1,), dtype=dtype, device=device) if int8 else None
-            att.v_scale = torch.zeros(shape[:-1] + (1,), dtype=dtype, device=device) if int8 else None
-        t = torch.arange(max_seq + 1, device=device, dtype=torch.float32)
+            att.k_scale = torch.zeros(shape[:-1], dtype=dtype, device=device) if int8 else None
+            att.v_scale = torch.zeros(shape[:-1], dtype=dtype, device=device) if int8 else None
+        self.block_table = torch.full((max_seqs + 1, -(-max_seq // BLOCK)), num_blocks, dtype=torch.int32,
+                                      device=device)
+        t = torch.arange(max_seq, device=device, dtype=torch.float32)
 
         def table(inv_freq, scale):
             freqs = torch.outer(t, inv_freq.to(device=device, dtype=torch.float32))
@@ -262,23 +244,21 @@ class Transformer(nn.Module):
         if "sliding" in rope:
             self.rope_cos_local, self.rope_sin_local = table(*rope["sliding"])
 
-    def forward(self, tokens, pos, row0, kv_idx, last: torch.Tensor | None = None, hidden: bool = False):
-        """tokens/pos [B, C] for cache rows row0..row0+B-1 (or the rows in a [B] tensor row0) ->
-        logits [B, C, vocab], or [B, 1, vocab] at index `last` [B] of each row: a prompt needs only
-        its last real position's (padding may follow it), and the vocab matmul is big."""
-        B, C = tokens.shape
-        first = row0 if torch.is_tensor(row0) else torch.arange(B, device=tokens.device) + row0
-        rows = first.view(B, 1).expand(B, C)
+    def forward(self, batch, all_positions: bool = False, hidden: bool = False):
+        """batch: a StepBatch (batch.py) -> logits [S, vocab] at each sequence's last token, or
+        with all_positions [T, vocab] at every token (or the final hidden states with hidden)."""
+        pos = batch.pos
+        at = (self.block_table[batch.tok_slot, pos // BLOCK].long(), pos % BLOCK)  # each token's block, offset
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]
         local = (self.rope_cos_local[pos], self.rope_sin_local[pos]) if self.rope_cos_local is not None else None
-        x = self.tok_embeddings(tokens)
+        x = self.tok_embeddings(batch.tokens)
         if self.a.embed_scale is not None:  # in the activations' dtype, as Gemma's own model rounds it
             x = x * torch.tensor(self.a.embed_scale, dtype=x.dtype)
         for i, layer in enumerate(self.layers):
             c, s = local if local is not None and i in self.a.sliding_layers else (cos, sin)
-            x = layer(x, c, s, rows, pos, row0, kv_idx)
-        if last is not None:
-            x = x.gather(1, last.view(B, 1, 1).expand(B, 1, x.shape[-1]))
+            x = layer(x, c, s, at, batch, self.block_table)
+        if not all_positions:  # only the last token of each sequence: the vocab matmul is big
+            x = x[batch.last]
         x = self.norm(x)
         if hidden:  # the final hidden states (embeddings)
             return x

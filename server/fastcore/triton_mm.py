@@ -30,6 +30,11 @@ from quantserve.server.fastcore.triton_dequant import AUTOTUNE_ON_DISK, int8_to,
 from quantserve.server.fastcore.triton_gemv import fits as gemv_fits, int4_gemv_kernel, int8_gemv_kernel
 
 
+# M (the rows: a decode batch, a forward's tokens) is not specialized on: Triton compiles a kernel
+# per divisibility class of its integer arguments, and a prompt of 716 tokens after warm-up's
+# 512 and 1024 compiled new kernels while requests waited (a quarter of a server's time, py-spy).
+
+
 def _configs():
     # Few configs on purpose: each one is a Triton compile (~1 s) per shape at start-up.
     out = [triton.Config({"BLOCK_N": bn, "BLOCK_K": 128, "SPLIT_K": split}, num_warps=4, num_stages=4)
@@ -65,7 +70,7 @@ def _store(out_ptr, acc, rm, rn, M, N, stride_om, SPLIT_K: tl.constexpr):
         tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _int8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, stride_om,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                  BIT_DEQUANT: tl.constexpr = True):
@@ -83,7 +88,7 @@ def _int8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, str
     _store(out_ptr, acc * scale[None, :], rm, rn, M, N, stride_om, SPLIT_K)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, stride_om,
                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, BIT_DEQUANT: tl.constexpr = True):
@@ -144,14 +149,14 @@ def _m_bucket(M: int) -> int:
 def _int8_dense(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Prefill-sized M: the whole weight dequantized to x's dtype, then one cuBLAS matmul.  Writes
     and reads a dense copy, which long prompts amortise over many rows."""
-    return torch.mm(x, (weight.to(x.dtype) * scales[:, None]).t())
+    return torch.mm(x, weight.to(x.dtype).mul_(scales[:, None]).t())  # in place: one copy at the peak
 
 
 def _int4_dense(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                 group: int) -> torch.Tensor:
     N = packed.shape[0]
     q = torch.stack([packed >> 4, packed & 0xF], dim=-1).view(N, -1, group).to(x.dtype)
-    return torch.mm(x, (q * scales[..., None] + mins[..., None]).view(N, -1).t())
+    return torch.mm(x, q.mul_(scales[..., None]).add_(mins[..., None]).view(N, -1).t())  # in place, as above
 
 
 # (kernel name, M bucket, batch 1?, N, K, dtype, group) -> (kernel, config, BLOCK_M, flags) chosen for
@@ -217,6 +222,54 @@ def chosen(weights: str, M: int, N: int, K: int) -> tuple | None:
         if name == f"_{weights}_kernel" and (bucket, batch1, n, k) == (_m_bucket(M), M == 1, N, K):
             return choice
     return None
+
+
+def _kernel_name(fn) -> str:
+    return fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__  # a Triton JITFunction, or a function
+
+
+def save_choices(path) -> None:
+    """Write the kernel choices made so far to `path` (JSON), for `load_choices` at the next start:
+    timing the candidates again took ~35 s of a warm start on the 1B shape."""
+    import json
+    from pathlib import Path
+
+    rows = [{"key": [*key[:5], str(key[5]).removeprefix("torch."), key[6]], "kernel": _kernel_name(fn),
+             "config": None if config is None else {"kwargs": config.kwargs, "num_warps": config.num_warps,
+                                                    "num_stages": config.num_stages},
+             "block_m": block_m, "flags": flags} for key, (fn, config, block_m, flags) in _chosen.items()]
+    tmp = Path(path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(rows))
+    tmp.replace(path)  # whole or not at all: a server killed mid-write leaves the old file
+
+
+def load_choices(path) -> int:
+    """Take the choices a `save_choices` file holds (keyed by shape, dtype and kernel, kept in a
+    folder per GPU model and library versions); returns how many.  A missing or unreadable file,
+    or an entry naming a kernel this version lacks, is skipped: those shapes are tuned again."""
+    import json
+    from pathlib import Path
+
+    kernels = {_kernel_name(fn): fn for fn in (_int8_kernel, _int4_kernel, _int8_dense, _int4_dense,
+                                               int8_gemv_kernel.fn, int4_gemv_kernel.fn)}
+    try:
+        rows = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return 0
+    taken = 0
+    for row in rows if isinstance(rows, list) else []:
+        try:
+            fn = kernels[row["kernel"]]
+            cfg = row["config"]
+            config = None if cfg is None else triton.Config(cfg["kwargs"], num_warps=cfg["num_warps"],
+                                                            num_stages=cfg["num_stages"])
+            name, bucket, batch1, n, k, dtype, group = row["key"]
+            _chosen.setdefault((name, bucket, batch1, n, k, getattr(torch, dtype), group),
+                               (fn, config, row["block_m"], row["flags"]))
+            taken += 1
+        except (KeyError, TypeError, ValueError, AttributeError):
+            continue
+    return taken
 
 
 def _run(fn, config, block_m: int, M: int, N: int, K: int, x: torch.Tensor, args: tuple, extra: dict):

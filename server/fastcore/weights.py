@@ -1,9 +1,10 @@
 """Where FastCore's weights come from, and the Transformer built from them.
 
 A weight source (`Weights`) is a getter of tensors by their Hugging Face names, a test of which
-names exist, the model's HF config and its rotary frequencies.  There are three:
+names exist, the model's HF config and its rotary frequencies.  There are four:
 
-    a transformers model (or a checkpoint folder, loaded on the CPU first)   _hf_tensors
+    a checkpoint folder, read tensor by tensor from its safetensors files   _checkpoint_tensors
+    a transformers model (or a folder whose names are not the layout's)      _hf_tensors
     an AWQ / GPTQ checkpoint, read tensor by tensor                          _prequantized_tensors
     random weights of a config's shapes (benchmarks: no checkpoint)          _random_tensors
 
@@ -40,8 +41,9 @@ def open_weights(model, device: torch.device, dtype: torch.dtype, weight_quant: 
         return _random_tensors(random_config, device, dtype, seed)
     if isinstance(model, (str, Path)) and _prequantized(Path(model)) is not None:
         return _prequantized_tensors(Path(model), weight_quant == "int4")
-    hf = _load_hf(model, dtype) if isinstance(model, (str, Path)) else model
-    return _hf_tensors(hf)
+    if isinstance(model, (str, Path)):
+        return _checkpoint_tensors(Path(model), dtype) or _hf_tensors(_load_hf(model, dtype))
+    return _hf_tensors(model)
 
 
 def build_transformer(src: Weights, a: ModelArgs, device: torch.device, dtype: torch.dtype, mode: str,
@@ -143,6 +145,46 @@ def _random_tensors(cfg, device, dtype, seed: int = 0) -> Weights:
     return Weights(get, has, cfg, {"full": (inv_freq, 1.0)})
 
 
+def _checkpoint_tensors(folder: Path, dtype: torch.dtype) -> Weights | None:
+    """A plain checkpoint's tensors straight from its safetensors files, each one read when the
+    model is built and cast to `dtype`: no transformers model on the CPU first, which took most of
+    a warm start (24 s of 38 for the 8B shape on an H200).  None when the files do not name the
+    tensors the architecture table expects (a legacy or wrapped layout): transformers loads those
+    and maps the names."""
+    from quantserve.quant.prequantized import tensor_getter
+
+    raw, names = tensor_getter(folder)
+    cfg, rope = _config_and_rope(folder)
+    arch = ARCHITECTURES.get(cfg.model_type)
+    first = [f"model.layers.0.{name}.weight" for theirs in (arch.linears.values() if arch else ()) for name in theirs]
+    tied_or_given = "lm_head.weight" in names or getattr(cfg, "tie_word_embeddings", False)
+    if arch is None or not tied_or_given or not {"model.embed_tokens.weight", *first} <= set(names):
+        return None
+    names = set(names)
+
+    def get(name: str) -> torch.Tensor:
+        if name == "lm_head.weight" and name not in names:  # tied embeddings
+            name = "model.embed_tokens.weight"
+        t = raw(name)
+        # a copy, always: nothing the model keeps may be backed by the file (rewritten later)
+        return t.to(dtype=dtype if t.is_floating_point() else t.dtype, copy=True)
+
+    return Weights(get, lambda name: name in names, cfg, rope)
+
+
+def _config_and_rope(folder: Path, drop_quantization: bool = False):
+    """The folder's HF config and rotary frequencies, from the model class's own rotary embedding
+    (built from the config on a skeleton with no weights)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(str(folder))
+    if drop_quantization and hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config  # the structure alone: no quantizer is asked for
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(cfg)
+    return cfg, _rope_of(type(skeleton.model.rotary_emb)(cfg))  # built for real, outside the meta device
+
+
 def _prequantized(folder: Path):
     from quantserve.quant.prequantized import quantization_config
 
@@ -153,19 +195,12 @@ def _prequantized_tensors(folder: Path, keep_int4: bool) -> Weights:
     """An AWQ / GPTQ checkpoint: its 4-bit layers as PackedInt4 (for int4 serving: the
     checkpoint's own integers, no second quantization) or dequantized, the rest as stored.  The
     rotary frequencies come from the model class's own rotary embedding, built from the config."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from quantserve.quant.prequantized import dequantize, linear_int4, quantized_layers, tensor_getter
 
     q = _prequantized(folder)
     raw, names = tensor_getter(folder)
     layers = set(quantized_layers(names))
-    cfg = AutoConfig.from_pretrained(str(folder))
-    if hasattr(cfg, "quantization_config"):
-        del cfg.quantization_config  # the structure alone: no quantizer is asked for
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(cfg)
-    rope = _rope_of(type(skeleton.model.rotary_emb)(cfg))  # built for real, outside the meta device
+    cfg, rope = _config_and_rope(folder, drop_quantization=True)
 
     def get(name: str):
         prefix = name.removesuffix(".weight")

@@ -50,7 +50,7 @@ def test_layers_read_back_exactly_and_the_fast_engine_serves_them_as_stored(meth
     tokens, last = [], core.prefill(1, ids)
     for i in range(8):
         tokens.append(int(last.argmax()))
-        last = core.decode([1], [tokens[-1]], [len(ids) + i])[0]
+        last = core.decode([1], [tokens[-1]])[0]
     want_tokens = ref.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=0,
                                eos_token_id=None)[0, len(ids):].tolist()
     assert tokens == want_tokens

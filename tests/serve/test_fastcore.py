@@ -6,6 +6,8 @@ bench/decode.py on a GPU; here every code path they share is checked for exact t
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from tests.support.families import FAMILIES
@@ -39,41 +41,37 @@ def reference(model, ids, n):
     return out[0, len(ids):].tolist()
 
 
-def test_greedy_matches_generate_with_staggered_batched_decode(hf, prompts):
-    """Requests join at different times, one is prefilled in chunks while others decode, and the
-    decode batch has padding rows (slots 0, 1, 2 of a bucket of 4): every request's greedy tokens
-    must equal model.generate's."""
+def test_greedy_matches_generate_with_mixed_forwards(hf, prompts):
+    """Requests join at different times and each step is one forward: running decodes with a
+    newcomer's prompt, a prompt taken in two pieces around other decodes, a decode batch padded to
+    its bucket: every request's greedy tokens equal model.generate's."""
     model, _ = hf
     n = 16
     refs = [reference(model, p, n) for p in prompts[:3]]
-    core = FastCore(model, max_slots=4, max_seq=256, prefill_chunk=7)
+    core = FastCore(model, max_slots=4, max_seq=256)
     outs: dict[int, list[int]] = {}
+
+    def step(decoding, pieces=(), finishing=()):
+        """One forward: a token for each decoding slot, plus prompt pieces; the slots in
+        `finishing` complete their prompt here, so their row gives their first token."""
+        items = [(s, [outs[s][-1]]) for s in decoding] + list(pieces)
+        for (s, _), row in zip(items, core.step(items)):
+            if s in decoding or s in finishing:
+                outs.setdefault(s, []).append(int(row.argmax()))
+
     a = core.acquire()
-    outs[a] = [int(core.prefill(a, prompts[0]).argmax())]
-    order = {a: 0}
-
-    def step(active):
-        pos = [len(prompts[order[s]]) + len(outs[s]) - 1 for s in active]
-        logits = core.decode(active, [outs[s][-1] for s in active], pos)
-        for s, row in zip(active, logits):
-            if len(outs[s]) < n:
-                outs[s].append(int(row.argmax()))
-
+    step([], [(a, prompts[0])], [a])
     step([a]), step([a])
     b, c = core.acquire(), core.acquire()
-    order[b], order[c] = 1, 2
-    # c's prompt goes in two calls with a decode step of a in between (chunked prefill)
     half = len(prompts[2]) // 2
-    core.prefill(c, prompts[2][:half])
-    step([a])
-    outs[c] = [int(core.prefill(c, prompts[2][half:], start=half).argmax())]
-    outs[b] = [int(core.prefill(b, prompts[1]).argmax())]
+    step([a], [(c, prompts[2][:half])])  # c's first piece beside a's decode
+    step([a], [(c, prompts[2][half:]), (b, prompts[1])], [b, c])
     while min(len(v) for v in outs.values()) < n:
-        step([s for s in (a, b, c) if len(outs[s]) < n] or [a])
+        step([s for s in (a, b, c) if len(outs[s]) < n])
     assert [outs[a], outs[b], outs[c]] == refs
     assert core.kv_usage() > 0
     core.release(b)
-    assert core.free_slots() == [b, 3]
+    assert not core.pool.live[b] and core.acquire() == b
 
 
 def test_prefill_logits_match_hf(hf, prompts):
@@ -100,7 +98,7 @@ def test_quantized_logits_close_to_fp32(hf, prompts, quant, max_rel_err, min_agr
             agree += int(la.argmax() == lb.argmax())
             total += 1
             t = int(la.argmax())
-            la, lb = ref.decode([0], [t], [len(p) + i])[0], q.decode([0], [t], [len(p) + i])[0]
+            la, lb = ref.decode([0], [t])[0], q.decode([0], [t])[0]
     print(f"{quant}: max rel. logits error {max(errs):.4f}, greedy agreement {agree / total:.3f}")
     assert max(errs) < max_rel_err
     assert agree / total >= min_agree
@@ -123,47 +121,54 @@ def test_int4_layout_is_the_one_torch_int4_kernels_expect():
     assert ((deq - w).abs() <= step / 2 + 1e-5).all()
 
 
-def test_warm_up_survives_one_compile_per_decode_shape(hf, monkeypatch):
-    """On CUDA dynamo was seen to compile every (batch, KV length) shape separately, and a server
-    with --max-batch 64 died at dynamo's limit of 8 recompiles during warm-up.  Reproduced on the
-    CPU: sizes kept static (no dynamic marking) and dynamo's eager backend for speed."""
+def test_warm_up_compiles_every_decode_bucket_within_dynamos_limit(hf, monkeypatch):
+    """A server with --max-batch 64 once died at dynamo's limit of 8 recompiles during warm-up
+    (every decode shape compiled on its own).  Now the blocks are compiled with dynamic shapes at
+    warm-up, and after it nothing compiles again: not a bucket's decode, not a prompt's forward
+    (dynamo's eager backend here, for speed; `fail_on_recompile` raises on any compile)."""
     import torch._dynamo
 
     model, _ = hf
     real_compile = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend="eager", fullgraph=True))
-    monkeypatch.setattr(torch._dynamo, "maybe_mark_dynamic", lambda *a, **kw: None)
-    # the config's own patch(): monkeypatch's undo leaves dynamo's config without the attribute
-    with torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=8):
-        core = FastCore(model, max_slots=32, max_seq=512, device="cpu", compile=True)
-        assert len(core.decode_shapes()) > 9  # more compiles of the batched step than dynamo's default allows
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend="eager", fullgraph=True,
+                                                                        dynamic=kw.get("dynamic")))
+    with torch._dynamo.config.patch(recompile_limit=8):
+        core = FastCore(model, max_slots=64, max_seq=512, device="cpu", compile=True)
+        assert core.steps.buckets == (1, 2, 4, 8, 16, 32, 64)
         core.warm_up()
-        tok, pos = torch.zeros(32, dtype=torch.long), torch.full((32,), 512, dtype=torch.long)
-        assert core.decode_padded(tok, pos, core._kv_idx[:512]).shape[0] == 32
+        with torch.compiler.set_stance("fail_on_recompile"):
+            slots = [core.acquire() for _ in range(33)]
+            for s in slots:
+                core.prefill(s, [1, 2, 3])
+            assert core.decode(slots, [4] * 33).shape == (33, core.args.vocab_size)
+            assert core.step([(0, [5]), (1, list(range(40)))]).shape == (2, core.args.vocab_size)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.compile + CUDA graph decode needs a CUDA GPU")
 def test_compiled_cuda_decode_matches_eager(hf, prompts):
-    """The compiled, CUDA-graphed step with the split-KV Triton decode attention gives the eager
-    step's logits with PyTorch's SDPA."""
+    """The compiled forward and the CUDA-graphed decode step with the Triton paged attention give
+    the eager torch path's logits."""
     model, _ = hf
     eager = FastCore(model, max_slots=4, max_seq=256, device="cuda", dtype="float32", compile=False,
-                     attention="sdpa")
+                     attention="torch")
     fast = FastCore(model, max_slots=4, max_seq=256, device="cuda", dtype="float32", compile=True)
     assert fast.attention == "triton"
+    fast.warm_up()
     for a, b in _decode_side_by_side(eager, fast, prompts[:3]):
         assert torch.allclose(a, b, atol=1e-3)
 
 
 def _decode_side_by_side(core_a, core_b, prompts, steps: int = 4):
-    """Prefill the same prompts into both cores, then yield their logits for `steps` batched steps."""
-    for core in (core_a, core_b):
-        for s, p in enumerate(prompts):
-            core.prefill(s, p)
-    slots, tokens = list(range(len(prompts))), [5 + s for s in range(len(prompts))]
-    for i in range(steps):
-        pos = [len(p) + i for p in prompts]
-        yield core_a.decode(slots, tokens, pos), core_b.decode(slots, tokens, pos)
+    """The same prompts into both cores as one mixed forward (prompt pieces beside decodes), then
+    `steps` batched decode steps: yields the two cores' logits of each forward."""
+    slots = list(range(len(prompts)))
+    first = [(s, p[:5]) for s, p in zip(slots, prompts)]
+    rest = [(slots[0], [3])] + [(s, p[5:]) for s, p in zip(slots[1:], prompts[1:])]
+    for items in (first, rest):
+        yield core_a.step(items), core_b.step(items)
+    tokens = [5 + s for s in slots]
+    for _ in range(steps):
+        yield core_a.decode(slots, tokens), core_b.decode(slots, tokens)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton int8/int4 kernels run on a CUDA GPU only")
@@ -254,29 +259,6 @@ def test_adapter_matches_server_hf_backend(hf, default_model, prompts):
     assert fast.cached_tokens() == ref.cached_tokens() == len(prompts[1]) + len(prompts[2]) + 4
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton decode attention runs on a CUDA GPU only")
-def test_triton_decode_attention_matches_sdpa():
-    """Split-KV decode attention against SDPA on Llama shapes: one chunk or many, short and long
-    prefixes, rows at different positions, a batch starting past cache row 0."""
-    import torch.nn.functional as F
-
-    from quantserve.server.fastcore.triton_attention import decode_attention
-
-    torch.manual_seed(0)
-    for slots, H, G, D, L, B, row0 in ((4, 8, 4, 64, 256, 1, 0), (64, 8, 4, 128, 2048, 64, 0),
-                                       (8, 2, 7, 64, 512, 3, 2), (2, 1, 1, 128, 64, 1, 1)):
-        kc = torch.randn(slots, H, L + 1, D, device="cuda", dtype=torch.float16)
-        vc = torch.randn_like(kc)
-        q = torch.randn(B, H, G, D, device="cuda", dtype=torch.float16)
-        pos = torch.randint(0, L, (B,), device="cuda")
-        pos[0] = L - 1
-        out = decode_attention(q, kc, vc, pos, row0, L)
-        mask = (torch.arange(L, device="cuda").view(1, 1, 1, L) <= pos.view(B, 1, 1, 1)).expand(B, 1, G, L)
-        ref = F.scaled_dot_product_attention(q.float(), kc[row0:row0 + B, :, :L].float(),
-                                             vc[row0:row0 + B, :, :L].float(), attn_mask=mask)
-        torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
-
-
 def test_int8_torch_fallback_does_not_overflow_fp16():
     """The plain-torch int8 path (CUDA without Triton, and the eager reference of the GPU tests)
     scales the weights before the matmul: fp16 sums of unscaled int8 weights reach inf."""
@@ -294,63 +276,57 @@ def test_int8_torch_fallback_does_not_overflow_fp16():
     assert not torch.isfinite(torch.nn.functional.linear(x, q.half()) * scales.half()).all()
 
 
-def test_compiled_prefill_is_one_graph_for_every_slot_and_length(default_model):
-    """Prompts go through one compiled graph whatever their slot, length and chunking (a graph
-    per slot or length would stall requests for a compile each), and write the eager path's
-    logits and K/V cache."""
+def test_the_compiled_forward_is_one_graph_for_every_batch(default_model):
+    """Batches of any number of tokens and sequences, decodes and prompt pieces mixed, go through
+    the graphs compiled at warm-up (one for a single sequence, one for any other batch: torch
+    specializes sizes of 1), with the eager path's logits and K/V cache: no request waits on a
+    compile of its own."""
     from torch._dynamo.utils import counters
 
-    eager = FastCore(default_model, max_slots=4, max_seq=512, device="cpu", compile=False, prefill_chunk=256)
-    fast = FastCore(default_model, max_slots=4, max_seq=512, device="cpu", compile=True, prefill_chunk=256)
+    eager = FastCore(default_model, max_slots=4, max_seq=512, device="cpu", compile=False)
+    before = counters["stats"]["unique_graphs"]
+    fast = FastCore(default_model, max_slots=4, max_seq=512, device="cpu", compile=True)
+    fast.warm_up()
     graphs = counters["stats"]["unique_graphs"]
+    # one block compiled for all layers, not one per layer: its graphs are the sizes torch
+    # specializes (one token; one sequence; one token per sequence; a sequence spanning the whole
+    # block table) and the general one
+    assert graphs - before <= 5 < fast.args.n_layers * 2
     torch.manual_seed(0)
-    for slot, n in ((0, 300), (1, 200), (3, 2), (2, 1), (0, 17), (3, 511)):  # 300, 511: two chunks
-        ids = torch.randint(0, fast.args.vocab_size, (n,))
-        torch.testing.assert_close(fast.prefill(slot, ids), eager.prefill(slot, ids), atol=1e-4, rtol=1e-4)
-        for a, b in zip(fast.model.layers, eager.model.layers):
-            for name in ("k_cache", "v_cache"):  # fused ops round differently: fp32 noise only
-                torch.testing.assert_close(getattr(a.attention, name)[slot, :, :n],
-                                           getattr(b.attention, name)[slot, :, :n], atol=1e-4, rtol=1e-4)
-    assert counters["stats"]["unique_graphs"] - graphs == 1
+    ids = lambda n: torch.randint(0, fast.args.vocab_size, (n,)).tolist()  # noqa: E731
+    batches = [[(0, ids(300))], [(0, ids(1)), (1, ids(200))], [(3, ids(2)), (2, ids(7)), (1, ids(1))],
+               [(0, ids(17)), (3, ids(211))], [(2, ids(40)), (0, ids(1)), (1, ids(1)), (3, ids(1))]]
+    for items in batches:
+        torch.testing.assert_close(fast.step(items), eager.step(items), atol=1e-4, rtol=1e-4)
+    for a, b in zip(fast.model.layers, eager.model.layers):
+        for name in ("k_cache", "v_cache"):  # fused ops round differently: fp32 noise only
+            for slot in range(4):  # each sequence's positions, through each core's own block table
+                torch.testing.assert_close(_positions(fast, getattr(a.attention, name), slot),
+                                           _positions(eager, getattr(b.attention, name), slot), atol=1e-4, rtol=1e-4)
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
-def test_a_failing_prompt_compile_falls_back_to_eager_prompts(default_model, monkeypatch, capsys):
+def _positions(core, cache, slot):
+    """A slot's cached K or V, position by position: [held, kv_heads, head_dim]."""
+    return cache[core.pool.table[slot]].flatten(0, 1)[:core.pool.held(slot)]
+
+
+def test_a_failing_compile_falls_back_to_eager_steps(default_model, monkeypatch, capsys):
     core = FastCore(default_model, max_slots=2, max_seq=256, device="cpu", compile=True)
 
-    def broken():
-        raise RuntimeError("inductor could not lower this")
+    real = core.steps._forward
 
-    monkeypatch.setattr(core, "_prefill_step", broken)
-    monkeypatch.setattr(core, "decode_padded", lambda *a: None)  # only the prompt path is under test
+    def broken(batch, eager=False):  # the compiled forward fails to build; eager runs
+        if not eager:
+            raise RuntimeError("inductor could not lower this")
+        return real(batch, eager=True)
+
+    monkeypatch.setattr(core.steps, "_forward", broken)
+    monkeypatch.setattr(core.steps, "warm_decode", lambda batch: None)  # only prompts are under test
     core.warm_up()
-    assert core.compile_prefill is False
-    assert "compiled prompt path failed (RuntimeError: inductor could not lower this)" in capsys.readouterr().err
+    assert core.steps.compile_mixed is False
+    assert "compiled forward failed (RuntimeError: inductor could not lower this)" in capsys.readouterr().err
     assert core.prefill(0, [1, 2, 3]).shape == (core.args.vocab_size,)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph prompts need a CUDA GPU")
-def test_graphed_prompts_match_eager_prompts(default_model):
-    """On a GPU a prompt chunk is padded to one of a few widths and replays that width's CUDA graph,
-    all recorded at warm-up: the eager path's logits and K/V cache, whatever the slot, length and
-    chunking, and the padding (written to the trash row) disturbs no other slot."""
-    eager = FastCore(default_model, max_slots=4, max_seq=512, device="cuda", dtype="float32", compile=False,
-                     prefill_chunk=256)
-    fast = FastCore(default_model, max_slots=4, max_seq=512, device="cuda", dtype="float32", compile=True,
-                    prefill_chunk=256)
-    fast.warm_up()
-    recorded = len(fast._graphs)
-    torch.manual_seed(0)
-    lengths = {}
-    for slot, n in ((0, 300), (1, 200), (3, 2), (2, 1), (0, 17), (3, 511), (1, 129)):
-        ids = torch.randint(0, fast.args.vocab_size, (n,))
-        torch.testing.assert_close(fast.prefill(slot, ids), eager.prefill(slot, ids), atol=1e-4, rtol=1e-4)
-        lengths[slot] = n
-        for s, m in lengths.items():
-            for a, b in zip(fast.model.layers, eager.model.layers):
-                for name in ("k_cache", "v_cache"):
-                    torch.testing.assert_close(getattr(a.attention, name)[s, :, :m],
-                                               getattr(b.attention, name)[s, :, :m], atol=1e-4, rtol=1e-4)
-    assert len(fast._graphs) == recorded  # every prompt shape was recorded at warm-up
 
 
 @pytest.mark.parametrize("arch", [*FAMILIES, "mistral-window"])
@@ -376,7 +352,7 @@ def test_other_families_decode_like_transformers(arch, default_model, tmp_path):
     tokens, logits = [], core.prefill(1, ids)
     for i in range(8):
         tokens.append(int(logits.argmax()))
-        logits = core.decode([1], [tokens[-1]], [len(ids) + i])[0]
+        logits = core.decode([1], [tokens[-1]])[0]
     assert tokens == reference(model, ids, 8)
 
 
@@ -391,3 +367,50 @@ def test_an_int8_kv_cache_costs_little_quality_and_half_the_memory():
 
     a = ModelArgs(vocab_size=8, dim=64, ffn_dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=128, norm_eps=1e-6)
     assert a.kv_bytes_per_token(2, int8=True) / a.kv_bytes_per_token(2) == pytest.approx(130 / 256)  # vs fp16
+
+
+def test_the_pool_leaves_room_for_the_largest_prompt_forward():
+    """The KV pool takes the memory left after the weights minus what a forward needs at its
+    peak.  A flat 1 GiB was too little for the 8B shape in int8 under the T4 profile (an
+    allocation of 224 MiB, its gate-up weight dequantized to fp16 for a prompt, failed at start-up
+    on the GPU); the reserve now grows with the model's widest layer and the token budget."""
+    from types import SimpleNamespace
+
+    from quantserve.server.fastcore.model import ModelArgs
+
+    def reserve(tokens, **shape):
+        args = ModelArgs(vocab_size=128256, n_kv_heads=8, head_dim=128, norm_eps=1e-5, **shape)
+        return FastCore.forward_reserve_bytes(SimpleNamespace(args=args, dtype=torch.float16), tokens)
+
+    eight_b = dict(dim=4096, ffn_dim=14336, n_layers=32, n_heads=32)
+    one_b = dict(dim=2048, ffn_dim=8192, n_layers=16, n_heads=32)
+    gate_up_fp16 = 2 * 14336 * 4096 * 2
+    assert reserve(2048, **eight_b) > 2**30 + 256 * 10**6 + gate_up_fp16
+    assert reserve(8192, **eight_b) > reserve(2048, **eight_b) > reserve(2048, **one_b)
+
+
+def test_a_checkpoint_is_read_tensor_by_tensor_and_copied(default_model, tmp_path):
+    """A checkpoint folder is read straight from its safetensors files (no transformers model
+    built first), each tensor copied off the file; a folder whose tensors are not the layout's
+    (here: an untied model without its lm_head) goes through transformers instead."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from quantserve.server.fastcore.weights import _checkpoint_tensors
+
+    src = _checkpoint_tensors(default_model, torch.float32)
+    assert src is not None
+    emb = src.get("model.embed_tokens.weight")
+    assert emb.dtype == torch.float32 and emb.untyped_storage().data_ptr() != src.get("model.embed_tokens.weight").untyped_storage().data_ptr()
+    assert src.has("model.layers.0.self_attn.q_proj.weight") and not src.has("model.layers.99.mlp.up_proj.weight")
+
+    odd = tmp_path / "odd"
+    shutil.copytree(default_model, odd)
+    (files,) = list(odd.glob("*.safetensors"))
+    tensors = load_file(files)
+    tensors.pop("lm_head.weight", None)
+    save_file(tensors, files, metadata={"format": "pt"})
+    cfg = json.loads((odd / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": False}))
+    assert _checkpoint_tensors(odd, torch.float32) is None

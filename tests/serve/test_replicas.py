@@ -1,8 +1,8 @@
-"""`quantserve serve --replicas`: two copies of the server behind Ray Serve, on the CPU, for real.
+"""`quantserve serve --replicas`: two copies of the server placed by Ray Serve, on the CPU, for real.
 
 One local Ray cluster per fixture (it starts in ~10 s here); the default model, the official
 client.  Which replica answered is read from the `x-quantserve-replica` header; replica processes
-are found by the title Ray gives them (`ray::ServeReplica:quantserve:model`).
+are found by the title Ray gives them (`ray::ServeReplica:quantserve-<tag>:model`).
 """
 
 from __future__ import annotations
@@ -16,15 +16,14 @@ import time
 import httpx
 import pytest
 
-from tests.support.servers import replica_pids
-from tests.support.servers import ServerProcess
+from tests.support.figures import Figures
+from tests.support.servers import ServerProcess, replica_pids
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray", reason="Ray Serve is the 'replicas' extra (make install installs it)")
 
 PROMPTS = ["Sort:\nd b a", "Repeat: k l m", "How many letters?\nq w e r", "What is 12 + 30?",
            "Next letter after f?", "Sort:\nz y", "Repeat: a", "What is 3 + 4?"]
-STATS: dict[str, object] = {}
 
 
 def ask(base_url: str, prompt: str, session: str | None = None, user: str | None = None, timeout: float = 60):
@@ -37,6 +36,15 @@ def ask(base_url: str, prompt: str, session: str | None = None, user: str | None
     r = httpx.post(base_url + "/v1/chat/completions", json=body, headers=headers, timeout=timeout)
     r.raise_for_status()
     return r.json()["choices"][0]["message"]["content"], r.headers["x-quantserve-replica"]
+
+
+@pytest.fixture(scope="module")
+def figures():
+    """The fault test's figures, in runs/reliability/replicas.json (`make reliability`'s table)."""
+    f = Figures("replicas")
+    yield f
+    if f.rows:
+        f.write()
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +97,7 @@ def test_errors_pass_through_as_they_are(two):
     assert "vllm:num_requests_waiting" in metrics and "quantserve:num_requests_running" in metrics
 
 
-def test_a_killed_replica_loses_no_request(two):
+def test_a_killed_replica_loses_no_request(two, figures):
     """SIGKILL one replica under load: non-streamed requests are retried on the other, streams
     finish or end with an error event, and Ray Serve brings a second replica back."""
     before = replica_pids()
@@ -152,36 +160,48 @@ def test_a_killed_replica_loses_no_request(two):
     stop.set()
     for w in workers:
         w.join(120)
-    STATS.update(results, recovered_s=recovered)
-    print("\nkilled replica:", json.dumps(STATS))
+    print("\nkilled replica:", json.dumps({**results, "recovered_s": recovered}))
+    plain_total = results["ok"] + len(results["failed"])
+    streams = results["streams_ok"] + results["streams_error_event"] + len(results["streams_failed"])
+    figures.add("--replicas 2 (hf engine, default model): one replica SIGKILLed under 4 looping clients "
+                "and a streaming one; non-streamed requests",
+                f"{plain_total} sent, {len(results['failed'])} failed (those on the killed replica retried on the other)")
+    figures.add("the same: streams", f"{streams} sent, {results['streams_ok']} complete, {results['streams_error_event']} "
+                f"ended with an error event, {len(results['streams_failed'])} broken")
+    figures.add("the same: seconds from the kill to two replicas answering again",
+                f"{recovered:.1f}" if recovered is not None else "not within 120")
     assert not results["failed"], results["failed"][:3]
     assert not results["streams_failed"], results["streams_failed"][:3]
     assert results["ok"] > 10 and results["streams_ok"] + results["streams_error_event"] >= 1
     assert recovered is not None, "the killed replica did not come back within 120 s"
 
 
-def test_coalescing_joins_chunks_but_never_holds_the_first_or_the_end():
-    import asyncio
+def test_routing_least_loaded_in_turn_and_sessions_by_rendezvous():
+    """The gateway's choice of replica (no Ray, no model): ties go in turn, the least loaded
+    first; a session keeps its replica while it is up, and only its sessions move when it goes."""
+    from quantserve.server.gateway import Routes
 
-    from quantserve.server.asgi_call import ResponseStart
-    from quantserve.server.replicas import coalesce
+    routes = Routes("least-loaded")
+    routes.update({"a": "http://127.0.0.1:1", "b": "http://127.0.0.1:2"})
+    assert {routes.pick(None, set()).id for _ in range(2)} == {"a", "b"}  # idle: in turn
+    routes.replicas["a"].inflight = 3
+    assert all(routes.pick(None, set()).id == "b" for _ in range(4))
+    assert routes.pick(None, {"b"}).id == "a"  # a retry goes elsewhere
+    routes.replicas["a"].down_until = float("inf")  # failed a while ago: passed over ...
+    assert all(routes.pick(None, set()).id == "b" for _ in range(4))
+    assert routes.pick(None, {"b"}).id == "a"  # ... unless b just failed too
+    routes.update({"b": "http://127.0.0.1:2"})
+    assert list(routes.replicas) == ["b"] and routes.replicas["b"].inflight == 0
+    assert routes.pick(None, {"b"}).id == "b"  # nothing else: the one that failed, once more
 
-    async def source():
-        yield ResponseStart(200, [])
-        for i in range(10):
-            yield b"%d," % i
-            await asyncio.sleep(0.002)
-
-    async def run(interval):
-        out, times, t0 = [], [], asyncio.get_running_loop().time()
-        async for item in coalesce(source(), interval):
-            out.append(item)
-            times.append(asyncio.get_running_loop().time() - t0)
-        return out, times
-
-    out, times = asyncio.run(run(0.05))
-    assert isinstance(out[0], ResponseStart) and out[1] == b"0," and times[1] < 0.02  # the first at once
-    assert b"".join(out[1:]) == b"".join(b"%d," % i for i in range(10))
-    assert len(out) < 6  # gathered
-    plain, _ = asyncio.run(run(0))
-    assert len(plain) == 11
+    sessions = Routes("session")
+    sessions.update({r: f"http://127.0.0.1:{i}" for i, r in enumerate("abc")})
+    home = {s: sessions.pick(s, set()).id for s in map(str, range(60))}
+    assert set(home.values()) == {"a", "b", "c"}  # sessions spread
+    assert all(sessions.pick(s, set()).id == r for s, r in home.items())  # and stay
+    sessions.replicas["c"].down_until = float("inf")  # c fails: only its sessions move
+    moved = {s: sessions.pick(s, set()).id for s in home}
+    assert all(moved[s] == r for s, r in home.items() if r != "c") and "c" not in moved.values()
+    sessions.update({"a": "http://127.0.0.1:0", "b": "http://127.0.0.1:1"})
+    assert {s: sessions.pick(s, set()).id for s in home} == moved
+    assert Routes("least-loaded").pick(None, set()) is None

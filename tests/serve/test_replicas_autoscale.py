@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from tests.support.servers import replica_pids
-from tests.support.servers import ServerProcess
+from tests.support.figures import Figures
+from tests.support.servers import ServerProcess, replica_pids
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray", reason="Ray Serve is the 'replicas' extra (make install installs it)")
@@ -54,6 +54,12 @@ def test_autoscaling_follows_load(default_model):
                 break
             time.sleep(0.5)
         print("\nautoscaling:", json.dumps({"scale_up_s": up, "scale_down_s": down}))
+        figures = Figures("replicas-autoscale")  # runs/reliability/replicas-autoscale.json
+        figures.add("--replicas auto --max-replicas 2 --max-batch 2, 8 looping clients: seconds to a second replica",
+                    f"{up:.1f}" if up is not None else "none within 90")
+        figures.add("the same, --downscale-delay 5: seconds from the end of the load to one replica",
+                    f"{down:.1f}" if down is not None else "still two after 90")
+        figures.write()
         assert up is not None, "no second replica under load"
         assert down is not None, "still two replicas 90 s after the load stopped"
     finally:

@@ -1,6 +1,6 @@
-"""`--engine fast`: server/fastcore's static-KV-cache decoder behind the same scheduler and API.
-Only the decode core differs from the `hf` engine, so these tests check what the core decides:
-greedy tokens and logprobs equal transformers' offline ones, alone and in a concurrent batch."""
+"""`--engine fast`: server/fastcore's paged-KV decoder behind the paged scheduler and the same API.
+Greedy tokens and logprobs equal transformers' offline ones, alone and in a concurrent batch whose
+forwards mix decodes and prompt chunks."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from tests.support.servers import MAX_TOKENS, PROMPTS, ServerProcess, hf_referen
 
 @pytest.fixture(scope="module")
 def server(default_model):
-    # a small prompt chunk: the chat prompts below span several chunks, scheduler and core alike
-    srv = ServerProcess(default_model, "--engine", "fast", "--max-batch", "16", "--prefill-chunk", "16",
+    # a small token budget: the chat prompts below span several forwards, mixed with running decodes
+    srv = ServerProcess(default_model, "--engine", "fast", "--max-batch", "16", "--max-num-batched-tokens", "32",
                         name="fast")
     yield srv
     assert srv.stop() == 0, srv.log()
@@ -27,7 +27,8 @@ def reference(default_model):
 
 def test_fast_engine_is_reported(server):
     assert server.health["engine"] == "fast"
-    assert server.health["prefill_chunk"] == 16  # --prefill-chunk reaches the core, not only the scheduler
+    assert server.health["max_num_batched_tokens"] == 32
+    assert server.health["kv_blocks"] == 16 * 512 // 16  # on a CPU: a whole context per sequence
     assert server.client().models.list().data[0].model_dump()["engine"] == "fast"
 
 
@@ -91,3 +92,81 @@ def test_kv_cache_dtype_is_refused_where_it_does_not_apply(default_model):
     assert_one_line_error(cli("serve", str(default_model), "--kv-cache-dtype", "fp8"), 2, "--kv-cache-dtype")
     assert_one_line_error(cli("serve", str(default_model), "--engine", "hf", "--kv-cache-dtype", "int8"), 1,
                           "--kv-cache-dtype int8 applies to the fast and gguf engines only")
+
+
+def _metric(srv, name: str) -> float:
+    import re
+
+    import httpx
+
+    text = httpx.get(srv.base_url + "/metrics").text
+    return float(re.search(rf"^{re.escape(name)}(?:_total)? ([0-9.e+]+)$", text, re.M).group(1))
+
+
+def test_a_tiny_kv_pool_finishes_every_request_through_preemption(default_model, reference):
+    """10 blocks of 16 tokens, and 8 chats that each grow to ~125 tokens (8 blocks; 80 tokens out,
+    past the end-of-text token): the pool holds one at a time, so as soon as two overlap sequences
+    are preempted and computed again.  Every answer equals the one the same server gives to the
+    request alone, nobody sees an error, and the pool is empty once they are done."""
+    srv = ServerProcess(default_model, "--engine", "fast", "--kv-blocks", "10", "--max-batch", "8",
+                        "--max-num-batched-tokens", "64", name="fast")
+    try:
+        assert srv.health["kv_blocks"] == 10
+        users = PROMPTS + ["Repeat: x y z", "Sort: c b a"]
+        extra = {"ignore_eos": True}
+
+        async def one(ac, user):
+            r = await ac.chat.completions.create(model="fast", messages=[{"role": "user", "content": user}],
+                                                 temperature=0, max_tokens=80, extra_body=extra)
+            assert r.usage.completion_tokens == 80
+            return r.choices[0].message.content
+
+        async def run(together: bool):
+            async with srv.async_client() as ac:
+                if together:
+                    return await asyncio.gather(*[one(ac, u) for u in users])
+                return [await one(ac, u) for u in users]
+
+        alone = asyncio.run(run(False))
+        assert _metric(srv, "quantserve:num_preemptions") == 0  # one at a time fits the pool
+        assert asyncio.run(run(True)) == alone
+        assert _metric(srv, "quantserve:num_preemptions") > 0
+        assert _metric(srv, "vllm:num_preemptions") == _metric(srv, "quantserve:num_preemptions")
+        assert _metric(srv, "quantserve:kv_cache_blocks_used") == 0
+        assert _metric(srv, "quantserve:kv_cache_blocks_total") == 10
+        assert _metric(srv, 'quantserve:request_outcome_total{outcome="error"}') == 0
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+def test_a_request_larger_than_the_whole_pool_is_refused_with_the_numbers(default_model):
+    import openai
+
+    srv = ServerProcess(default_model, "--engine", "fast", "--kv-blocks", "4", "--max-batch", "2",
+                        "--max-num-batched-tokens", "32", name="fast")
+    try:
+        client = srv.client()
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="fast", prompt="a b c d e f g h", max_tokens=80)
+        assert "KV cache holds 64 tokens in all (4 blocks of 16)" in str(e.value)
+        assert "80 in the completion" in str(e.value) and e.value.status_code == 400
+        # without max_tokens the completion is bounded by the pool, not the context
+        r = client.completions.create(model="fast", prompt="a b c d e f g h", temperature=0)
+        assert r.usage.prompt_tokens + r.usage.completion_tokens <= 64
+        assert srv.health["status"] == "ok"
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+def test_paged_settings_are_refused_where_they_do_not_apply(default_model):
+    from tests.support.cli import assert_one_line_error, cli
+
+    assert_one_line_error(cli("serve", str(default_model), "--engine", "hf", "--kv-blocks", "8"), 1,
+                          "--kv-blocks 8 applies to the fast engine only")
+    assert_one_line_error(cli("serve", str(default_model), "--engine", "hf", "--max-num-batched-tokens", "64"), 1,
+                          "--max-num-batched-tokens 64 applies to the fast engine only")
+    assert_one_line_error(cli("serve", str(default_model), "--engine", "fast", "--prefill-chunk", "64"), 1,
+                          "--prefill-chunk 64 applies to the hf and gguf engines")
+    assert_one_line_error(cli("serve", str(default_model), "--engine", "fast", "--max-batch", "64",
+                              "--max-num-batched-tokens", "32"), 1,
+                          "--max-num-batched-tokens 32 must hold a token for each of max_batch (64)")

@@ -1,5 +1,6 @@
-"""Shared by the reliability tests (test_soak.py, test_faults.py): the size they run at, and the
-figures each suite writes to runs/reliability/<suite>.json.
+"""Shared by the reliability tests (test_soak.py, test_faults.py, and the replica tests in
+tests/serve/): the size they run at, and the figures each suite writes to
+runs/reliability/<suite>.json.
 
 QUANTSERVE_RELIABILITY=quick (default, CI) or full (64 clients x 120 s, more kill points)."""
 

@@ -28,7 +28,7 @@ class ServerProcess:
     """`python -m quantserve serve ...` in its own process; `stop()` ends it (SIGTERM, then SIGKILL)."""
 
     def __init__(self, model: Path | str, *args: str, api_key: str | None = None, name: str | None = None,
-                 start_timeout: float = 90.0, threads: int = 1):
+                 start_timeout: float | None = None, threads: int = 1):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.model_name = name
@@ -44,9 +44,13 @@ class ServerProcess:
             env["QUANTSERVE_API_KEY"] = api_key
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"quantserve-test-{self.port}.log"
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        # QUANTSERVE_TEST_CWD: where the GPU scripts run servers from (in the source tree `python -m
+        # quantserve` would import its bare folder instead of the package installed there)
+        self.proc = subprocess.Popen(cmd, cwd=os.environ.get("QUANTSERVE_TEST_CWD", REPO), env=env,
+                                     stdout=self._log, stderr=subprocess.STDOUT)
         try:
-            self._wait_ready(start_timeout)
+            # a GPU's fast engine compiles its graphs before it is ready: the GPU scripts allow more
+            self._wait_ready(start_timeout or float(os.environ.get("QUANTSERVE_TEST_START_TIMEOUT", 90)))
         except BaseException:
             self.stop()
             raise
@@ -205,5 +209,5 @@ def hf_reference(folder):
 
 
 def replica_pids() -> list[int]:
-    out = subprocess.run(["pgrep", "-f", "ServeReplica:quantserve:model"], capture_output=True, text=True).stdout
+    out = subprocess.run(["pgrep", "-f", "ServeReplica:quantserve-[0-9a-f]+:model"], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]

@@ -29,16 +29,17 @@ GROUND = ("quantserve.settings", "quantserve.formats", "quantserve.capabilities"
 HTTP = ("quantserve.server.api_server", "quantserve.server.serving*", "quantserve.server.protocol",
         "quantserve.server.errors",
         "quantserve.server.middleware", "quantserve.server.metrics", "quantserve.server.unsupported",
-        "quantserve.server.tools", "quantserve.server.tool_parsers")
+        "quantserve.server.tools", "quantserve.server.tool_parsers", "quantserve.server.uvicorn_server")
 ENGINE = ("quantserve.server.engine", "quantserve.server.engines", "quantserve.server.scheduler",
           "quantserve.server.exceptions", "quantserve.server.faults", "quantserve.server.sampling",
+          "quantserve.server.paged_scheduler",
           "quantserve.server.textstream", "quantserve.server.config", "quantserve.server.structured",
           "quantserve.server.prefix_cache", "quantserve.server.backend", "quantserve.server.*_engine",
           "quantserve.server.fastcore")
 BACKENDS = ("quantserve.server.backend", "quantserve.server.*_engine", "quantserve.server.fastcore",
             "quantserve.server.prefix_cache")
-# above the HTTP layer: copies of the app behind Ray Serve, started by the CLI
-SCALE_OUT = ("quantserve.server.replicas", "quantserve.server.asgi_call")
+# above the HTTP layer: copies of the app placed by Ray Serve, and the gateway in front, started by the CLI
+SCALE_OUT = ("quantserve.server.replicas", "quantserve.server.replica_server", "quantserve.server.gateway")
 LIBRARY = ("quantserve.server", "quantserve.quant", "quantserve.training")
 CLI_ONLY = ("quantserve.cli", "quantserve.cli_util", "quantserve.pipeline", "quantserve.support",
             "quantserve.server.cli", "quantserve.quant.cli", "quantserve.training.cli", "quantserve.bench")

@@ -224,3 +224,25 @@ def test_kernel_bench_refuses_a_cpu_in_one_line():
     bad = subprocess.run([sys.executable, "-m", "quantserve", "bench", "kernels", "--kinds", "int3-magic"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "choose from" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_replicas_compare_tables_the_rounds_and_says_what_is_missing(tmp_path, capsys):
+    """bench/replicas_compare.py over `bench serve`-shaped results: the median of each round's ratio."""
+    from quantserve.bench.replicas_compare import main
+
+    def result(name: str, tput: float, ttft: float) -> None:
+        runs = [{"concurrency": 1, "output_throughput": tput, "ttft_ms": {"mean": ttft}, "failed": 0}]
+        (tmp_path / f"{name}.json").write_text(json.dumps({"runs": runs}))
+
+    with pytest.raises(SystemExit, match="no bare-N.json and ray-N.json"):
+        main([str(tmp_path)])
+    for n, (bare, ray) in enumerate([(100, 99), (100, 90), (100, 98)], start=1):
+        result(f"bare-{n}", bare, 10.0)
+        result(f"ray-{n}", ray, 10.4)
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| 1 | `--replicas 1` | 99.0 / 90.0 / 98.0 | **0.980×** |" in out and "**1.040×** | +0.40 |" in out
+    assert "throughput ≥ 0.97× met, TTFT ≤ 1.05× met" in out
+    (tmp_path / "ray-4.json").write_text("{not json")
+    with pytest.raises(SystemExit, match="ray-4.json is not a `bench serve` result"):
+        main([str(tmp_path)])

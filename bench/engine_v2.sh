@@ -1,0 +1,144 @@
+#!/usr/bin/env bash
+# The paged engine on the lent GPU against llama.cpp's own llama-server, in back-to-back calls (the
+# machine stays warm between them and keeps /tmp).  Random-weight Llama checkpoints of the 1B and
+# 8B shapes with the default tokenizer; ours: --engine fast --weight-quant int8 --gpu-profile t4;
+# theirs: llama-server on the Q8_0 GGUF of the same checkpoint, -np 32, flash attention.
+#   bench/engine_v2.sh OUT 1   install; llama.cpp's build and the checkpoints start detached; the GPU
+#                              tests of the engine; ours 1B: start-up cold and warm, ~690-token
+#                              prompts at concurrency 1, 8, 32; llama-server 1B the same
+#   bench/engine_v2.sh OUT 2   8B: llama-server and ours (cold start), random prompts and the shared
+#                              prefix
+#   bench/engine_v2.sh OUT 3   ours 8B warm start, shared prefix without the cache; capacity at
+#                              --context 8192 with fp16 and int8 KV; int8 KV's quality, 1B shape
+#   bench/engine_v2.sh OUT 4   ours alone, 1B: the attention kernel's GPU test, start-up cold and
+#                              warm, random prompts at 1, 8, 32 with py-spy on the server at 1
+#                              (.devwheels/tools carries py-spy's wheel)
+# Run from the repo root with .devwheels carried (the wheels the GPU image lacks).
+set -uo pipefail
+out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
+export PYTHONPATH=$site QUANTSERVE_HOME=/tmp/qs-home QUANTSERVE_TEST_CWD=/tmp QUANTSERVE_TEST_START_TIMEOUT=300
+log() { echo "[$(date +%T) +${SECONDS}s] $*" | tee -a "$out/bench.txt"; }
+ours=(--engine fast --weight-quant int8 --gpu-profile t4 --max-batch 32 --context 2048)
+ours+=(${OURS_EXTRA:-})  # e.g. OURS_EXTRA="--kv-blocks 3000"
+
+wait_ready() {  # PORT PID LABEL: seconds from launch to a 200 on /health
+  local t0=$SECONDS
+  until curl -sf -o /dev/null "http://127.0.0.1:$1/health"; do
+    kill -0 "$2" 2>/dev/null || { log "$3 exited"; tail -n 30 "$out/$3.log" | tee -a "$out/bench.txt"; return 1; }
+    sleep 0.5
+  done
+  log "$3: ready after $(( SECONDS - t0 )) s"
+  curl -s "http://127.0.0.1:$1/health" >> "$out/bench.txt"; echo >> "$out/bench.txt"
+}
+load() {  # LABEL PORT KIND: random ~690-token prompts at 1, 8, 32; or the shared ~1,500-token system text
+  local label=$1 port=$2 kind=$3 args
+  case $kind in
+    random) args=(--concurrency 1,8,32 --input-len 225) ;;
+    shared) args=(--concurrency 32 --num-prompts 128 --shared-prefix-len 490 --input-len 8) ;;
+  esac
+  (cd /tmp && timeout 240 python3 -m quantserve.bench.serve --base-url "http://127.0.0.1:$port/v1" "${args[@]}" \
+      --output-len 128 --ignore-eos --label "$label" --out "$out/$label-$kind.json") > "$out/$label-$kind.log" 2>&1 \
+      || log "$label $kind: rc=$?"
+  tail -n 6 "$out/$label-$kind.log" >> "$out/bench.txt"
+}
+start_ours() {  # LABEL CHECKPOINT ARGS...: our server on :8000 (sets PID)
+  local label=$1 ck=$2; shift 2
+  (cd /tmp && exec python3 -m quantserve serve "$ck" --port 8000 "$@") > "$out/$label.log" 2>&1 &
+  PID=$!
+  wait_ready 8000 $PID "$label"
+}
+start_llama() {  # LABEL GGUF
+  /tmp/llama-cpp/bin/llama-server -m "$2" -ngl 999 -np 32 -c $((32 * 2048)) -fa on --host 127.0.0.1 \
+      --port 8001 > "$out/$1.log" 2>&1 &
+  PID=$!
+  wait_ready 8001 $PID "$1"
+}
+stop() { kill -TERM "$PID" 2>/dev/null; wait "$PID" 2>/dev/null || true; }
+checkpoint() {  # SHAPE: wait for the detached job's checkpoint and GGUF
+  for i in $(seq 300); do [ -f "/tmp/ck-$1.done" ] && return 0; sleep 2; done; log "no checkpoint $1"; return 1
+}
+capacity() {  # LABEL ARGS...: 64 concurrent ~1,200-token prompts at --context 8192; most running at once
+  start_ours "$1" /tmp/ck-llama-3.1-8b --engine fast --weight-quant int8 --gpu-profile t4 --max-batch 64 \
+      --context 8192 "${@:2}" || return
+  (while sleep 0.2; do curl -s http://127.0.0.1:8000/metrics | grep -E "^quantserve:num_requests_running " ; done) \
+      > "$out/$1-running.txt" 2>/dev/null &
+  local sampler=$!
+  (cd /tmp && timeout 200 python3 -m quantserve.bench.serve --base-url http://127.0.0.1:8000/v1 --concurrency 64 \
+      --num-prompts 64 --input-len 390 --output-len 128 --ignore-eos --no-warmup --label "$1" \
+      --out "$out/$1.json") > "$out/$1-load.log" 2>&1 || log "$1 load: rc=$?"
+  kill $sampler
+  log "$1: most running at once $(sort -k2 -n "$out/$1-running.txt" | tail -n 1)"
+  curl -s http://127.0.0.1:8000/metrics | grep -E "^quantserve:(num_preemptions|kv_cache_blocks_total)" | tee -a "$out/bench.txt"
+  tail -n 4 "$out/$1-load.log" >> "$out/bench.txt"
+  stop
+}
+
+install() {
+  [ -d "$site/fastapi" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" \
+      .devwheels/*.whl .devwheels/llama/gguf-*.whl .devwheels/llama/diskcache-*.whl
+  # this tree's quantserve every time: a warm machine keeps the last call's
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target "$site" .
+}
+
+if [ "$phase" = 4 ]; then
+  install
+  python3 -m pip install -q --no-index --no-deps --target /tmp/tools .devwheels/tools/*.whl
+  (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) | tee "$out/bench.txt"
+  setsid nohup bash -c "cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape llama-3.2-1b \
+      --out /tmp/ck-llama-3.2-1b --context 8192 && touch /tmp/ck-llama-3.2-1b.done" > /tmp/checkpoints.log 2>&1 < /dev/null &
+  (cd /tmp && timeout 120 python3 -m pytest --import-mode=append -q -p no:cacheprovider \
+      "$repo/tests/serve/test_paged_attention.py") > "$out/gpu-tests.log" 2>&1 || log "gpu tests: rc=$?"
+  tail -n 2 "$out/gpu-tests.log" >> "$out/bench.txt"
+  checkpoint llama-3.2-1b
+  rm -rf "$QUANTSERVE_HOME/compile"
+  if start_ours ours-1b-cold /tmp/ck-llama-3.2-1b "${ours[@]}"; then
+    /tmp/tools/bin/py-spy record -p "$PID" -d 20 -r 250 -f raw --threads -o "$out/pyspy-c1.txt" > /dev/null 2>&1 &
+    load ours-1b 8000 random
+    stop
+  fi
+  start_ours ours-1b-warm /tmp/ck-llama-3.2-1b "${ours[@]}" && stop
+  log "phase 4 done"; exit 0
+fi
+
+if [ "$phase" = 1 ]; then
+  install
+  (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) | tee "$out/bench.txt"
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" \
+      | tee -a "$out/bench.txt"
+  [ -x /tmp/llama-cpp/bin/llama-server ] || setsid nohup nice -n 19 bash .devwheels/device-llama-cpp.sh \
+      .devwheels/llama/llama_cpp_python-0.3.36.tar.gz /tmp/llama-cpp 90 > /tmp/llama-build.out 2>&1 < /dev/null &
+  setsid nohup bash -c "cd /tmp && for s in llama-3.2-1b llama-3.1-8b; do [ -f /tmp/ck-\$s.done ] || { \
+      python3 -m quantserve.bench.make_checkpoint --shape \$s --out /tmp/ck-\$s --context 8192 && \
+      python3 -m quantserve convert /tmp/ck-\$s -f gguf-q8_0 -o /tmp/gguf-\$s -q && touch /tmp/ck-\$s.done; }; done" \
+      > /tmp/checkpoints.log 2>&1 < /dev/null &
+  # from /tmp: in the source tree `quantserve` would be the bare folder, not the installed package
+  # the compiled blocks inside the CUDA graphs against eager first, then the attention kernel
+  (cd /tmp && timeout 240 python3 -m pytest --import-mode=append -rA -q -p no:cacheprovider \
+      "$repo/tests/serve/test_fastcore.py" "$repo/tests/serve/test_paged_attention.py" \
+      -k "compiled_cuda or compiled_triton or close_to_fp32 or match_the_reference") \
+      > "$out/gpu-tests.log" 2>&1 || log "gpu tests: rc=$?"
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$out/gpu-tests.log" >> "$out/bench.txt"
+  checkpoint llama-3.2-1b
+  rm -rf "$QUANTSERVE_HOME/compile"
+  start_ours ours-1b-cold /tmp/ck-llama-3.2-1b "${ours[@]}" && { load ours-1b 8000 random; stop; }
+  start_ours ours-1b-warm /tmp/ck-llama-3.2-1b "${ours[@]}" && stop
+  for i in $(seq 120); do [ -x /tmp/llama-cpp/bin/llama-server ] && break; sleep 2; done
+  tail -n 3 /tmp/llama-build.out >> "$out/bench.txt"
+  start_llama llama-1b /tmp/gguf-llama-3.2-1b/*.gguf && { load llama-1b 8001 random; stop; }
+elif [ ! -f /tmp/checkpoints.log ]; then
+  # a fresh machine (the last one went back between calls): nothing of phase 1 is here, and
+  # waiting for its checkpoints would spend the whole call
+  log "phase $phase needs phase 1's files in /tmp: this machine is fresh, run phase 1 first"; exit 3
+elif [ "$phase" = 2 ]; then
+  checkpoint llama-3.1-8b
+  start_llama llama-8b /tmp/gguf-llama-3.1-8b/*.gguf && { load llama-8b 8001 random; load llama-8b 8001 shared; stop; }
+  start_ours ours-8b-cold /tmp/ck-llama-3.1-8b "${ours[@]}" && { load ours-8b 8000 random; load ours-8b 8000 shared; stop; }
+else
+  start_ours ours-8b-warm /tmp/ck-llama-3.1-8b "${ours[@]}" --no-prefix-cache && { load ours-8b-nocache 8000 shared; stop; }
+  capacity capacity-fp16-kv ${CAPACITY_FP16:-}
+  capacity capacity-int8-kv --kv-cache-dtype int8 ${CAPACITY_INT8:-}
+  (cd /tmp && timeout 120 python3 -m quantserve.bench.kv_quality --shape 1b) > "$out/kv-quality-1b.txt" 2>&1 \
+      || log "kv quality: rc=$?"
+  tail -n 8 "$out/kv-quality-1b.txt" >> "$out/bench.txt"
+fi
+log "phase $phase done"

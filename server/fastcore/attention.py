@@ -1,0 +1,78 @@
+"""Attention over the paged KV cache for a flattened batch: each token attends to the cached
+positions of its own sequence up to its own position (and within the layer's sliding window).
+
+Two implementations of one contract, `attend(q, att, batch, table) -> [T, heads, head_dim]`:
+
+    attend_torch   gathers each sequence's blocks into a padded [S, kv_heads, L, D] view and runs
+                   SDPA with a causal mask: the reference, and the CPU path (exact against
+                   transformers; one compiled graph for every batch shape, batch.py's size carriers)
+    attend_triton  one Triton kernel over the block table, no gather (triton_paged_attention.py):
+                   the GPU path, and what decode steps' CUDA graphs record
+
+q is [T, heads, head_dim] with the query heads of one KV head adjacent (head h reads KV head
+h // G); `att` is the layer (its caches, window, scale and soft-cap); `table` the block table.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from quantserve.server.fastcore.blocks import BLOCK
+
+
+def attend_torch(q: torch.Tensor, att, batch, table: torch.Tensor) -> torch.Tensor:
+    a = att.a
+    T, H, D = q.shape
+    Hkv, G = a.n_kv_heads, H // a.n_kv_heads
+    S, C, NB = batch.seq_slot.shape[0], batch.q_cols.shape[0], batch.kv_blocks.shape[0]
+    L = NB * BLOCK
+    blocks = table[batch.seq_slot][:, :NB].long()  # [S, NB]; blocks not given yet are the trash block
+    k = att.k_cache[blocks].reshape(S, L, Hkv, D).to(q.dtype)
+    v = att.v_cache[blocks].reshape(S, L, Hkv, D).to(q.dtype)
+    if att.k_scale is not None:  # int8 cache: values times their scale per position and head
+        k = k * att.k_scale[blocks].reshape(S, L, Hkv, 1).to(q.dtype)
+        v = v * att.v_scale[blocks].reshape(S, L, Hkv, 1).to(q.dtype)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [S, Hkv, L, D]
+    # each sequence's queries padded to C rows, the G heads of a KV head folded into the rows:
+    # [S, C, H, D] -> [S, Hkv, G * C, D], so K/V are never repeated per query head
+    qp = q.new_zeros(S, C, H, D)
+    qp[batch.tok_seq, batch.tok_col] = q
+    qp = qp.view(S, C, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(S, Hkv, G * C, D)
+    qpos = batch.pos.new_zeros(S, C)  # padding rows look at position 0 only (no empty softmax)
+    qpos[batch.tok_seq, batch.tok_col] = batch.pos
+    kv = torch.arange(L, device=q.device).view(1, 1, L)
+    mask = kv <= qpos.view(S, C, 1)  # [S, C, L]
+    if att.window is not None:
+        mask = mask & (kv > qpos.view(S, C, 1) - att.window)
+    mask = mask.unsqueeze(1).expand(S, G, C, L).reshape(S, 1, G * C, L)
+    if a.attn_softcap:  # soft-capped scores (Gemma 2): SDPA has no such option
+        scores = (qp @ k.transpose(-1, -2)) * (a.attn_scale or D ** -0.5)
+        scores = torch.tanh(scores / a.attn_softcap) * a.attn_softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        y = torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+    else:
+        y = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=a.attn_scale)
+    y = y.view(S, Hkv, G, C, D).permute(0, 3, 1, 2, 4).reshape(S, C, H, D)
+    return y[batch.tok_seq, batch.tok_col]
+
+
+def use_attention(model, choice: str, device: torch.device) -> str:
+    """Set every layer's attention: "triton" (triton_paged_attention.py), "torch" (attend_torch)
+    or "auto" (triton on a CUDA GPU with Triton).  Returns the choice made."""
+    if choice not in ("auto", "triton", "torch"):
+        raise ValueError(f"unknown attention {choice!r} (auto, triton or torch)")
+    if choice == "auto":
+        from quantserve.server.fastcore.quant import triton_ops
+
+        choice = "triton" if device.type == "cuda" and triton_ops() is not None else "torch"
+    if choice == "triton" and device.type != "cuda":
+        raise ValueError("the Triton attention kernel runs on a CUDA GPU only")
+    fn = attend_torch
+    if choice == "triton":
+        from quantserve.server.fastcore.triton_paged_attention import attend_triton
+
+        fn = attend_triton
+    for layer in model.layers:
+        layer.attention.attend = fn
+    return choice

@@ -1,0 +1,97 @@
+"""One forward's input: the new tokens of several sequences laid end to end (a flattened batch).
+
+    batch = build_batch([(row, ids, start), ...], device)
+
+Each entry is one sequence (its block-table row) with `ids` to write at positions start..; a
+decoding sequence brings one token, a prompt a chunk of any length.  The model needs, per token,
+its id, position and sequence, and per sequence its row, its length after the step and where its
+last token is (only those go through the vocabulary matmul); the Triton attention kernel takes
+its work as tiles of up to `tile` tokens of one sequence (attention.py).
+
+Two size carriers make the reference attention compile once for every shape: `q_cols`
+(arange of the most tokens one sequence has here) and `kv_blocks` (arange of the most blocks one
+sequence spans); under torch.compile their lengths are symbolic sizes, not baked-in constants.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from quantserve.server.fastcore.blocks import BLOCK
+
+
+
+def prompt_tile(groups: int) -> int:
+    """Tokens of one sequence per Triton program when a batch holds prompt chunks: 64 query rows
+    (tokens x the G query heads of a KV head, G rounded up to a power of two)."""
+    return max(1, 64 // (1 << (groups - 1).bit_length()))
+
+
+class StepBatch(NamedTuple):
+    tokens: torch.Tensor  # [T] token ids
+    pos: torch.Tensor  # [T] each token's position in its sequence
+    tok_slot: torch.Tensor  # [T] the block-table row of each token's sequence
+    tok_seq: torch.Tensor  # [T] its sequence's index in this batch (0..S-1)
+    tok_col: torch.Tensor  # [T] its index among its sequence's tokens in this batch
+    seq_slot: torch.Tensor  # [S] each sequence's block-table row
+    seq_len: torch.Tensor  # [S] positions each sequence holds after this step
+    last: torch.Tensor  # [S] the flat index of each sequence's last token
+    tiles: torch.Tensor  # [NT, 3] int32 (sequence, first flat token, tokens): the kernel's work list
+    q_cols: torch.Tensor  # [C] arange, C = most tokens of one sequence here (a size carrier)
+    kv_blocks: torch.Tensor  # [NB] arange, NB = most blocks one sequence spans (a size carrier)
+
+
+def build_batch(items: list[tuple[int, list[int], int]], device: torch.device, groups: int = 1) -> StepBatch:
+    """A StepBatch on `device` for (block-table row, token ids, first position) entries; groups:
+    the model's query heads per KV head (the tiles' size follows from it)."""
+    tokens, pos, tok_slot, tok_seq, tok_col, seq_slot, seq_len, last, tiles = ([] for _ in range(9))
+    single = all(len(ids) == 1 for _, ids, _ in items)
+    tile = 1 if single else prompt_tile(groups)
+    for s, (row, ids, start) in enumerate(items):
+        n = len(ids)
+        if n == 0:
+            raise ValueError("a batch entry without tokens")
+        first = len(tokens)
+        tokens += ids
+        pos += range(start, start + n)
+        tok_slot += [row] * n
+        tok_seq += [s] * n
+        tok_col += range(n)
+        seq_slot.append(row)
+        seq_len.append(start + n)
+        last.append(first + n - 1)
+        tiles += [(s, first + t0, min(tile, n - t0)) for t0 in range(0, n, tile)]
+    longest = max(len(ids) for _, ids, _ in items)
+    host = dict(tokens=tokens, pos=pos, tok_slot=tok_slot, tok_seq=tok_seq, tok_col=tok_col, seq_slot=seq_slot,
+                seq_len=seq_len, last=last)
+    # one host-to-device copy for all the integer inputs (each copy is a sync point's worth of
+    # latency), each part starting 16-byte aligned: Triton specializes a kernel on its pointers'
+    # alignment, so a part at an odd offset (a prompt of odd length) compiled the attention kernel
+    # again while a request waited
+    sizes = [len(v) for v in host.values()]
+    padded = [n + n % 2 for n in sizes]
+    flat = torch.tensor([x for v, p in zip(host.values(), padded) for x in (*v, *[0] * (p - len(v)))],
+                        dtype=torch.long).to(device, non_blocking=True)
+    parts = {name: part[:n] for name, part, n in zip(host, flat.split(padded), sizes)}
+    return StepBatch(**parts, tiles=torch.tensor(tiles, dtype=torch.int32).to(device, non_blocking=True),
+                     q_cols=torch.arange(longest, device=device),
+                     # at least 2: a size of 1 is specialized by torch.compile (a graph of its own)
+                     kv_blocks=torch.arange(max(2, -(-max(seq_len) // BLOCK)), device=device))
+
+
+def decode_batch(tokens: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, tiles: torch.Tensor,
+                 kv_blocks: torch.Tensor) -> StepBatch:
+    """The StepBatch of a decode step (one token per sequence) from device tensors alone: what a
+    CUDA graph records (its inputs are three [B] buffers; everything else is derived in the graph)."""
+    B = tokens.shape[0]
+    rows = torch.arange(B, device=tokens.device)
+    return StepBatch(tokens=tokens, pos=pos, tok_slot=slots, tok_seq=rows, tok_col=torch.zeros_like(rows),
+                     seq_slot=slots, seq_len=pos + 1, last=rows, tiles=tiles, q_cols=rows[:1], kv_blocks=kv_blocks)
+
+
+def decode_tiles(batch: int, device: torch.device) -> torch.Tensor:
+    """The tiles of a decode step: one per sequence, one token each."""
+    r = torch.arange(batch, dtype=torch.int32)
+    return torch.stack([r, r, torch.ones_like(r)], 1).to(device)

@@ -1,0 +1,204 @@
+"""Attention over the paged KV cache as one Triton kernel, for any flattened batch: decodes and
+prompt chunks of many sequences together, each token over its own sequence's blocks.
+
+The work list is `batch.tiles` (batch.py): each tile is up to BLOCK_Q consecutive tokens of one
+sequence.  A program takes one tile and one KV head, with the G query heads of that KV head folded
+into its rows (BLOCK_Q tokens x G heads: the K/V tile it loads serves them all), and walks the
+sequence's keys up to the tile's last position through the block table: key n of the sequence is
+at block `table[row, n // BS]`, offset `n % BS`.  Scores are masked per row (causal, and the
+layer's sliding window), soft-capped where the model says (Gemma 2), and kept in an online
+softmax in fp32 (flash attention's recurrence).
+
+Decode steps have one token per tile and often few tiles (batch 1 with 8 KV heads is 8 programs
+on a GPU with 40-132 multiprocessors), so the keys are also split into NSPLIT chunks, each a
+program of its own ("flash-decoding"), merged by their log-sum-exp in a second small kernel.
+
+int8 caches hold a scale per position and KV head: keys are scaled in the scores, values through
+the probabilities (p * scale before p @ v), so no dequantized copy is ever written.
+
+Import only where Triton runs (a CUDA GPU).  Layouts: q [T, heads, D] with head h reading KV
+head h // G; caches [blocks + 1, BS, kv_heads, D]; scales [blocks + 1, BS, kv_heads].
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from quantserve.server.fastcore.batch import prompt_tile
+from quantserve.server.fastcore.blocks import BLOCK
+
+DECODE_TILE_N = 64  # keys per inner step, decode tiles (few query rows)
+PROMPT_TILE_N = 32  # keys per inner step, prompt tiles (BLOCK_Q x G query rows)
+
+
+@triton.jit
+def _attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, acc_ptr, m_ptr, l_ptr,
+                      table_ptr, slot_ptr, pos_ptr, tiles_ptr, s_table, scale, softcap, window,
+                      H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                      D: tl.constexpr, DP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+                      TILE_N: tl.constexpr, BS: tl.constexpr, NSPLIT: tl.constexpr, INT8: tl.constexpr,
+                      SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, FP32: tl.constexpr):
+    tile, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq = tl.load(tiles_ptr + tile * 3)
+    q0 = tl.load(tiles_ptr + tile * 3 + 1)
+    nq = tl.load(tiles_ptr + tile * 3 + 2)
+    row = tl.load(slot_ptr + seq).to(tl.int64)
+    r = tl.arange(0, BLOCK_M)
+    tok, g = r // GP, r % GP
+    row_ok = (tok < nq) & (g < G)
+    t = q0 + tok  # each row's token in the flat batch
+    d = tl.arange(0, DP)
+    d_ok = d < D
+    head_off = ((t.to(tl.int64) * H + h * G + g) * D)[:, None] + d[None, :]
+    q = tl.load(q_ptr + head_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    qpos = tl.load(pos_ptr + t, mask=tok < nq, other=0)
+    hi = tl.load(pos_ptr + q0 + nq - 1) + 1  # keys 0..hi-1 are the tile's to see
+    lo = 0
+    if WINDOW:
+        lo = tl.maximum(tl.load(pos_ptr + q0) - window + 1, 0)
+    per = tl.cdiv(tl.cdiv(hi - lo, NSPLIT), TILE_N) * TILE_N
+    start = lo + split * per
+    end = tl.minimum(start + per, hi)
+    m = tl.full((BLOCK_M,), -1.0e30, tl.float32)  # finite: a chunk with no visible key stays NaN-free
+    l = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, DP), tl.float32)
+    for n0 in range(start, end, TILE_N):
+        n = n0 + tl.arange(0, TILE_N)
+        n_ok = n < end
+        blk = tl.load(table_ptr + row * s_table + n // BS, mask=n_ok, other=0).to(tl.int64)
+        at = (blk * BS + n % BS) * HKV + h  # the key's (position, kv head) in the cache
+        kv_off = (at * D)[:, None] + d[None, :]
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+        if INT8:
+            k = k.to(q.dtype)
+        if FP32:  # fp32 caches (tests): no TF32 rounding
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))  # [BLOCK_M, TILE_N], fp32 accumulation
+        s = s * scale
+        if INT8:
+            s = s * tl.load(ks_ptr + at, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if SOFTCAP:  # cap * tanh(s / cap), tanh from exp
+            e = tl.exp(-2.0 * tl.abs(s) / softcap)
+            s = softcap * tl.where(s >= 0, 1.0, -1.0) * (1.0 - e) / (1.0 + e)
+        visible = (n[None, :] <= qpos[:, None]) & n_ok[None, :]
+        if WINDOW:
+            visible = visible & (n[None, :] > qpos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+        if INT8:
+            v = v.to(q.dtype)
+            p = p * tl.load(vs_ptr + at, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if FP32:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    if NSPLIT == 1:
+        out = acc / tl.where(l > 0, l, 1.0)[:, None]
+        tl.store(out_ptr + head_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        part = (tile * HKV + h) * NSPLIT + split
+        tl.store(acc_ptr + (part * BLOCK_M + r)[:, None] * DP + d[None, :], acc)
+        tl.store(m_ptr + part * BLOCK_M + r, m)
+        tl.store(l_ptr + part * BLOCK_M + r, l)
+
+
+@triton.jit
+def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, tiles_ptr, pos_ptr, window,
+                  H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                  DP: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NSPLIT: tl.constexpr,
+                  WINDOW: tl.constexpr):
+    tile, h = tl.program_id(0), tl.program_id(1)
+    q0 = tl.load(tiles_ptr + tile * 3 + 1)
+    nq = tl.load(tiles_ptr + tile * 3 + 2)
+    # only the chunks that had keys to see (the partial kernel's split of the same range)
+    hi = tl.load(pos_ptr + q0 + nq - 1) + 1
+    lo = 0
+    if WINDOW:
+        lo = tl.maximum(tl.load(pos_ptr + q0) - window + 1, 0)
+    per = tl.cdiv(tl.cdiv(hi - lo, NSPLIT), TILE_N) * TILE_N
+    active = tl.cdiv(hi - lo, per)
+    r = tl.arange(0, BLOCK_M)
+    tok, g = r // GP, r % GP
+    d = tl.arange(0, DP)
+    base = (tile * HKV + h) * NSPLIT
+    m_all = tl.full((BLOCK_M,), -1.0e30, tl.float32)
+    for s in range(0, active):
+        m_all = tl.maximum(m_all, tl.load(m_ptr + (base + s) * BLOCK_M + r))
+    denom = tl.zeros((BLOCK_M,), tl.float32)
+    out = tl.zeros((BLOCK_M, DP), tl.float32)
+    for s in range(0, active):
+        w = tl.exp(tl.load(m_ptr + (base + s) * BLOCK_M + r) - m_all)
+        denom += tl.load(l_ptr + (base + s) * BLOCK_M + r) * w
+        out += tl.load(acc_ptr + ((base + s) * BLOCK_M + r)[:, None] * DP + d[None, :]) * w[:, None]
+    out = out / tl.where(denom > 0, denom, 1.0)[:, None]
+    row_ok = (tok < nq) & (g < G)
+    t = q0 + tok
+    tl.store(out_ptr + ((t.to(tl.int64) * H + h * G + g) * D)[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (d < D)[None, :])
+
+
+def _splits(programs: int, sms: int) -> int:
+    """Key chunks per (tile, KV head): enough programs for two waves over the GPU, at most 16 (the
+    merge reads every chunk that had keys: 64 of them took 30 us a layer on the 1B shape)."""
+    want = max(1, min(16, -(-2 * sms // max(programs, 1))))
+    return 1 << (want - 1).bit_length()
+
+
+@torch.library.custom_op("quantserve::paged_attention", mutates_args=())
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                    v_scale: torch.Tensor | None, table: torch.Tensor, seq_slot: torch.Tensor, pos: torch.Tensor,
+                    tiles: torch.Tensor, block_q: int, scale: float, softcap: float, window: int) -> torch.Tensor:
+    """q [T, H, D] -> [T, H, D]; see the module's docstring for the other layouts.  block_q: the
+    most tokens of a tile (1 for a decode-only batch); softcap 0 and window 0 mean none."""
+    T, H, D = q.shape
+    HKV = k_cache.shape[2]
+    G = H // HKV
+    GP = triton.next_power_of_2(G)
+    DP = triton.next_power_of_2(D)
+    block_m = max(16, block_q * GP)  # tl.dot needs 16 rows
+    NT = tiles.shape[0]
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+    nsplit = _splits(NT * HKV, sms) if block_q == 1 else 1
+    tile_n = DECODE_TILE_N if block_q == 1 else PROMPT_TILE_N
+    if nsplit > 1:
+        acc = torch.empty((NT * HKV * nsplit * block_m, DP), device=q.device, dtype=torch.float32)
+        m = torch.empty((NT * HKV * nsplit * block_m,), device=q.device, dtype=torch.float32)
+        l = torch.empty_like(m)
+    else:
+        acc = m = l = out  # not written
+    int8 = k_scale is not None
+    ks, vs = (k_scale, v_scale) if int8 else (k_cache, v_cache)  # placeholders, never read
+    _attention_kernel[(NT, HKV, nsplit)](
+        q, k_cache, v_cache, ks, vs, out, acc, m, l, table, seq_slot, pos, tiles, table.stride(0), scale,
+        softcap, window, H=H, HKV=HKV, G=G, GP=GP, D=D, DP=DP, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
+        BS=BLOCK, NSPLIT=nsplit, INT8=int8, SOFTCAP=softcap > 0, WINDOW=window > 0,
+        FP32=q.dtype == torch.float32, num_warps=4 if block_m <= 64 else 8)
+    if nsplit > 1:
+        _merge_kernel[(NT, HKV)](acc, m, l, out, tiles, pos, window, H=H, HKV=HKV, G=G, GP=GP, D=D, DP=DP,
+                                  BLOCK_M=block_m, TILE_N=tile_n, NSPLIT=nsplit, WINDOW=window > 0, num_warps=4)
+    return out
+
+
+@paged_attention.register_fake
+def _(q, k_cache, v_cache, k_scale, v_scale, table, seq_slot, pos, tiles, block_q, scale, softcap, window):
+    return torch.empty_like(q)
+
+
+def attend_triton(q: torch.Tensor, att, batch, table: torch.Tensor) -> torch.Tensor:
+    """attention.py's contract, on the GPU."""
+    a = att.a
+    block_q = 1 if batch.q_cols.shape[0] == 1 else prompt_tile(a.n_heads // a.n_kv_heads)
+    return paged_attention(q, att.k_cache, att.v_cache, att.k_scale, att.v_scale, table, batch.seq_slot,
+                           batch.pos, batch.tiles, block_q, float(a.attn_scale or a.head_dim ** -0.5),
+                           float(a.attn_softcap or 0.0), int(att.window or 0))

@@ -1,0 +1,145 @@
+"""The scheduler of a paged backend (the fast engine): one forward per iteration, under a token
+budget, over a KV pool that can run out.
+
+Each iteration, oldest sequence first (vLLM's v1 scheduler, SGLang and llama.cpp's server work
+this way), every running sequence takes what it needs next: a decoding one its one token, a
+prompt the next chunk of what is left, until the budget (`max_num_batched_tokens`) is spent.  All
+of it runs as one flattened batch (fastcore/batch.py): one pass over the weights for every decode
+and every prompt chunk together, instead of a forward per prompt and another for the decodes.
+
+KV memory is taken block by block as sequences grow (fastcore/blocks.py).  When a sequence needs
+a block and none is free, the newest running sequence is preempted: its blocks go back to the
+pool (its full ones stay cached), it waits at the head of the queue, and when it resumes its
+context (prompt and tokens so far) is computed again, mostly found in the prefix cache.  Nobody
+fails for want of memory, and the oldest request always progresses.  A request that could not
+fit the whole pool alone is refused before it is queued (serving.py).
+"""
+
+from __future__ import annotations
+
+from quantserve.server.config import EngineOptions
+from quantserve.server.engine import EngineError, OutOfMemoryError
+from quantserve.server.scheduler import Scheduler, _Running
+
+
+class PagedScheduler(Scheduler):
+    def __init__(self, backend, eos_token_ids: set[int], max_batch: int, max_queue: int, log=None,
+                 max_batched_tokens: int | None = None):
+        max_batched_tokens = max_batched_tokens or EngineOptions().batched_tokens()
+        if max_batched_tokens < max_batch:
+            raise ValueError(f"max_num_batched_tokens ({max_batched_tokens}) must hold a token for each of "
+                             f"max_batch ({max_batch}) running sequences")
+        self.pool = backend.pool
+        self.max_batched_tokens = max_batched_tokens
+        self._preemptions = 0
+        super().__init__(backend, eos_token_ids, max_batch, max_queue, log)
+
+    def _kv_stats(self) -> dict:
+        return {"kv_blocks_used": self.pool.used_blocks(), "kv_blocks_total": self.pool.num_blocks,
+                "preemptions": self._preemptions}
+
+    def _may_resume(self, seq: _Running) -> bool:
+        """A preempted sequence comes back once its whole context and a token more would fit."""
+        return self.pool.free_blocks() >= self.pool.blocks_for(seq.context_len() + 1)
+
+    # ---- one iteration -------------------------------------------------------------------------
+    def _step(self) -> None:
+        for seq in [s for s in self._running.values() if s.stream.request.params.embed is not None]:
+            if self.pool.free_blocks() >= self.pool.blocks_for(len(seq.stream.request.prompt_ids)):
+                self._embed(seq)  # its whole input at once; otherwise it waits for blocks
+        decodes, pieces = self._plan()
+        scored = [(seq, chunk) for seq, chunk in pieces if seq.scoring]
+        pieces = [(seq, chunk) for seq, chunk in pieces if not seq.scoring]
+        for seq, chunk in scored:  # every position's logits: a forward of their own (eager)
+            self._run_piece(seq, chunk)
+        if decodes or pieces:
+            self._forward(decodes, pieces)
+
+    def _plan(self) -> tuple[list[_Running], list[tuple[_Running, list[int]]]]:
+        """Who takes which tokens in this iteration's forward: (decoding sequences, prompt pieces).
+        Blocks are reserved for all of them; the newest sequences are preempted where needed."""
+        budget = self.max_batched_tokens
+        queue = sorted((s for s in self._running.values() if s.stream.request.params.embed is None),
+                       key=lambda s: s.arrival)
+        decodes, pieces, i = [], [], 0
+        while i < len(queue) and budget > 0:
+            seq = queue[i]
+            if not seq.decoding and not seq.scoring:
+                # more of the prompt may be cached now: a sequence admitted with this one computed it
+                have = self.backend.reuse(seq.slot, seq.context(), seq.prefilled)
+                if seq.generated == 0:
+                    seq.cached += have - seq.prefilled
+                seq.prefilled = have
+            want = 1 if seq.decoding else min(seq.context_len() - seq.prefilled, budget)
+            while not self.pool.can_grow(seq.slot, seq.prefilled + want):
+                room = self.pool.room(seq.slot) - seq.prefilled
+                if not seq.decoding and room > 0:
+                    want = room  # a prompt takes what fits now, the rest later
+                    break
+                if queue[-1] is seq:  # nobody newer left to make room
+                    want = 0
+                    if seq.decoding:
+                        self._preempt(queue.pop())
+                    break
+                self._preempt(queue.pop())
+            if want > 0:
+                self.pool.reserve(seq.slot, seq.prefilled + want)
+                if seq.decoding:
+                    decodes.append(seq)
+                else:
+                    pieces.append((seq, seq.context()[seq.prefilled:seq.prefilled + want]))
+                budget -= want
+            i += 1
+        return decodes, pieces
+
+    def _preempt(self, seq: _Running) -> None:
+        """Send `seq` back to wait: its blocks return to the pool (the full ones stay cached)."""
+        self._log(f"preempting request {seq.stream.request.request_id} ({seq.prefilled} tokens in KV cache) "
+                  "to make room; it resumes when blocks free up")
+        self._running.pop(seq.stream.request.request_id, None)
+        self.backend.free(seq.slot)
+        with self._cond:
+            self._free_slots.append(seq.slot)
+            self._preempted.append(seq)
+            self._preempted.sort(key=lambda s: s.arrival)
+        seq.prefilled = 0
+        self._preemptions += 1
+
+    # ---- running it ----------------------------------------------------------------------------
+    def _forward(self, decodes: list[_Running], pieces: list[tuple[_Running, list[int]]]) -> None:
+        """The decodes and prompt pieces as one forward; then each sequence's next token."""
+        while True:
+            items = [(s.slot, [s.last_token]) for s in decodes] + [(s.slot, chunk) for s, chunk in pieces]
+            try:
+                logits = self.backend.step(items)
+                break
+            except Exception as e:
+                self._log(f"a forward of {len(decodes)} decodes and {len(pieces)} prompt pieces failed: "
+                          f"{type(e).__name__}: {e}")
+                error = EngineError.from_exception(e)
+            everyone = decodes + [s for s, _ in pieces]
+            if not isinstance(error, OutOfMemoryError) or len(everyone) == 1:
+                for seq in everyone:
+                    self._fail(seq, error)
+                return
+            # the step's memory grows with its tokens and the longest cache: shed the biggest, retry
+            victim = max(everyone, key=lambda s: s.prefilled + sum(len(c) for q, c in pieces if q is s))
+            self._log(f"shedding request {victim.stream.request.request_id} to free memory")
+            decodes = [s for s in decodes if s is not victim]
+            pieces = [(s, c) for s, c in pieces if s is not victim]
+            self._fail(victim, error)
+        if decodes:
+            self._decoded(decodes, logits[:len(decodes)])
+        for (seq, chunk), row in zip(pieces, logits[len(decodes):]):
+            self._prefilled(seq, chunk, row.cpu())
+
+    def _run_piece(self, seq: _Running, chunk: list[int]) -> None:
+        """A prompt piece whose every position is scored, alone."""
+        try:
+            logits = self._scored_prefill(seq, chunk)
+        except Exception as e:
+            self._log(f"prefill of request {seq.stream.request.request_id} failed: {type(e).__name__}: {e}")
+            self._fail(seq, EngineError.from_exception(e))
+            return
+        self._prefilled(seq, chunk, logits)
+
