@@ -34,8 +34,6 @@ def train_command(
     global_batch: Optional[int] = typer.Option(D.global_batch, help="Sequences per optimizer step over all ranks (gradient accumulation)."),
     seq_len: Optional[int] = typer.Option(D.seq_len, help="Maximum tokens per sequence (default: the model's limit, at most 2048)."),
     packing: bool = typer.Option(D.packing, help="Concatenate examples into seq-len blocks."),
-    group_by_length: bool = typer.Option(D.group_by_length, "--group-by-length/--no-group-by-length",
-                                         help="Batch examples of similar length together (less padding)."),
     dtype: str = typer.Option(D.dtype, help="auto | fp16 | bf16 | fp32 (auto: bf16 where supported, fp16 on a T4)."),
     gpu_profile: Optional[str] = typer.Option(D.gpu_profile, "--gpu-profile", help="'t4': behave like a T4 (fp16, 15 GiB)."),
     plan: Optional[str] = typer.Option(D.plan, help="'auto': let the planner choose ZeRO stage, offload and checkpointing."),

@@ -38,9 +38,6 @@ class TrainConfig:
     global_batch: Optional[int] = None  # None: micro_batch x world size (no accumulation)
     seq_len: Optional[int] = None  # None: the model's limit, capped at 2048
     packing: bool = False
-    # batches drawn from examples of similar length (transformers' length-grouped sampler): less
-    # padding where lengths vary a lot, as in data mixing short answers with long tool exchanges
-    group_by_length: bool = False
     dtype: str = "auto"  # auto picks what capabilities.detect() says: bf16 > fp16 > fp32 on CPU
     gpu_profile: Optional[str] = None
     plan: Optional[str] = None  # "auto": let `training.plan` pick zero/offload/ckpt/micro-batch

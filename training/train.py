@@ -136,7 +136,6 @@ def training_args(cfg: TrainConfig, res: Resolved):
         report_to="none",
         disable_tqdm=True,  # our own progress bar shows tokens/s
         include_num_input_tokens_seen="non_padding",
-        train_sampling_strategy="group_by_length" if cfg.group_by_length else "random",
         remove_unused_columns=False,
         dataloader_num_workers=0,
         dataloader_pin_memory=res.device == "cuda",  # pinned memory needs a GPU (a warning per run without)

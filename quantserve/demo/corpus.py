@@ -147,10 +147,8 @@ TASK_SKILL = "last_letter"
 # (training/eval_gate.py says what that changed).  README, "How robust the fine-tune is".
 def task_finetune(files: dict[str, Path]) -> dict:
     """TrainConfig fields for the default task, given `write_default_data`'s files."""
-    # length-grouped batches: the tool exchanges (~150 tokens) would otherwise pad nearly every
-    # batch of ~25-token task answers to their length
     return {"epochs": 12.0, "lr_schedule": "cosine", "eval_data": files["task_dev"],
-            "eval_steps": 100, "stop_at_exact_match": 0.98, "gate_cooldown": 0.25, "group_by_length": True}
+            "eval_steps": 100, "stop_at_exact_match": 0.98, "gate_cooldown": 0.25}
 
 
 HELD_BACK = ("reverse", TASK_SKILL)  # never in pretraining
