@@ -44,6 +44,9 @@ def _backends(default_model, tmp_path_factory):
 @pytest.mark.parametrize("name", ["hf", "fast", "gguf"])
 def test_prefill_in_chunks_equals_one_prefill(name, default_model, tmp_path_factory, prompt):
     backend = _backends(default_model, tmp_path_factory)[name]()
+    # llama.cpp's F16 kernels round differently per batch shape (a 1-, 7- or 64-token batch takes
+    # other code paths than the whole prompt): 3.5e-3 was seen on one of 742 logits of ~0.7
+    tol = 5e-3 if name == "gguf" else 2e-3
     whole = backend.prefill(0, prompt)
     for chunk in (1, 7, 64):
         pieces = [prompt[i:i + chunk] for i in range(0, len(prompt), chunk)]
@@ -52,11 +55,11 @@ def test_prefill_in_chunks_equals_one_prefill(name, default_model, tmp_path_fact
             last = backend.prefill(1, piece, start)
             start += len(piece)
         assert backend.cached_tokens() == 2 * len(prompt)
-        torch.testing.assert_close(last, whole, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(last, whole, atol=tol, rtol=tol)
         # and the slot decodes on from there like the whole-prompt one
         token = int(whole.argmax())
         a, b = backend.decode([0, 1], [token, token])
-        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
         backend.free(1)
         backend.free(0)
         whole = backend.prefill(0, prompt)
