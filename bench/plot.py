@@ -28,17 +28,17 @@ def plot(paths: list[str], out: str, labels: list[str] | None = None) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax3, ax2) = plt.subplots(1, 3, figsize=(14, 4))
+    fig, (thr, ttft, tpot) = plt.subplots(1, 3, figsize=(14, 4))
     for i, p in enumerate(paths):
         res = load_result(p)
         runs = sorted(res["runs"], key=lambda r: r["concurrency"])
         label = labels[i] if labels and i < len(labels) else res.get("label") or Path(p).stem
         conc = [r["concurrency"] for r in runs]
-        ax1.plot(conc, [r["output_throughput"] or 0 for r in runs], marker="o", label=label)
-        ax2.plot(conc, [_ms(r["tpot_ms"]["p99"]) for r in runs], marker="o", label=label)
-        ax3.plot(conc, [_ms(r["ttft_ms"]["median"]) for r in runs], marker="o", label=label)
-    for ax, title, ylabel in ((ax1, "output throughput", "tokens/s"), (ax3, "median time to first token", "ms"),
-                              (ax2, "p99 TPOT", "ms")):
+        thr.plot(conc, [r["output_throughput"] or 0 for r in runs], marker="o", label=label)
+        ttft.plot(conc, [_ms(r["ttft_ms"]["median"]) for r in runs], marker="o", label=label)
+        tpot.plot(conc, [_ms(r["tpot_ms"]["p99"]) for r in runs], marker="o", label=label)
+    for ax, title, ylabel in ((thr, "output throughput", "tokens/s"), (ttft, "median time to first token", "ms"),
+                              (tpot, "p99 TPOT", "ms")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency")
         ax.set_ylabel(ylabel)

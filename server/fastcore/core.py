@@ -14,7 +14,8 @@ shares the blocks of a cached prefix instead of computing them.
 
 On a GPU, decode-only steps replay a CUDA graph per batch bucket and every other step runs the
 model with its transformer block compiled once, with dynamic shapes, for every layer (graphs.py);
-`warm_up()` records and compiles them all before a server says it is ready.  On a CPU everything runs eagerly, the same code.
+`warm_up()` records and compiles them all before a server says it is ready.  On a CPU everything
+runs eagerly, the same code.
 
 The parts: weights.py loads and builds the model, blocks.py keeps the pool, batch.py flattens a
 step's entries, attention.py attends over the pages, graphs.py runs the compiled steps.

@@ -154,13 +154,13 @@ def _checkpoint_tensors(folder: Path, dtype: torch.dtype) -> Weights | None:
     from quantserve.quant.prequantized import tensor_getter
 
     raw, names = tensor_getter(folder)
+    names = set(names)
     cfg, rope = _config_and_rope(folder)
     arch = ARCHITECTURES.get(cfg.model_type)
     first = [f"model.layers.0.{name}.weight" for theirs in (arch.linears.values() if arch else ()) for name in theirs]
     tied_or_given = "lm_head.weight" in names or getattr(cfg, "tie_word_embeddings", False)
-    if arch is None or not tied_or_given or not {"model.embed_tokens.weight", *first} <= set(names):
+    if arch is None or not tied_or_given or not {"model.embed_tokens.weight", *first} <= names:
         return None
-    names = set(names)
 
     def get(name: str) -> torch.Tensor:
         if name == "lm_head.weight" and name not in names:  # tied embeddings
