@@ -71,7 +71,7 @@ def profile_steps(step, steps: int) -> dict:
             "idle_us": round(wall * 1e6 - total, 1), "groups": groups, "kernels": rows}
 
 
-def run_one(shape: str, quant: str, kernel: str, steps: int, prompt_len: int, caps) -> dict:
+def run_one(shape: str, quant: str, kernel: str, steps: int, prompt_len: int, caps, context: int = 128) -> dict:
     import torch
 
     from quantserve.bench.decode import model_config
@@ -79,18 +79,18 @@ def run_one(shape: str, quant: str, kernel: str, steps: int, prompt_len: int, ca
 
     cfg = model_config(shape)
     t0 = time.perf_counter()
-    core = FastCore(None, random_config=cfg, max_slots=1, max_seq=-(-(max(prompt_len, 128) + steps + 64) // 256) * 256,
+    core = FastCore(None, random_config=cfg, max_slots=1, max_seq=-(-(max(prompt_len, context) + steps + 64) // 256) * 256,
                     device=torch.device("cuda"), weight_quant=quant, quant_kernel=kernel, compile=True,
                     profile=caps.profile)
     core.steps.compile_mixed = False  # prompts eagerly: this measures decode
     row = {"model": shape, "quant": quant, "kernel": core.quant_kernel if quant != "none" else None,
            "weight_bytes": core.weight_bytes_per_token(), "build_s": round(time.perf_counter() - t0, 1)}
-    prompt = torch.randint(0, cfg.vocab_size, (128,))
+    prompt = torch.randint(0, cfg.vocab_size, (context,))
     first = int(core.prefill(0, prompt).argmax())
-    core.pool.reserve(0, 128 + steps + 8)  # every position the timed steps write
+    core.pool.reserve(0, context + steps + 8)  # every position the timed steps write
     core.sync_table()
-    kv_blocks = -(-(128 + steps + 8) // 16)
-    inputs = torch.tensor([[first], [128], [0]], device="cuda")
+    kv_blocks = -(-(context + steps + 8) // 16)
+    inputs = torch.tensor([[first], [context], [0]], device="cuda")
 
     def step(inputs):
         tok = core.steps.decode_raw(inputs, kv_blocks).argmax(-1)
@@ -145,6 +145,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quants", default="none,int8", help="comma list of none, int8, int4")
     ap.add_argument("--kernel", default="auto", help="int8/int4 kernels: auto, triton or gemlite")
     ap.add_argument("--steps", type=int, default=64, help="decode steps timed")
+    ap.add_argument("--context", type=int, default=128, help="tokens in the KV cache before the timed steps")
     ap.add_argument("--prompt-len", type=int, default=512, help="tokens of the timed prompt (0: none)")
     ap.add_argument("--out", default="bench/results/step_profile.json", help="JSON file to write")
     args = ap.parse_args(argv)
@@ -159,10 +160,12 @@ def main(argv=None) -> int:
     apply_profile(caps)
     torch.cuda.set_per_process_memory_fraction(1.0, 0)  # the cap lifted (see above)
     torch.set_grad_enabled(False)
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "profile": caps.profile, "rows": []}
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "profile": caps.profile,
+              "context": args.context, "rows": []}
     for quant in [q for q in args.quants.split(",") if q]:
         try:
-            result["rows"].append(run_one(args.model, quant, args.kernel, args.steps, args.prompt_len, caps))
+            result["rows"].append(run_one(args.model, quant, args.kernel, args.steps, args.prompt_len, caps,
+                                          args.context))
         except Exception as e:  # noqa: BLE001  (one format failing keeps the others)
             import traceback
 
