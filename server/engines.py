@@ -197,9 +197,11 @@ class ScheduledEngine:
         info.extra["engine_choice"] = self.why
         info.extra["prefix_cache"] = o.prefix_cache
         info.extra["ready_s"] = round(time.perf_counter() - t0, 1)  # from the start of loading to ready
-        log.info("loaded %s engine (%s): %s (%s, attention %s, context %d, batch %d) in %.1f s", info.engine,
+        parts = ", ".join(f"{what} {info.extra[key]} s" for key, what in (("load_s", "weights"), ("warm_up_s", "warm-up"))
+                          if info.extra.get(key))  # the fast engine says where its start-up went
+        log.info("loaded %s engine (%s): %s (%s, attention %s, context %d, batch %d) in %.1f s%s", info.engine,
                  self.why, info.model_path, info.dtype, info.attention, info.context_length, info.max_batch,
-                 info.extra["ready_s"])
+                 info.extra["ready_s"], f" ({parts})" if parts else "")
 
     def is_ready(self) -> bool:
         return self.info is not None

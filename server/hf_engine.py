@@ -13,6 +13,10 @@ from quantserve.server.exceptions import ModelLoadError, NoChatTemplateError
 class HFTokenizer:
     def __init__(self, tokenizer):
         self.tok = tokenizer
+        # the server checks prompts against its own --context; the tokenizer's model_max_length
+        # (512 for the default model, whatever the checkpoint was saved with) only warned on
+        # every longer prompt
+        tokenizer.model_max_length = 2**62
         eos = tokenizer.eos_token_id
         self.eos_token_ids = {eos} if eos is not None else set()
         self.vocab_size = len(tokenizer)

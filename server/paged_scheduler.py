@@ -17,9 +17,13 @@ fit the whole pool alone is refused before it is queued (serving.py).
 
 from __future__ import annotations
 
+import logging
+
 from quantserve.server.config import EngineOptions
 from quantserve.server.engine import EngineError, OutOfMemoryError
 from quantserve.server.scheduler import Scheduler, _Running
+
+log = logging.getLogger("quantserve.server")
 
 
 class PagedScheduler(Scheduler):
@@ -93,9 +97,13 @@ class PagedScheduler(Scheduler):
         return decodes, pieces
 
     def _preempt(self, seq: _Running) -> None:
-        """Send `seq` back to wait: its blocks return to the pool (the full ones stay cached)."""
-        self._log(f"preempting request {seq.stream.request.request_id} ({seq.prefilled} tokens in KV cache) "
-                  "to make room; it resumes when blocks free up")
+        """Send `seq` back to wait: its blocks return to the pool (the full ones stay cached).  A
+        sequence with nothing in the cache yet (admitted, its prompt not started) loses no work:
+        it is put back to wait, not counted or logged as a preemption."""
+        if seq.prefilled:
+            log.warning("preempting request %s (%d tokens in KV cache) to make room; it resumes when "
+                        "blocks free up", seq.stream.request.request_id, seq.prefilled)
+            self._preemptions += 1
         self._running.pop(seq.stream.request.request_id, None)
         self.backend.free(seq.slot)
         with self._cond:
@@ -103,7 +111,6 @@ class PagedScheduler(Scheduler):
             self._preempted.append(seq)
             self._preempted.sort(key=lambda s: s.arrival)
         seq.prefilled = 0
-        self._preemptions += 1
 
     # ---- running it ----------------------------------------------------------------------------
     def _forward(self, decodes: list[_Running], pieces: list[tuple[_Running, list[int]]]) -> None:

@@ -42,7 +42,7 @@ def open_weights(model, device: torch.device, dtype: torch.dtype, weight_quant: 
     if isinstance(model, (str, Path)) and _prequantized(Path(model)) is not None:
         return _prequantized_tensors(Path(model), weight_quant == "int4")
     if isinstance(model, (str, Path)):
-        return _checkpoint_tensors(Path(model), dtype) or _hf_tensors(_load_hf(model, dtype))
+        return _checkpoint_tensors(Path(model), dtype, device) or _hf_tensors(_load_hf(model, dtype))
     return _hf_tensors(model)
 
 
@@ -145,7 +145,7 @@ def _random_tensors(cfg, device, dtype, seed: int = 0) -> Weights:
     return Weights(get, has, cfg, {"full": (inv_freq, 1.0)})
 
 
-def _checkpoint_tensors(folder: Path, dtype: torch.dtype) -> Weights | None:
+def _checkpoint_tensors(folder: Path, dtype: torch.dtype, device: torch.device) -> Weights | None:
     """A plain checkpoint's tensors straight from its safetensors files, each one read when the
     model is built and cast to `dtype`: no transformers model on the CPU first, which took most of
     a warm start (24 s of 38 for the 8B shape on an H200).  None when the files do not name the
@@ -165,9 +165,11 @@ def _checkpoint_tensors(folder: Path, dtype: torch.dtype) -> Weights | None:
     def get(name: str) -> torch.Tensor:
         if name == "lm_head.weight" and name not in names:  # tied embeddings
             name = "model.embed_tokens.weight"
-        t = raw(name)
-        # a copy, always: nothing the model keeps may be backed by the file (rewritten later)
-        return t.to(dtype=dtype if t.is_floating_point() else t.dtype, copy=True)
+        t = raw(name)  # backed by the file's pages (a private mapping)
+        # a copy, always: nothing the model keeps may be backed by the file (rewritten later);
+        # for a GPU the copy to the device is that copy (a CPU copy first doubled the bytes moved)
+        return t.to(device=device if device.type == "cuda" else "cpu",
+                    dtype=dtype if t.is_floating_point() else t.dtype, copy=True)
 
     return Weights(get, lambda name: name in names, cfg, rope)
 

@@ -399,7 +399,7 @@ def test_a_checkpoint_is_read_tensor_by_tensor_and_copied(default_model, tmp_pat
 
     from quantserve.server.fastcore.weights import _checkpoint_tensors
 
-    src = _checkpoint_tensors(default_model, torch.float32)
+    src = _checkpoint_tensors(default_model, torch.float32, torch.device("cpu"))
     assert src is not None
     emb = src.get("model.embed_tokens.weight")
     assert emb.dtype == torch.float32 and emb.untyped_storage().data_ptr() != src.get("model.embed_tokens.weight").untyped_storage().data_ptr()
@@ -413,4 +413,4 @@ def test_a_checkpoint_is_read_tensor_by_tensor_and_copied(default_model, tmp_pat
     save_file(tensors, files, metadata={"format": "pt"})
     cfg = json.loads((odd / "config.json").read_text())
     (odd / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": False}))
-    assert _checkpoint_tensors(odd, torch.float32) is None
+    assert _checkpoint_tensors(odd, torch.float32, torch.device("cpu")) is None
