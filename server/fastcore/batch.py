@@ -81,6 +81,53 @@ def build_batch(items: list[tuple[int, list[int], int]], device: torch.device, g
                      kv_blocks=torch.arange(max(2, -(-max(seq_len) // BLOCK)), device=device))
 
 
+def padded_inputs(items: list[tuple[int, list[int], int]], tokens: int, seqs: int, tiles: int, groups: int,
+                  trash_row: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mixed step's inputs padded to fixed sizes, on the host, for a recorded CUDA graph:
+    (int64 [5 * tokens + 3 * seqs]: tokens, pos, tok_slot, tok_seq, tok_col of `tokens` rows, then
+    seq_slot, seq_len, last of `seqs` rows; int32 [tiles, 3]).  `tokens` must exceed the entries'
+    tokens and `seqs` their count: the padding tokens are one more sequence (the last row) at
+    position 0 of the block table's trash row, so they write and read only the trash block; the
+    padding sequences' last token is the first padding token; the padding tiles attend for it."""
+    n_real = sum(len(ids) for _, ids, _ in items)
+    if n_real >= tokens or len(items) >= seqs:
+        raise ValueError(f"{n_real} tokens of {len(items)} sequences do not fit a step padded to "
+                         f"{tokens} tokens and {seqs} sequences (one of each is padding)")
+    tile = prompt_tile(groups)
+    pad_seq, pad_tok, n_pad = seqs - 1, n_real, tokens - n_real
+    tok, pos, tok_slot, tok_seq, tok_col = [], [], [], [], []
+    seq_slot, seq_len, last, work = [], [], [], []
+    for s, (row, ids, start) in enumerate(items):
+        n, first = len(ids), len(tok)
+        tok += ids
+        pos += range(start, start + n)
+        tok_slot += [row] * n
+        tok_seq += [s] * n
+        tok_col += range(n)
+        seq_slot.append(row)
+        seq_len.append(start + n)
+        last.append(first + n - 1)
+        work += [(s, first + t0, min(tile, n - t0)) for t0 in range(0, n, tile)]
+    if len(work) > tiles:
+        raise ValueError(f"{len(work)} attention tiles do not fit a step padded to {tiles}")
+    n_seq = seqs - len(items)
+    flat = torch.tensor(tok + [0] * n_pad + pos + [0] * n_pad + tok_slot + [trash_row] * n_pad
+                        + tok_seq + [pad_seq] * n_pad + tok_col + list(range(n_pad))
+                        + seq_slot + [trash_row] * n_seq + seq_len + [1] * n_seq + last + [pad_tok] * n_seq,
+                        dtype=torch.long)
+    work += [(pad_seq, pad_tok, 1)] * (tiles - len(work))
+    return flat, torch.tensor(work, dtype=torch.int32)
+
+
+def batch_of(flat: torch.Tensor, tiles: torch.Tensor, tokens: int, seqs: int, q_cols: torch.Tensor,
+             kv_blocks: torch.Tensor) -> StepBatch:
+    """The StepBatch over padded_inputs' buffers (views: a CUDA graph reads them in place)."""
+    tok, pos, tok_slot, tok_seq, tok_col = flat[:5 * tokens].view(5, tokens)
+    seq_slot, seq_len, last = flat[5 * tokens:].view(3, seqs)
+    return StepBatch(tokens=tok, pos=pos, tok_slot=tok_slot, tok_seq=tok_seq, tok_col=tok_col, seq_slot=seq_slot,
+                     seq_len=seq_len, last=last, tiles=tiles, q_cols=q_cols, kv_blocks=kv_blocks)
+
+
 def decode_batch(tokens: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, tiles: torch.Tensor,
                  kv_blocks: torch.Tensor) -> StepBatch:
     """The StepBatch of a decode step (one token per sequence) from device tensors alone: what a

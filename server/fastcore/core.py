@@ -90,7 +90,8 @@ class FastCore:
                                 torch.int8 if self.kv_int8 else None)
         self.compile = device.type == "cuda" if compile is None else compile
         graphs = self.compile and device.type == "cuda" and self.attention == "triton"
-        self.steps = Steps(self.model, device, max_slots, self.compile, graphs, weight_quant, quant_kernel)
+        self.steps = Steps(self.model, device, max_slots, self.compile, graphs, weight_quant, quant_kernel,
+                           self.max_batched_tokens, self.groups)
 
     # ---- sizes ---------------------------------------------------------------------------------
     def weight_bytes_per_token(self) -> int:
@@ -169,7 +170,7 @@ class FastCore:
             kv_blocks = -(-max(start + 1 for _, _, start in entries) // BLOCK)
             logits = self.steps.decode(entries, kv_blocks)
         else:
-            logits = self.steps.mixed(build_batch(entries, self.device, self.groups))
+            logits = self.steps.run_mixed(entries)
         for slot, ids, _ in entries:
             self.pool.written(slot, list(ids))
         return logits.float()
@@ -271,6 +272,14 @@ class FastCore:
                   "prompts run eagerly", file=sys.stderr)
             self.steps.compile_mixed = False
             self._warm_up_mixed(max_tokens, progress)
+        sizes = self.steps.token_buckets if self.steps.mixed_graphs and self.steps.compile_mixed else ()
+        try:
+            for tokens in track(sizes, "recording prompt steps (tokens per forward)", "size", enabled=progress):
+                self.steps.mixed_graph(tokens)
+        except Exception as e:  # the compiled forward still serves prompts, launched from Python
+            print(f"warning: recording a prompt step as a CUDA graph failed ({type(e).__name__}: "
+                  f"{str(e)[:200]}); prompt steps run without graphs", file=sys.stderr)
+            self.steps.mixed_graphs = False
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if kernels is not None and choices_file is not None:

@@ -1,9 +1,11 @@
 """FastCore's forward steps, compiled (torch.compile) and, for decode steps on a GPU, replayed from
 CUDA graphs.
 
-    mixed   any flattened batch (prompt chunks and decodes together), launched from Python
+    mixed   any flattened batch (prompt chunks and decodes together): on a GPU with the Triton
+            attention, one CUDA graph per token bucket (TOKEN_BUCKETS), the batch padded to it
     decode  one token for each of B sequences: on a GPU with the Triton attention, one CUDA graph
-            per batch bucket (BATCH_BUCKETS), recorded at warm-up
+            per batch bucket (BATCH_BUCKETS)
+    Every graph is recorded at warm-up.
 
 What is compiled is one transformer block, not the whole model ("regional compilation"): every
 layer runs the same code on its own weights, which dynamo takes as inputs, so one compiled block
@@ -17,7 +19,12 @@ A decode step is where launch overhead hurts (~10 kernels a layer for little GPU
 it replays as one graph; a graph has fixed shapes, so the batch is padded to the next bucket, the
 padding rows reading and writing the cache's trash block (model.py).  The attention kernel reads
 each sequence's length and blocks from the batch, so one graph serves every context length.
-Prompt-carrying steps do enough GPU work per launch that they run as they are.
+A step that carries a prompt chunk costs as much in launches, and more: each compiled block's call
+checks dynamo's guards and runs inductor's and our kernels' Python launchers, ~0.3-0.5 ms a layer
+on the host whatever the tokens (a 20-token chunk beside 31 decodes took ~20 ms on the 8B shape,
+whose GPU work is ~6 ms).  So mixed steps replay graphs too, padded to a token bucket: the
+padding tokens are one extra sequence on the trash row, the sequences padded to max_seqs + 1, the
+attention's work list to what the bucket can need (batch.padded_inputs).
 """
 
 from __future__ import annotations
@@ -27,22 +34,29 @@ import contextlib
 
 import torch
 
-from quantserve.server.fastcore.batch import StepBatch, decode_batch, decode_tiles
+from quantserve.server.fastcore.batch import StepBatch, batch_of, build_batch, decode_batch, decode_tiles, padded_inputs
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+TOKEN_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)  # a mixed step's tokens (padded)
 
 
 class Steps:
     """The compiled steps of one model and cache, and the CUDA graphs recorded for them."""
 
     def __init__(self, model, device: torch.device, max_seqs: int, compile: bool, graphs: bool,
-                 weight_quant: str, quant_kernel: str):
-        self.model, self.device, self.compile = model, device, compile
+                 weight_quant: str, quant_kernel: str, max_tokens: int = 2048, groups: int = 1):
+        """max_tokens: the most tokens one forward takes; groups: query heads per KV head."""
+        self.model, self.device, self.compile, self.groups = model, device, compile, groups
         self.compile_mixed = compile  # off: prompt steps eagerly (benches that time decode alone)
         self.trash_row = max_seqs  # the block table's padding row (every entry the trash block)
         self.buckets = tuple(b for b in BATCH_BUCKETS if b < max_seqs) + (max_seqs,)
         self.graphs: dict[int, tuple] = {}  # batch bucket -> (graph, its input buffer, its logits)
         self.pool = torch.cuda.graph_pool_handle() if graphs else None
+        # mixed steps: a bucket must exceed the tokens it holds (one padding token at least)
+        self.mixed_graphs = graphs and compile
+        self.token_buckets = tuple(b for b in TOKEN_BUCKETS if b <= max_tokens) + (-(-(max_tokens + 1) // 16) * 16,)
+        self.seq_pad = max_seqs + 1 + (max_seqs + 1) % 2  # max_seqs and a padding sequence, an even count (alignment)
+        self.mixed_steps: dict[int, tuple] = {}  # token bucket -> (graph, input buffers, logits)
         if compile:
             # gpt-fast's setting: coordinate-descent tuning makes inductor turn 1-row matmuls into
             # fused reductions (int8/int4 dequant folded in).  With the Triton int8/int4 kernels no
@@ -70,9 +84,40 @@ class Steps:
             return self.model(batch)
 
     # ---- any batch -----------------------------------------------------------------------------
-    def mixed(self, batch: StepBatch) -> torch.Tensor:
-        """Logits at each sequence's last token, [S, vocab]."""
-        return self._forward(batch, eager=not self.compile_mixed)
+    def run_mixed(self, entries: list[tuple[int, list[int], int]]) -> torch.Tensor:
+        """Each (row, ids, first position) entry's tokens in one forward -> the logits at each
+        entry's last token, [len(entries), vocab]."""
+        n = sum(len(ids) for _, ids, _ in entries)
+        if not (self.mixed_graphs and self.compile_mixed and n < self.token_buckets[-1]):
+            batch = build_batch(entries, self.device, self.groups)
+            return self._forward(batch, eager=not self.compile_mixed)
+        tokens = self.token_buckets[bisect.bisect_right(self.token_buckets, n)]
+        graph, (flat, tiles), out = self.mixed_graph(tokens)
+        host_flat, host_tiles = padded_inputs(entries, tokens, self.seq_pad, tiles.shape[0], self.groups,
+                                              self.trash_row)
+        flat.copy_(host_flat, non_blocking=True)
+        tiles.copy_(host_tiles, non_blocking=True)
+        graph.replay()
+        # the logits live in the graph's own buffer, which the next replay overwrites: a copy
+        return out[:len(entries)].float()
+
+    def mixed_graph(self, tokens: int) -> tuple:
+        """The CUDA graph of a mixed step padded to `tokens` tokens, recorded on first use (warm-up)."""
+        if tokens not in self.mixed_steps:
+            from quantserve.server.fastcore.batch import prompt_tile
+
+            n_tiles = tokens // prompt_tile(self.groups) + self.seq_pad
+            flat, tiles = padded_inputs([], tokens, self.seq_pad, n_tiles, self.groups, self.trash_row)
+            flat, tiles = flat.to(self.device), tiles.to(self.device)
+            # size carriers of the reference attention; the Triton kernel reads the tiles instead
+            two = torch.arange(2, device=self.device)
+
+            def step(flat, tiles):
+                return self._forward(batch_of(flat, tiles, tokens, self.seq_pad, two, two))
+
+            graph, out = self._capture(step, flat, tiles)
+            self.mixed_steps[tokens] = (graph, (flat, tiles), out, two)
+        return self.mixed_steps[tokens][:3]
 
     # ---- decode --------------------------------------------------------------------------------
     def decode(self, entries: list[tuple[int, list[int], int]], kv_blocks: int) -> torch.Tensor:

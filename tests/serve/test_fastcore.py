@@ -306,6 +306,63 @@ def test_the_compiled_forward_is_one_graph_for_every_batch(default_model):
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+def test_a_step_padded_for_a_graph_gives_the_unpadded_logits(default_model):
+    """A mixed step padded to a token bucket (graphs.py: what a recorded graph replays) gives each
+    sequence the logits and K/V of the unpadded step: the padding tokens are one more sequence on
+    the block table's trash row, and touch nothing else."""
+    from quantserve.server.fastcore.batch import batch_of, padded_inputs
+    from quantserve.server.fastcore.blocks import BLOCK
+
+    plain = FastCore(default_model, max_slots=4, max_seq=512, device="cpu", compile=False)
+    padded = FastCore(default_model, max_slots=4, max_seq=512, device="cpu", compile=False)
+    torch.manual_seed(0)
+    ids = lambda n: torch.randint(0, plain.args.vocab_size, (n,)).tolist()  # noqa: E731
+    batches = [[(0, ids(30))], [(0, ids(1)), (1, ids(50))], [(3, ids(2)), (2, ids(7)), (1, ids(1)), (0, ids(1))]]
+    seqs, steps = padded.steps.seq_pad, padded.steps
+    for items in batches:
+        want = plain.step(items)
+        entries = padded._reserve(items)
+        n = sum(len(i) for _, i, _ in entries)
+        tokens = steps.token_buckets[0] if n < steps.token_buckets[0] else 64
+        flat, tiles = padded_inputs(entries, tokens, seqs, 64, padded.groups, steps.trash_row)
+        longest = max([len(i) for _, i, _ in entries] + [tokens - n])
+        blocks = max(2, -(-max(start + len(i) for _, i, start in entries) // BLOCK))
+        got = padded.model(batch_of(flat, tiles, tokens, seqs, torch.arange(longest), torch.arange(blocks)))
+        for slot, i, _ in entries:
+            padded.pool.written(slot, list(i))
+        torch.testing.assert_close(got[:len(items)], want, atol=1e-5, rtol=1e-5)
+    for a, b in zip(padded.model.layers, plain.model.layers):
+        for name in ("k_cache", "v_cache"):
+            for slot in range(4):
+                torch.testing.assert_close(_positions(padded, getattr(a.attention, name), slot),
+                                           _positions(plain, getattr(b.attention, name), slot))
+    with pytest.raises(ValueError, match="one of each is padding"):
+        padded_inputs([(0, [1] * 32, 0)], 32, seqs, 64, padded.groups, steps.trash_row)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+@pytest.mark.parametrize("mode", ["none", "int8"])
+def test_mixed_steps_replayed_from_graphs_match_the_compiled_forward(default_model, mode):
+    """On a GPU, steps carrying prompt chunks replay CUDA graphs padded to a token bucket; their
+    logits are the compiled forward's launched from Python, their greedy tokens the same."""
+    graphs = FastCore(default_model, max_slots=4, max_seq=512, weight_quant=mode, max_batched_tokens=256)
+    plain = FastCore(default_model, max_slots=4, max_seq=512, weight_quant=mode, max_batched_tokens=256)
+    plain.steps.mixed_graphs = False
+    graphs.warm_up(max_tokens=256)
+    plain.warm_up(max_tokens=256)
+    assert set(graphs.steps.mixed_steps) == set(graphs.steps.token_buckets) and not plain.steps.mixed_steps
+    torch.manual_seed(0)
+    ids = lambda n: torch.randint(0, graphs.args.vocab_size, (n,)).tolist()  # noqa: E731
+    batches = [[(0, ids(100))], [(0, ids(1)), (1, ids(63))], [(3, ids(2)), (2, ids(7)), (1, ids(1)), (0, ids(1))],
+               [(3, ids(255))], [(2, ids(31)), (1, ids(33))]]
+    same = []
+    for items in batches:
+        a, b = graphs.step(items), plain.step(items)
+        torch.testing.assert_close(a, b, atol=5e-2, rtol=2e-2)  # fp16; tiles chosen for other sizes
+        same += (a.argmax(-1) == b.argmax(-1)).tolist()
+    assert sum(same) >= len(same) - 1, same
+
+
 def _positions(core, cache, slot):
     """A slot's cached K or V, position by position: [held, kv_heads, head_dim]."""
     return cache[core.pool.table[slot]].flatten(0, 1)[:core.pool.held(slot)]
