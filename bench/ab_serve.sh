@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Two builds of quantserve serving the same checkpoint on the lent GPU, one after the other, under
+# the same loads: this tree against an older build (a wheel), in one call, so that a change's
+# effect is a ratio measured on one machine at one time.  Also, beside the first server's
+# start-up, the GPU tests named in GPU_TESTS.
+#   usage: bench/ab_serve.sh OLD_WHEEL_DIR OUT      (from the repo root, .devwheels and the wheel dir carried)
+#   OLD_WHEEL_DIR: a folder holding the older build's wheel (pip wheel --no-deps of a checkout of
+#                  that commit); installed alone in /tmp/site-old, ahead of this tree's /tmp/site
+#   environment (optional): GPU_TESTS (pytest -k expression over tests/serve/test_fastcore.py;
+#   '' for none), SERVE_ARGS (default: --engine fast --weight-quant int8 --gpu-profile t4
+#   --max-batch 32 --context 2048), LIMIT (seconds this script may take; 440)
+# Loads (bench.serve, 128 tokens out, ignore_eos, streamed): ~685-token random prompts at
+# concurrency 1, 8, 32, then 32 clients sharing one ~1,500-token system prompt.  Then, time
+# left, bench/kv_quality.py on the default model and the 1B shape (fp16 against int8 KV on the GPU).
+set -uo pipefail
+old=$(realpath "$1"); out=$(realpath -m "$2"); mkdir -p "$out"; repo=$PWD
+limit=${LIMIT:-440}
+export QUANTSERVE_HOME=/tmp/qs-home QUANTSERVE_TEST_CWD=/tmp PYTHONUNBUFFERED=1
+log() { echo "[$(date +%T) +${SECONDS}s] $*" | tee -a "$out/bench.txt"; }
+read -r -a serve_args <<< "${SERVE_ARGS:---engine fast --weight-quant int8 --gpu-profile t4 --max-batch 32 --context 2048}"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devwheels/*.whl \
+    .devwheels/llama/gguf-*.whl 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile \
+    --target /tmp/site .devwheels/*.whl
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site .
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-old "$old"/*.whl
+(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) | tee "$out/bench.txt"
+[ -d /tmp/m1b ] || (cd /tmp && PYTHONPATH=/tmp/site python3 -m quantserve.bench.make_checkpoint \
+    --shape llama-3.2-1b --out /tmp/m1b) >> "$out/checkpoint.log" 2>&1
+log "installed; checkpoint ready"
+if [ -n "${GPU_TESTS-compiled_cuda or graphs_match}" ]; then
+  (cd /tmp && PYTHONPATH=/tmp/site timeout 200 python3 -m pytest --import-mode=append -rA -q -p no:cacheprovider \
+      "$repo/tests/serve/test_fastcore.py" -k "${GPU_TESTS-compiled_cuda or graphs_match}") > "$out/gpu-tests.log" 2>&1 &
+  tests=$!
+fi
+serve() {  # LABEL PYTHONPATH PORT: start, wait until ready (sets PID)
+  (cd /tmp && PYTHONPATH=$2 exec python3 -m quantserve serve /tmp/m1b --port "$3" "${serve_args[@]}") > "$out/$1.log" 2>&1 &
+  PID=$!
+  local t0=$SECONDS
+  until curl -sf -o /dev/null "http://127.0.0.1:$3/health"; do
+    kill -0 $PID 2>/dev/null || { log "$1 exited"; tail -n 20 "$out/$1.log" | tee -a "$out/bench.txt"; return 1; }
+    [ $SECONDS -lt "$limit" ] || { log "$1: out of time"; return 1; }
+    sleep 0.5
+  done
+  log "$1 ready after $(( SECONDS - t0 )) s"
+  curl -s "http://127.0.0.1:$3/health" > "$out/$1-health.json"
+}
+load() {  # LABEL PORT
+  (cd /tmp && PYTHONPATH=/tmp/site timeout 120 python3 -m quantserve.bench.serve --base-url "http://127.0.0.1:$2/v1" \
+      --concurrency 1,8,32 --input-len 225 --output-len 128 --ignore-eos --label "$1" --out "$out/$1-random.json") \
+      > "$out/$1-random.log" 2>&1 || log "$1 random: rc=$?"
+  tail -n 5 "$out/$1-random.log" >> "$out/bench.txt"
+  (cd /tmp && PYTHONPATH=/tmp/site timeout 90 python3 -m quantserve.bench.serve --base-url "http://127.0.0.1:$2/v1" \
+      --concurrency 32 --num-prompts 128 --shared-prefix-len 490 --input-len 8 --output-len 128 --ignore-eos \
+      --label "$1" --out "$out/$1-shared.json") > "$out/$1-shared.log" 2>&1 || log "$1 shared: rc=$?"
+  tail -n 3 "$out/$1-shared.log" >> "$out/bench.txt"
+}
+# both start together (their compiles share the CPUs), then each is loaded alone
+serve new /tmp/site 8000 & new_wait=$!
+sleep 1
+serve old /tmp/site-old:/tmp/site 8001 & old_wait=$!
+wait $new_wait $old_wait
+new_pid=$(pgrep -f "m1b --port 8000" | head -n 1); old_pid=$(pgrep -f "m1b --port 8001" | head -n 1)
+[ -n "$new_pid" ] && load new 8000
+[ -n "$old_pid" ] && load old 8001
+[ -n "${tests:-}" ] && { wait $tests; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$out/gpu-tests.log" >> "$out/bench.txt"; }
+kill $new_pid $old_pid 2>/dev/null
+if [ $SECONDS -lt $(( limit - 100 )) ]; then  # what an int8 KV cache costs on the GPU (fp16 against int8)
+  for shape in default 1b; do
+    arg=(); [ $shape = default ] || arg=(--shape $shape)
+    (cd /tmp && PYTHONPATH=/tmp/site timeout $(( limit - SECONDS - 5 )) python3 -m quantserve.bench.kv_quality "${arg[@]}") \
+        > "$out/kv-quality-$shape.txt" 2>&1 || log "kv quality $shape: rc=$?"
+    tail -n 8 "$out/kv-quality-$shape.txt" >> "$out/bench.txt"
+  done
+fi
+log "done"
