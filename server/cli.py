@@ -53,6 +53,9 @@ def serve(
     prefix_cache: bool = typer.Option(_D.prefix_cache, "--prefix-cache/--no-prefix-cache",
                                       help="Reuse the K/V of prompt prefixes computed before (a chat's system "
                                       "prompt and earlier turns); usage.prompt_tokens_details.cached_tokens says how many."),
+    async_scheduling: bool = typer.Option(_D.async_scheduling, "--async-scheduling/--no-async-scheduling",
+                                          help="fast engine: launch greedy decode steps one ahead of the host, "
+                                          "so the GPU does not wait while tokens are streamed out."),
     context: Optional[int] = typer.Option(None, min=16, help="Context length; default: the model's own."),
     gpu_profile: Optional[str] = typer.Option(None, "--gpu-profile", help="'t4' makes a bigger GPU behave like a T4."),
     engine: str = typer.Option(_D.engine, help="auto (by the path), hf (transformers), fast (paged KV cache, "
@@ -131,7 +134,8 @@ def serve(
                                                         max_num_batched_tokens=max_num_batched_tokens,
                                                         kv_blocks=kv_blocks,
                                                         embedding_pooling=embedding_pooling,
-                                                        kv_cache_dtype=kv_cache_dtype))
+                                                        kv_cache_dtype=kv_cache_dtype,
+                                                        async_scheduling=async_scheduling))
     logging.getLogger("quantserve.server").debug("engine options: %s", engine.options)  # never the API key
     # The port is taken before the model loads (minutes, for a big one): a busy port is one line now.
     sock = bind_port(host, port)

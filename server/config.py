@@ -26,6 +26,7 @@ class EngineOptions:
     prefix_cache: bool = True  # reuse the K/V of prompt prefixes computed before (server/prefix_cache.py)
     embedding_pooling: str = "last"  # /v1/embeddings: the last token's final hidden state, or the mean
     kv_cache_dtype: str = "auto"  # fast / gguf engines: auto (16-bit) or int8 (~twice the tokens per GiB)
+    async_scheduling: bool = True  # fast: greedy decode steps launched one ahead of the host (paged_scheduler.py)
 
     def chunk(self) -> int:
         """The row engines' prompt tokens per iteration."""

@@ -120,7 +120,7 @@ def _scheduler(backend, eos_token_ids: set[int], o: EngineOptions):
         from quantserve.server.paged_scheduler import PagedScheduler
 
         return PagedScheduler(backend, eos_token_ids, o.max_batch, o.max_queue, log=log.error,
-                              max_batched_tokens=o.batched_tokens())
+                              max_batched_tokens=o.batched_tokens(), async_scheduling=o.async_scheduling)
     from quantserve.server.scheduler import Scheduler
 
     return Scheduler(backend, eos_token_ids, o.max_batch, o.max_queue, log=log.error, prefill_chunk=o.chunk())

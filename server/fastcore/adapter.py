@@ -47,6 +47,14 @@ class FastCoreBackend:
         token, [len(items), vocab] float32 on the device."""
         return self.core.step(items)
 
+    def launch_greedy(self, slots: list[int], positions: list[int], tokens):
+        """A decode step launched, not waited for: (device picks, PendingTokens) (core.decode_greedy)."""
+        return self.core.decode_greedy(slots, positions, tokens)
+
+    def written(self, slot: int, ids: list[int]) -> None:
+        """`ids` were fed to `slot` by a launched step (launch_greedy): the pool records them."""
+        self.pool.written(slot, ids)
+
     def prefill(self, slot: int, prompt_ids: list[int], start: int = 0, all_logits: bool = False):
         return self.core.prefill(slot, prompt_ids, start, all_logits).cpu()
 

@@ -43,6 +43,24 @@ class KVPoolFull(RuntimeError):
     """A step needs more KV blocks than the pool has free (the scheduler reserves them first)."""
 
 
+class PendingTokens:
+    """Token ids a launched step is computing, copied to the host as soon as the GPU has them;
+    `tolist()` waits for them."""
+
+    def __init__(self, picks: torch.Tensor):
+        self.host = torch.empty(picks.shape, dtype=picks.dtype, pin_memory=picks.is_cuda)
+        self.host.copy_(picks, non_blocking=True)
+        self.done = None
+        if picks.is_cuda:
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+    def tolist(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()  # the GIL is released while waiting
+        return self.host.tolist()
+
+
 class FastCore:
     def __init__(self, model, max_slots: int = 8, max_seq: int = 2048, dtype: str | torch.dtype | None = None,
                  device: str | torch.device | None = None, weight_quant: str = "none",
@@ -174,6 +192,34 @@ class FastCore:
         for slot, ids, _ in entries:
             self.pool.written(slot, list(ids))
         return logits.float()
+
+    @torch.inference_mode()
+    def decode_greedy(self, rows: list[int], positions: list[int], tokens) -> tuple[torch.Tensor, "PendingTokens"]:
+        """Launch one decode step without waiting for it: row i is fed tokens[i] at positions[i]
+        (`tokens` a host list, or a device tensor: the previous step's picks, which never come to
+        the host first).  Returns each row's greedy next token as a device tensor, and the same
+        on their way to the host (PendingTokens).  The pool's record of the fed tokens is the
+        caller's (`pool.written`), once it knows them: the scheduler launches step k + 1 before
+        it has read step k's tokens (paged_scheduler.py)."""
+        for row, pos in zip(rows, positions):
+            if pos + 1 > self.max_seq:
+                raise ValueError(f"position {pos} does not fit max_seq {self.max_seq}")
+            if not self.pool.reserve(row, pos + 1):
+                raise KVPoolFull(f"a block for slot {row}: {self.pool.free_blocks()} of {self.pool.num_blocks} free")
+        self.sync_table()
+        n = len(rows)
+        B = self.steps.padded_batch(n)
+        host = torch.zeros((3, B), dtype=torch.long)
+        host[2] = self.steps.trash_row  # padding rows: position 0 of the trash row
+        host[1, :n] = torch.tensor(positions)
+        host[2, :n] = torch.tensor(rows)
+        if not torch.is_tensor(tokens):
+            host[0, :n] = torch.tensor(tokens)
+        inputs = host.to(self.device, non_blocking=True)
+        if torch.is_tensor(tokens):
+            inputs[0, :n] = tokens
+        picks = self.steps.decode_raw(inputs, -(-(max(positions) + 1) // BLOCK))[:n].argmax(-1)
+        return picks, PendingTokens(picks)
 
     def _reserve(self, items) -> list[tuple[int, list[int], int]]:
         """(slot, ids, first position) per item, with blocks for them; the device's block table
@@ -315,4 +361,4 @@ class FastCore:
             self.pool.forget_all()  # the warm-up's tokens are no prefix anyone asked for
 
 
-__all__ = ["FastCore", "KVPoolFull"]
+__all__ = ["FastCore", "KVPoolFull", "PendingTokens"]
