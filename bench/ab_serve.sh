@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # Two builds of quantserve serving the same checkpoint on the lent GPU, one after the other, under
-# the same loads: this tree against an older build (a wheel), in one call, so that a change's
-# effect is a ratio measured on one machine at one time.  Also, beside the first server's
-# start-up, the GPU tests named in GPU_TESTS.
-#   usage: bench/ab_serve.sh OLD_WHEEL_DIR OUT      (from the repo root, .devwheels and the wheel dir carried)
+# the same loads: this tree against an older build (a wheel), and this tree with one option
+# changed (VARIANT_ARGS), in one call, so that a change's effect is a ratio measured on one
+# machine at one time; beside their start-up, the GPU tests named in GPU_TESTS.
+#   usage: bench/ab_serve.sh OLD_WHEEL_DIR OUT   (from the repo root, .devwheels and the wheel dir carried)
 #   OLD_WHEEL_DIR: a folder holding the older build's wheel (pip wheel --no-deps of a checkout of
 #                  that commit); installed alone in /tmp/site-old, ahead of this tree's /tmp/site
-#   environment (optional): GPU_TESTS (pytest -k expression over tests/serve/test_fastcore.py;
-#   '' for none), SERVE_ARGS (default: --engine fast --weight-quant int8 --gpu-profile t4
-#   --max-batch 32 --context 2048), LIMIT (seconds this script may take; 440)
+#   environment (optional):
+#     GPU_TESTS     pytest -k expression over tests/serve/test_fastcore.py and test_async_scheduling.py
+#                   ('' for none)
+#     SERVE_ARGS    default: --engine fast --weight-quant int8 --gpu-profile t4 --max-batch 32 --context 2048
+#     VARIANT_ARGS  default: --no-async-scheduling ('' for no third server)
+#     LIMIT         seconds this script may take (440)
 # Loads (bench.serve, 128 tokens out, ignore_eos, streamed): ~685-token random prompts at
 # concurrency 1, 8, 32, then 32 clients sharing one ~1,500-token system prompt.  Then, time
 # left, bench/kv_quality.py on the default model and the 1B shape (fp16 against int8 KV on the GPU).
@@ -27,22 +30,25 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-o
 [ -d /tmp/m1b ] || (cd /tmp && PYTHONPATH=/tmp/site python3 -m quantserve.bench.make_checkpoint \
     --shape llama-3.2-1b --out /tmp/m1b) >> "$out/checkpoint.log" 2>&1
 log "installed; checkpoint ready"
-if [ -n "${GPU_TESTS-compiled_cuda or graphs_match}" ]; then
-  (cd /tmp && PYTHONPATH=/tmp/site timeout 200 python3 -m pytest --import-mode=append -rA -q -p no:cacheprovider \
-      "$repo/tests/serve/test_fastcore.py" -k "${GPU_TESTS-compiled_cuda or graphs_match}") > "$out/gpu-tests.log" 2>&1 &
+gpu_tests=${GPU_TESTS-compiled_cuda or graphs_match or launched_ahead_give}
+if [ -n "$gpu_tests" ]; then
+  (cd /tmp && PYTHONPATH=/tmp/site timeout 300 python3 -m pytest --import-mode=append -rA -q -p no:cacheprovider \
+      "$repo/tests/serve/test_fastcore.py" "$repo/tests/serve/test_async_scheduling.py" -k "$gpu_tests") \
+      > "$out/gpu-tests.log" 2>&1 &
   tests=$!
 fi
-serve() {  # LABEL PYTHONPATH PORT: start, wait until ready (sets PID)
-  (cd /tmp && PYTHONPATH=$2 exec python3 -m quantserve serve /tmp/m1b --port "$3" "${serve_args[@]}") > "$out/$1.log" 2>&1 &
-  PID=$!
-  local t0=$SECONDS
-  until curl -sf -o /dev/null "http://127.0.0.1:$3/health"; do
-    kill -0 $PID 2>/dev/null || { log "$1 exited"; tail -n 20 "$out/$1.log" | tee -a "$out/bench.txt"; return 1; }
-    [ $SECONDS -lt "$limit" ] || { log "$1: out of time"; return 1; }
+serve() {  # LABEL PYTHONPATH PORT [EXTRA ARGS...]: start, wait until ready
+  local label=$1 path=$2 port=$3; shift 3
+  (cd /tmp && PYTHONPATH=$path exec python3 -m quantserve serve /tmp/m1b --port "$port" "${serve_args[@]}" "$@") \
+      > "$out/$label.log" 2>&1 &
+  local pid=$! t0=$SECONDS
+  until curl -sf -o /dev/null "http://127.0.0.1:$port/health"; do
+    kill -0 $pid 2>/dev/null || { log "$label exited"; tail -n 20 "$out/$label.log" | tee -a "$out/bench.txt"; return 1; }
+    [ $SECONDS -lt "$limit" ] || { log "$label: out of time"; return 1; }
     sleep 0.5
   done
-  log "$1 ready after $(( SECONDS - t0 )) s"
-  curl -s "http://127.0.0.1:$3/health" > "$out/$1-health.json"
+  log "$label ready after $(( SECONDS - t0 )) s"
+  curl -s "http://127.0.0.1:$port/health" > "$out/$label-health.json"
 }
 load() {  # LABEL PORT
   (cd /tmp && PYTHONPATH=/tmp/site timeout 120 python3 -m quantserve.bench.serve --base-url "http://127.0.0.1:$2/v1" \
@@ -54,16 +60,27 @@ load() {  # LABEL PORT
       --label "$1" --out "$out/$1-shared.json") > "$out/$1-shared.log" 2>&1 || log "$1 shared: rc=$?"
   tail -n 3 "$out/$1-shared.log" >> "$out/bench.txt"
 }
-# both start together (their compiles share the CPUs), then each is loaded alone
-serve new /tmp/site 8000 & new_wait=$!
+# all start together (their compiles share the CPUs), then each is loaded alone; the third is this
+# tree again with VARIANT_ARGS (default --no-async-scheduling; '' for none): one change apart
+variant=${VARIANT_ARGS---no-async-scheduling}
+serve new /tmp/site 8000 & waits=($!)
 sleep 1
-serve old /tmp/site-old:/tmp/site 8001 & old_wait=$!
-wait $new_wait $old_wait
-new_pid=$(pgrep -f "m1b --port 8000" | head -n 1); old_pid=$(pgrep -f "m1b --port 8001" | head -n 1)
-[ -n "$new_pid" ] && load new 8000
-[ -n "$old_pid" ] && load old 8001
+serve old /tmp/site-old:/tmp/site 8001 & waits+=($!)
+if [ -n "$variant" ]; then
+  sleep 1
+  read -r -a variant_args <<< "$variant"
+  serve variant /tmp/site 8002 "${variant_args[@]}" & waits+=($!)
+fi
+wait "${waits[@]}"
+pids=()
+for name_port in new:8000 old:8001 variant:8002; do
+  pid=$(pgrep -f "m1b --port ${name_port#*:}" | head -n 1)
+  [ -n "$pid" ] || continue
+  pids+=("$pid")
+  load "${name_port%:*}" "${name_port#*:}"
+done
 [ -n "${tests:-}" ] && { wait $tests; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$out/gpu-tests.log" >> "$out/bench.txt"; }
-kill $new_pid $old_pid 2>/dev/null
+kill "${pids[@]}" 2>/dev/null
 if [ $SECONDS -lt $(( limit - 100 )) ]; then  # what an int8 KV cache costs on the GPU (fp16 against int8)
   for shape in default 1b; do
     arg=(); [ $shape = default ] || arg=(--shape $shape)

@@ -180,7 +180,12 @@ def load_error_message(error: Exception) -> str:
     from quantserve.server.exceptions import ModelLoadError
 
     if isinstance(error, ModelLoadError):
-        text = f"--{error.setting.replace('_', '-')} {error.value} {error.problem}" if error.setting else error.problem
+        flag = f"--{error.setting.replace('_', '-')}" if error.setting else ""
+        if isinstance(error.value, bool):  # a switch: --name / --no-name
+            flag = flag if error.value else f"--no-{flag[2:]}"
+        elif flag:
+            flag += f" {error.value}"
+        text = f"{flag} {error.problem}" if flag else error.problem
         if error.allowed_by:
             text += f"; pass --{error.allowed_by.replace('_', '-')} if you trust its source"
         return text

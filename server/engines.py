@@ -151,6 +151,9 @@ class ScheduledEngine:
         for name in ("max_num_batched_tokens", "kv_blocks"):  # the paged fast engine's own settings
             if getattr(options, name) is not None and self.kind != "fast":
                 raise ModelLoadError("applies to the fast engine only", name, getattr(options, name))
+        if not options.async_scheduling and self.kind != "fast":
+            raise ModelLoadError("applies to the fast engine only (the others take no step ahead)",
+                                 "async_scheduling", False)
         if self.kind == "fast" and options.batched_tokens() < options.max_batch:
             raise ModelLoadError(f"must hold a token for each of max_batch ({options.max_batch}) running sequences",
                                  "max_num_batched_tokens", options.batched_tokens())
@@ -196,6 +199,8 @@ class ScheduledEngine:
         self.info = info  # set last: is_ready() turns true only when everything is in place
         info.extra["engine_choice"] = self.why
         info.extra["prefix_cache"] = o.prefix_cache
+        if self.kind == "fast":
+            info.extra["async_scheduling"] = o.async_scheduling
         info.extra["ready_s"] = round(time.perf_counter() - t0, 1)  # from the start of loading to ready
         parts = ", ".join(f"{what} {info.extra[key]} s" for key, what in (("load_s", "weights"), ("warm_up_s", "warm-up"))
                           if info.extra.get(key))  # the fast engine says where its start-up went

@@ -165,6 +165,8 @@ def test_paged_settings_are_refused_where_they_do_not_apply(default_model):
                           "--kv-blocks 8 applies to the fast engine only")
     assert_one_line_error(cli("serve", str(default_model), "--engine", "hf", "--max-num-batched-tokens", "64"), 1,
                           "--max-num-batched-tokens 64 applies to the fast engine only")
+    assert_one_line_error(cli("serve", str(default_model), "--engine", "hf", "--no-async-scheduling"), 1,
+                          "--no-async-scheduling applies to the fast engine only")
     assert_one_line_error(cli("serve", str(default_model), "--engine", "fast", "--prefill-chunk", "64"), 1,
                           "--prefill-chunk 64 applies to the hf and gguf engines")
     assert_one_line_error(cli("serve", str(default_model), "--engine", "fast", "--max-batch", "64",
