@@ -43,29 +43,33 @@ class StepBatch(NamedTuple):
     kv_blocks: torch.Tensor  # [NB] arange, NB = most blocks one sequence spans (a size carrier)
 
 
+def _lay_out(items: list[tuple[int, list[int], int]], tile: int) -> tuple[dict[str, list[int]], list[tuple]]:
+    """A flattened batch's integer inputs as lists (StepBatch's first eight fields, by name) and
+    its attention work list: tiles of up to `tile` tokens of one sequence."""
+    parts: dict[str, list[int]] = {name: [] for name in StepBatch._fields[:8]}
+    tiles = []
+    for s, (row, ids, start) in enumerate(items):
+        n, first = len(ids), len(parts["tokens"])
+        if n == 0:
+            raise ValueError("a batch entry without tokens")
+        parts["tokens"] += ids
+        parts["pos"] += range(start, start + n)
+        parts["tok_slot"] += [row] * n
+        parts["tok_seq"] += [s] * n
+        parts["tok_col"] += range(n)
+        parts["seq_slot"].append(row)
+        parts["seq_len"].append(start + n)
+        parts["last"].append(first + n - 1)
+        tiles += [(s, first + t0, min(tile, n - t0)) for t0 in range(0, n, tile)]
+    return parts, tiles
+
+
 def build_batch(items: list[tuple[int, list[int], int]], device: torch.device, groups: int = 1) -> StepBatch:
     """A StepBatch on `device` for (block-table row, token ids, first position) entries; groups:
     the model's query heads per KV head (the tiles' size follows from it)."""
-    tokens, pos, tok_slot, tok_seq, tok_col, seq_slot, seq_len, last, tiles = ([] for _ in range(9))
     single = all(len(ids) == 1 for _, ids, _ in items)
-    tile = 1 if single else prompt_tile(groups)
-    for s, (row, ids, start) in enumerate(items):
-        n = len(ids)
-        if n == 0:
-            raise ValueError("a batch entry without tokens")
-        first = len(tokens)
-        tokens += ids
-        pos += range(start, start + n)
-        tok_slot += [row] * n
-        tok_seq += [s] * n
-        tok_col += range(n)
-        seq_slot.append(row)
-        seq_len.append(start + n)
-        last.append(first + n - 1)
-        tiles += [(s, first + t0, min(tile, n - t0)) for t0 in range(0, n, tile)]
+    host, tiles = _lay_out(items, 1 if single else prompt_tile(groups))
     longest = max(len(ids) for _, ids, _ in items)
-    host = dict(tokens=tokens, pos=pos, tok_slot=tok_slot, tok_seq=tok_seq, tok_col=tok_col, seq_slot=seq_slot,
-                seq_len=seq_len, last=last)
     # one host-to-device copy for all the integer inputs (each copy is a sync point's worth of
     # latency), each part starting 16-byte aligned: Triton specializes a kernel on its pointers'
     # alignment, so a part at an odd offset (a prompt of odd length) compiled the attention kernel
@@ -78,7 +82,7 @@ def build_batch(items: list[tuple[int, list[int], int]], device: torch.device, g
     return StepBatch(**parts, tiles=torch.tensor(tiles, dtype=torch.int32).to(device, non_blocking=True),
                      q_cols=torch.arange(longest, device=device),
                      # at least 2: a size of 1 is specialized by torch.compile (a graph of its own)
-                     kv_blocks=torch.arange(max(2, -(-max(seq_len) // BLOCK)), device=device))
+                     kv_blocks=torch.arange(max(2, -(-max(host["seq_len"]) // BLOCK)), device=device))
 
 
 def padded_inputs(items: list[tuple[int, list[int], int]], tokens: int, seqs: int, tiles: int, groups: int,
@@ -93,28 +97,15 @@ def padded_inputs(items: list[tuple[int, list[int], int]], tokens: int, seqs: in
     if n_real >= tokens or len(items) >= seqs:
         raise ValueError(f"{n_real} tokens of {len(items)} sequences do not fit a step padded to "
                          f"{tokens} tokens and {seqs} sequences (one of each is padding)")
-    tile = prompt_tile(groups)
     pad_seq, pad_tok, n_pad = seqs - 1, n_real, tokens - n_real
-    tok, pos, tok_slot, tok_seq, tok_col = [], [], [], [], []
-    seq_slot, seq_len, last, work = [], [], [], []
-    for s, (row, ids, start) in enumerate(items):
-        n, first = len(ids), len(tok)
-        tok += ids
-        pos += range(start, start + n)
-        tok_slot += [row] * n
-        tok_seq += [s] * n
-        tok_col += range(n)
-        seq_slot.append(row)
-        seq_len.append(start + n)
-        last.append(first + n - 1)
-        work += [(s, first + t0, min(tile, n - t0)) for t0 in range(0, n, tile)]
+    host, work = _lay_out(items, prompt_tile(groups))
     if len(work) > tiles:
         raise ValueError(f"{len(work)} attention tiles do not fit a step padded to {tiles}")
     n_seq = seqs - len(items)
-    flat = torch.tensor(tok + [0] * n_pad + pos + [0] * n_pad + tok_slot + [trash_row] * n_pad
-                        + tok_seq + [pad_seq] * n_pad + tok_col + list(range(n_pad))
-                        + seq_slot + [trash_row] * n_seq + seq_len + [1] * n_seq + last + [pad_tok] * n_seq,
-                        dtype=torch.long)
+    padding = {"tokens": [0] * n_pad, "pos": [0] * n_pad, "tok_slot": [trash_row] * n_pad,
+               "tok_seq": [pad_seq] * n_pad, "tok_col": list(range(n_pad)), "seq_slot": [trash_row] * n_seq,
+               "seq_len": [1] * n_seq, "last": [pad_tok] * n_seq}
+    flat = torch.tensor([x for name, part in host.items() for x in (*part, *padding[name])], dtype=torch.long)
     work += [(pad_seq, pad_tok, 1)] * (tiles - len(work))
     return flat, torch.tensor(work, dtype=torch.int32)
 
