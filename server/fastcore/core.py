@@ -307,7 +307,7 @@ class FastCore:
         if kernels is not None and choices_file is not None:
             kernels.load_choices(choices_file)
         for batch in track(self.steps.buckets if self.compile else (), "compiling decode steps (batch sizes)",
-                           "batch", enabled=progress):
+                           "size", enabled=progress):
             self.steps.warm_decode(batch)
         try:
             self._warm_up_mixed(max_tokens, progress)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import warnings
 
 import torch
 
@@ -68,6 +69,10 @@ class Steps:
             # the graphs are few (sizes of 1 are specialized; Gemma's window layers differ), but
             # more than dynamo's default limit of 8 would silently run eagerly
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+            # quant.triton_ops() is a functools.cache over an import; dynamo traces through the
+            # cache and says so at every start ("silent incorrectness is a potential risk"): for
+            # a function that returns the same module every time, it is none
+            warnings.filterwarnings("ignore", message=r"Dynamo detected a call to a `functools\.lru_cache`")
             for layer in model.layers:  # compiled on first call; every layer finds the same graphs
                 layer.compile(fullgraph=True, dynamic=True, options=options)
 
