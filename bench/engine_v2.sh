@@ -5,7 +5,8 @@
 # theirs: llama-server on the Q8_0 GGUF of the same checkpoint, -np 32, flash attention.
 #   bench/engine_v2.sh OUT 1   install; llama.cpp's build and the checkpoints start detached; the GPU
 #                              tests of the engine; ours 1B: start-up cold and warm, ~690-token
-#                              prompts at concurrency 1, 8, 32; llama-server 1B the same
+#                              prompts at concurrency 1, 8, 32 (warm: with --no-async-scheduling);
+#                              llama-server 1B the same
 #   bench/engine_v2.sh OUT 2   8B: llama-server and ours (cold start), random prompts and the shared
 #                              prefix
 #   bench/engine_v2.sh OUT 3   ours 8B warm start, shared prefix without the cache; capacity at
@@ -121,7 +122,8 @@ if [ "$phase" = 1 ]; then
   checkpoint llama-3.2-1b
   rm -rf "$QUANTSERVE_HOME/compile"
   start_ours ours-1b-cold /tmp/ck-llama-3.2-1b "${ours[@]}" && { load ours-1b 8000 random; stop; }
-  start_ours ours-1b-warm /tmp/ck-llama-3.2-1b "${ours[@]}" && stop
+  # the warm start, serving with decode steps one at a time: async scheduling's effect, same call
+  start_ours ours-1b-warm /tmp/ck-llama-3.2-1b "${ours[@]}" --no-async-scheduling && { load ours-1b-sync 8000 random; stop; }
   for i in $(seq 120); do [ -x /tmp/llama-cpp/bin/llama-server ] && break; sleep 2; done
   tail -n 3 /tmp/llama-build.out >> "$out/bench.txt"
   start_llama llama-1b /tmp/gguf-llama-3.2-1b/*.gguf && { load llama-1b 8001 random; stop; }
