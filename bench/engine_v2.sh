@@ -116,7 +116,8 @@ if [ "$phase" = 1 ]; then
   # the compiled blocks inside the CUDA graphs against eager first, then the attention kernel
   (cd /tmp && timeout 240 python3 -m pytest --import-mode=append -rA -q -p no:cacheprovider \
       "$repo/tests/serve/test_fastcore.py" "$repo/tests/serve/test_paged_attention.py" \
-      -k "compiled_cuda or compiled_triton or close_to_fp32 or match_the_reference") \
+      "$repo/tests/serve/test_async_scheduling.py" \
+      -k "compiled_cuda or compiled_triton or graphs_match or launched_ahead_give or close_to_fp32 or match_the_reference") \
       > "$out/gpu-tests.log" 2>&1 || log "gpu tests: rc=$?"
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$out/gpu-tests.log" >> "$out/bench.txt"
   checkpoint llama-3.2-1b
