@@ -12,10 +12,11 @@ at each entry's last token.  The pool is sized from the memory left after the we
 hold what their sequences really use, not a whole context each.  `pool.start(slot, prompt)`
 shares the blocks of a cached prefix instead of computing them.
 
-On a GPU, decode-only steps replay a CUDA graph per batch bucket and every other step runs the
-model with its transformer block compiled once, with dynamic shapes, for every layer (graphs.py);
-`warm_up()` records and compiles them all before a server says it is ready.  On a CPU everything
-runs eagerly, the same code.
+On a GPU every step replays a CUDA graph: decode-only steps one per batch bucket, steps with
+prompt chunks one per token bucket, around a transformer block compiled once, with dynamic
+shapes, for every layer (graphs.py); `warm_up()` compiles and records them all before a server
+says it is ready.  `decode_greedy` launches a greedy decode step without waiting for it (the
+scheduler's async scheduling).  On a CPU everything runs eagerly, the same code.
 
 The parts: weights.py loads and builds the model, blocks.py keeps the pool, batch.py flattens a
 step's entries, attention.py attends over the pages, graphs.py runs the compiled steps.
