@@ -58,6 +58,21 @@ bench() {  # NAME PORT
 # the replica's own port too, where `ss` can tell it (a local cluster's replica listens on 127.0.0.1):
 # what the gateway's hop costs, apart from what living in a Ray actor costs
 direct_port=$(ss -ltnp 2>/dev/null | awk '/ServeRepli/ && /127\.0\.0\.1:/ {n = split($4, a, ":"); print a[n]; exit}' || true)
+if [ -z "$direct_port" ]; then  # no `ss` (the GPU image has none): the replica process's ports from psutil
+  for candidate in $($py -c '
+import psutil
+for c in psutil.net_connections(kind="tcp"):
+    if c.status == psutil.CONN_LISTEN and c.laddr.ip == "127.0.0.1" and c.pid:
+        try:
+            p = psutil.Process(c.pid)
+            if "ServeReplica" in p.name() + " ".join(p.cmdline()):
+                print(c.laddr.port)
+        except psutil.Error:
+            pass' 2>/dev/null); do
+    # a Ray worker listens on other ports too (its gRPC server): the replica's is the one serving /health
+    if curl -sf -o /dev/null -m 2 "http://127.0.0.1:$candidate/health"; then direct_port=$candidate; break; fi
+  done
+fi
 series=("bare $bare_port" "ray $ray_port")
 [ -z "$direct_port" ] || series+=("direct $direct_port")
 echo "series: ${series[*]}" | tee -a "$out/bench.txt"
