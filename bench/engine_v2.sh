@@ -61,16 +61,7 @@ checkpoint() {  # SHAPE: wait for the detached job's checkpoint and GGUF
 capacity() {  # LABEL ARGS...: 64 concurrent ~1,200-token prompts at --context 8192; most running at once
   start_ours "$1" /tmp/ck-llama-3.1-8b --engine fast --weight-quant int8 --gpu-profile t4 --max-batch 64 \
       --context 8192 "${@:2}" || return
-  (while sleep 0.2; do curl -s http://127.0.0.1:8000/metrics | grep -E "^quantserve:num_requests_running " ; done) \
-      > "$out/$1-running.txt" 2>/dev/null &
-  local sampler=$!
-  (cd /tmp && timeout 200 python3 -m quantserve.bench.serve --base-url http://127.0.0.1:8000/v1 --concurrency 64 \
-      --num-prompts 64 --input-len 390 --output-len 128 --ignore-eos --no-warmup --label "$1" \
-      --out "$out/$1.json") > "$out/$1-load.log" 2>&1 || log "$1 load: rc=$?"
-  kill $sampler
-  log "$1: most running at once $(sort -k2 -n "$out/$1-running.txt" | tail -n 1)"
-  curl -s http://127.0.0.1:8000/metrics | grep -E "^quantserve:(num_preemptions|kv_cache_blocks_total)" | tee -a "$out/bench.txt"
-  tail -n 4 "$out/$1-load.log" >> "$out/bench.txt"
+  (cd /tmp && bash "$repo/bench/capacity_load.sh" "$out" "$1" 200)
   stop
 }
 

@@ -86,16 +86,7 @@ capacity() {  # LABEL ARGS...: 64 concurrent ~1,200-token prompts at --context 8
   done
   log "$label: ready after $(( SECONDS - t0 )) s"
   grep -E "KV|pool|blocks|ready|warm" "$out/$label.log" | tail -n 4 >> "$out/bench.txt"
-  (while sleep 0.2; do curl -s http://127.0.0.1:8000/metrics | grep -E "^quantserve:num_requests_running "; done) \
-      > "$out/$label-running.txt" 2>/dev/null &
-  local sampler=$!
-  (cd /tmp && timeout "$(left)" python3 -m quantserve.bench.serve --base-url http://127.0.0.1:8000/v1 --concurrency 64 \
-      --num-prompts 64 --input-len 390 --output-len 128 --ignore-eos --no-warmup --label "$label" \
-      --out "$out/$label.json") > "$out/$label-load.log" 2>&1 || log "$label load: rc=$?"
-  kill $sampler
-  log "$label: most running at once $(sort -k2 -n "$out/$label-running.txt" | tail -n 1)"
-  curl -s http://127.0.0.1:8000/metrics | grep -E "^quantserve:(num_preemptions|kv_cache_blocks_total)" | tee -a "$out/bench.txt"
-  tail -n 4 "$out/$label-load.log" >> "$out/bench.txt"
+  (cd /tmp && bash "$repo/bench/capacity_load.sh" "$out" "$label" "$(left)")
   kill -TERM $pid; wait $pid 2>/dev/null
 }
 [ "$(left)" -gt 200 ] && capacity capacity-fp16-kv

@@ -203,23 +203,10 @@ class FastCore:
         caller's (`pool.written`), once it knows them: the scheduler launches step k + 1 before
         it has read step k's tokens (paged_scheduler.py)."""
         for row, pos in zip(rows, positions):
-            if pos + 1 > self.max_seq:
-                raise ValueError(f"position {pos} does not fit max_seq {self.max_seq}")
-            if not self.pool.reserve(row, pos + 1):
-                raise KVPoolFull(f"a block for slot {row}: {self.pool.free_blocks()} of {self.pool.num_blocks} free")
+            self._make_room(row, pos, 1)
         self.sync_table()
-        n = len(rows)
-        B = self.steps.padded_batch(n)
-        host = torch.zeros((3, B), dtype=torch.long)
-        host[2] = self.steps.trash_row  # padding rows: position 0 of the trash row
-        host[1, :n] = torch.tensor(positions)
-        host[2, :n] = torch.tensor(rows)
-        if not torch.is_tensor(tokens):
-            host[0, :n] = torch.tensor(tokens)
-        inputs = host.to(self.device, non_blocking=True)
-        if torch.is_tensor(tokens):
-            inputs[0, :n] = tokens
-        picks = self.steps.decode_raw(inputs, -(-(max(positions) + 1) // BLOCK))[:n].argmax(-1)
+        inputs = self.steps.decode_inputs(rows, positions, tokens)
+        picks = self.steps.decode_raw(inputs, -(-(max(positions) + 1) // BLOCK))[:len(rows)].argmax(-1)
         return picks, PendingTokens(picks)
 
     def _reserve(self, items) -> list[tuple[int, list[int], int]]:
@@ -229,14 +216,18 @@ class FastCore:
         for slot, ids in items:
             ids = [int(t) for t in (ids.tolist() if torch.is_tensor(ids) else ids)]
             start = self.pool.held(slot)
-            if not ids or start + len(ids) > self.max_seq:
-                raise ValueError(f"{len(ids)} tokens at position {start} do not fit max_seq {self.max_seq}")
-            if not self.pool.reserve(slot, start + len(ids)):
-                raise KVPoolFull(f"{len(ids)} more tokens for slot {slot}: {self.pool.free_blocks()} of "
-                                 f"{self.pool.num_blocks} KV blocks free")
+            self._make_room(slot, start, len(ids))
             entries.append((slot, ids, start))
         self.sync_table()
         return entries
+
+    def _make_room(self, slot: int, start: int, n: int) -> None:
+        """Blocks for n tokens of `slot` at positions start..; the step's inputs checked first."""
+        if not n or start + n > self.max_seq:
+            raise ValueError(f"{n} tokens at position {start} do not fit max_seq {self.max_seq}")
+        if not self.pool.reserve(slot, start + n):
+            raise KVPoolFull(f"{n} more tokens for slot {slot}: {self.pool.free_blocks()} of "
+                             f"{self.pool.num_blocks} KV blocks free")
 
     def sync_table(self) -> None:
         """Copy the block-table rows that changed to the device (in place: graphs read that buffer)."""

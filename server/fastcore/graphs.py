@@ -35,7 +35,8 @@ import warnings
 
 import torch
 
-from quantserve.server.fastcore.batch import StepBatch, batch_of, build_batch, decode_batch, decode_tiles, padded_inputs
+from quantserve.server.fastcore.batch import (StepBatch, batch_of, build_batch, decode_batch, decode_tiles,
+                                              padded_inputs, prompt_tile)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 TOKEN_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)  # a mixed step's tokens (padded)
@@ -109,8 +110,6 @@ class Steps:
     def mixed_graph(self, tokens: int) -> tuple:
         """The CUDA graph of a mixed step padded to `tokens` tokens, recorded on first use (warm-up)."""
         if tokens not in self.mixed_steps:
-            from quantserve.server.fastcore.batch import prompt_tile
-
             n_tiles = tokens // prompt_tile(self.groups) + self.seq_pad
             flat, tiles = padded_inputs([], tokens, self.seq_pad, n_tiles, self.groups, self.trash_row)
             flat, tiles = flat.to(self.device), tiles.to(self.device)
@@ -130,15 +129,27 @@ class Steps:
         kv_blocks: the most blocks one of them spans after the step (the reference attention's
         size; the graphs' kernel reads each sequence's own)."""
         n = len(entries)
-        B = self.padded_batch(n)
-        host = torch.zeros((3, B), dtype=torch.long)
-        host[2] = self.trash_row  # padding rows: position 0 of the trash row
-        host[0, :n] = torch.tensor([ids[0] for _, ids, _ in entries])
-        host[1, :n] = torch.tensor([start for _, _, start in entries])
-        host[2, :n] = torch.tensor([row for row, _, _ in entries])
-        out = self.decode_raw(host.to(self.device, non_blocking=True), kv_blocks)[:n]
+        inputs = self.decode_inputs([row for row, _, _ in entries], [start for _, _, start in entries],
+                                    [ids[0] for _, ids, _ in entries])
+        out = self.decode_raw(inputs, kv_blocks)[:n]
         # a graph's logits live in its own buffer, which the next replay overwrites: a copy
         return out.clone() if self.pool is not None and out.dtype == torch.float32 else out.float()
+
+    def decode_inputs(self, rows: list[int], positions: list[int], tokens) -> torch.Tensor:
+        """decode_raw's input on the device, [3, B] (B: the bucket that holds the rows): each row
+        fed tokens[i] at positions[i]; `tokens` a host list, or a device tensor (the previous step's
+        picks, never brought to the host)."""
+        n = len(rows)
+        host = torch.zeros((3, self.padded_batch(n)), dtype=torch.long)
+        host[2] = self.trash_row  # padding rows: position 0 of the trash row
+        host[1, :n] = torch.tensor(positions)
+        host[2, :n] = torch.tensor(rows)
+        if not torch.is_tensor(tokens):
+            host[0, :n] = torch.tensor(tokens)
+        inputs = host.to(self.device, non_blocking=True)
+        if torch.is_tensor(tokens):
+            inputs[0, :n] = tokens
+        return inputs
 
     def decode_raw(self, inputs: torch.Tensor, kv_blocks: int) -> torch.Tensor:
         """The decode step on a device tensor [3, B] (tokens, positions, block-table rows; B a
