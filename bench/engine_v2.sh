@@ -3,17 +3,19 @@
 # machine stays warm between them and keeps /tmp).  Random-weight Llama checkpoints of the 1B and
 # 8B shapes with the default tokenizer; ours: --engine fast --weight-quant int8 --gpu-profile t4;
 # theirs: llama-server on the Q8_0 GGUF of the same checkpoint, -np 32, flash attention.
-#   bench/engine_v2.sh OUT 1   install; llama.cpp's build and the checkpoints start detached; the GPU
-#                              tests of the engine; ours 1B: start-up cold and warm, ~690-token
-#                              prompts at concurrency 1, 8, 32 (warm: with --no-async-scheduling);
-#                              llama-server 1B the same
+#   bench/engine_v2.sh OUT 1   install; llama.cpp's build and the checkpoints start detached; ours 1B:
+#                              start-up cold, ~690-token prompts at concurrency 1, 8, 32 and the
+#                              shared prefix; warm starts with --no-async-scheduling (random) and
+#                              --no-prefix-cache (shared); llama-server 1B the same (GPU_TESTS=1:
+#                              the engine's GPU tests first)
 #   bench/engine_v2.sh OUT 2   8B: llama-server and ours (cold start), random prompts and the shared
 #                              prefix
-#   bench/engine_v2.sh OUT 3   ours 8B warm start, shared prefix without the cache; capacity at
-#                              --context 8192 with fp16 and int8 KV; int8 KV's quality, 1B shape
+#   bench/engine_v2.sh OUT 3   ours 8B warm starts: with --no-async-scheduling (random prompts), with
+#                              --no-prefix-cache (shared prefix)
 #   bench/engine_v2.sh OUT 4   ours alone, 1B: the attention kernel's GPU test, start-up cold and
 #                              warm, random prompts at 1, 8, 32 with py-spy on the server at 1
 #                              (.devwheels/tools carries py-spy's wheel)
+#   bench/engine_v2.sh OUT 5   capacity at --context 8192 with fp16 and int8 KV; int8 KV's quality, 1B
 # Run from the repo root with .devwheels carried (the wheels the GPU image lacks).
 set -uo pipefail
 out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
@@ -105,20 +107,23 @@ if [ "$phase" = 1 ]; then
       > /tmp/checkpoints.log 2>&1 < /dev/null &
   # from /tmp: in the source tree `quantserve` would be the bare folder, not the installed package
   # the compiled blocks inside the CUDA graphs against eager first, then the attention kernel
-  (cd /tmp && timeout 240 python3 -m pytest --import-mode=append -rA -q -p no:cacheprovider \
-      "$repo/tests/serve/test_fastcore.py" "$repo/tests/serve/test_paged_attention.py" \
-      "$repo/tests/serve/test_async_scheduling.py" \
-      -k "compiled_cuda or compiled_triton or graphs_match or launched_ahead_give or close_to_fp32 or match_the_reference") \
-      > "$out/gpu-tests.log" 2>&1 || log "gpu tests: rc=$?"
-  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$out/gpu-tests.log" >> "$out/bench.txt"
+  if [ "${GPU_TESTS:-0}" = 1 ]; then
+    (cd /tmp && timeout 240 python3 -m pytest --import-mode=append -rA -q -p no:cacheprovider \
+        "$repo/tests/serve/test_fastcore.py" "$repo/tests/serve/test_paged_attention.py" \
+        "$repo/tests/serve/test_async_scheduling.py" \
+        -k "compiled_cuda or compiled_triton or graphs_match or launched_ahead_give or close_to_fp32 or match_the_reference") \
+        > "$out/gpu-tests.log" 2>&1 || log "gpu tests: rc=$?"
+    grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$out/gpu-tests.log" >> "$out/bench.txt"
+  fi
   checkpoint llama-3.2-1b
   rm -rf "$QUANTSERVE_HOME/compile"
-  start_ours ours-1b-cold /tmp/ck-llama-3.2-1b "${ours[@]}" && { load ours-1b 8000 random; stop; }
-  # the warm start, serving with decode steps one at a time: async scheduling's effect, same call
+  start_ours ours-1b-cold /tmp/ck-llama-3.2-1b "${ours[@]}" && { load ours-1b 8000 random; load ours-1b 8000 shared; stop; }
+  # warm starts: decode steps one at a time (async scheduling's effect), and no prefix cache
   start_ours ours-1b-warm /tmp/ck-llama-3.2-1b "${ours[@]}" --no-async-scheduling && { load ours-1b-sync 8000 random; stop; }
+  start_ours ours-1b-warm2 /tmp/ck-llama-3.2-1b "${ours[@]}" --no-prefix-cache && { load ours-1b-nocache 8000 shared; stop; }
   for i in $(seq 120); do [ -x /tmp/llama-cpp/bin/llama-server ] && break; sleep 2; done
   tail -n 3 /tmp/llama-build.out >> "$out/bench.txt"
-  start_llama llama-1b /tmp/gguf-llama-3.2-1b/*.gguf && { load llama-1b 8001 random; stop; }
+  start_llama llama-1b /tmp/gguf-llama-3.2-1b/*.gguf && { load llama-1b 8001 random; load llama-1b 8001 shared; stop; }
 elif [ ! -f /tmp/checkpoints.log ]; then
   # a fresh machine (the last one went back between calls): nothing of phase 1 is here, and
   # waiting for its checkpoints would spend the whole call
@@ -126,9 +131,12 @@ elif [ ! -f /tmp/checkpoints.log ]; then
 elif [ "$phase" = 2 ]; then
   checkpoint llama-3.1-8b
   start_llama llama-8b /tmp/gguf-llama-3.1-8b/*.gguf && { load llama-8b 8001 random; load llama-8b 8001 shared; stop; }
+  rm -rf "$QUANTSERVE_HOME/compile"  # cold: nothing of the 1B shape's kernels either
   start_ours ours-8b-cold /tmp/ck-llama-3.1-8b "${ours[@]}" && { load ours-8b 8000 random; load ours-8b 8000 shared; stop; }
+elif [ "$phase" = 3 ]; then
+  start_ours ours-8b-warm /tmp/ck-llama-3.1-8b "${ours[@]}" --no-async-scheduling && { load ours-8b-sync 8000 random; stop; }
+  start_ours ours-8b-warm2 /tmp/ck-llama-3.1-8b "${ours[@]}" --no-prefix-cache && { load ours-8b-nocache 8000 shared; stop; }
 else
-  start_ours ours-8b-warm /tmp/ck-llama-3.1-8b "${ours[@]}" --no-prefix-cache && { load ours-8b-nocache 8000 shared; stop; }
   capacity capacity-fp16-kv ${CAPACITY_FP16:-}
   capacity capacity-int8-kv --kv-cache-dtype int8 ${CAPACITY_INT8:-}
   (cd /tmp && timeout 120 python3 -m quantserve.bench.kv_quality --shape 1b) > "$out/kv-quality-1b.txt" 2>&1 \

@@ -93,6 +93,12 @@ class FastCore:
         self.device, self.dtype, self.weight_quant, self.quant_kernel = device, dtype, weight_quant, quant_kernel
         self.max_slots, self.max_seq, self.max_batched_tokens = max_slots, max_seq, max(max_batched_tokens, PROMPT_PIECE)
         self.kv_int8 = kv_cache_dtype == "int8"
+        if device.type == "cuda" and compile is not False:
+            # inductor's compile workers take seconds to start: started now, they come up while
+            # the weights load rather than when the first step compiles
+            from torch._inductor.async_compile import maybe_warm_pool
+
+            maybe_warm_pool()
         t0 = time.perf_counter()
         weights = open_weights(model, device, dtype, weight_quant, random_config, seed)
         self.prequantized = weights.prequantized  # an AWQ / GPTQ checkpoint's quantization (quant/prequantized.py)

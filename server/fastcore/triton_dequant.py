@@ -19,9 +19,23 @@ import inspect
 import triton
 import triton.language as tl
 
-# the autotuners' choices kept on disk with the compiled kernels (compile_cache.py), where this
-# Triton can: a warm start then times no configs at all
-AUTOTUNE_ON_DISK = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+
+def quick_bench(kernel_call, quantiles=None):
+    """The weight kernels' timer at start-up.  Triton's default runs every candidate for 25 ms of
+    warm-up and 100 ms of timing; over the ~50 (layer shape, forward size) pairs a model tunes,
+    with 3-7 candidates each, that was most of a cold start's ~30 s of tuning.  A weight kernel
+    runs for 5-600 µs, so 20 ms still averages 30 or more calls (the L2 cache flushed between
+    them, as do_bench does)."""
+    from triton.testing import do_bench
+
+    return do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
+
+
+# The autotuners' options, where this Triton has them: the quick timer, and the choices kept on
+# disk with the compiled kernels (compile_cache.py), so that a warm start times no configs at all.
+_AUTOTUNE_PARAMETERS = inspect.signature(triton.autotune).parameters
+AUTOTUNE_OPTIONS = ({"cache_results": True} if "cache_results" in _AUTOTUNE_PARAMETERS else {}) | (
+    {"do_bench": quick_bench} if "do_bench" in _AUTOTUNE_PARAMETERS else {})
 
 
 @triton.jit

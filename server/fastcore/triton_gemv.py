@@ -34,7 +34,7 @@ import os
 import triton
 import triton.language as tl
 
-from quantserve.server.fastcore.triton_dequant import AUTOTUNE_ON_DISK
+from quantserve.server.fastcore.triton_dequant import AUTOTUNE_OPTIONS
 
 # (BLOCK_N, BLOCK_K, warps): one 4-byte word per thread and row, the warps side by side along K,
 # so BLOCK_K = 128 * warps (int8: 4 columns a word) or 256 * warps (int4: 8 columns a word)
@@ -223,7 +223,7 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, st
 
 def _tuned(kernel, shapes):
     return triton.autotune(configs=_configs(shapes), key=["N", "K"], prune_configs_by={"early_config_prune": _prune},
-                           reset_to_zero=["out_ptr"], **AUTOTUNE_ON_DISK)(kernel)
+                           reset_to_zero=["out_ptr"], **AUTOTUNE_OPTIONS)(kernel)
 
 
 int8_gemv_kernel, int4_gemv_kernel = _tuned(_int8_gemv_kernel, _INT8), _tuned(_int4_gemv_kernel, _INT4)

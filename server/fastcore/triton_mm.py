@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from quantserve.server.fastcore.triton_dequant import AUTOTUNE_ON_DISK, int8_to, nibble_to
+from quantserve.server.fastcore.triton_dequant import AUTOTUNE_OPTIONS, int8_to, nibble_to, quick_bench
 from quantserve.server.fastcore.triton_gemv import fits as gemv_fits, int4_gemv_kernel, int8_gemv_kernel
 
 
@@ -129,7 +129,7 @@ PROMPT_BLOCK_M = 128
 
 def _tuned(kernel, configs=_configs):
     return triton.autotune(configs=configs(), key=["M_BUCKET", "N", "K"],
-                           prune_configs_by={"early_config_prune": _prune}, reset_to_zero=["out_ptr"], **AUTOTUNE_ON_DISK)(kernel)
+                           prune_configs_by={"early_config_prune": _prune}, reset_to_zero=["out_ptr"], **AUTOTUNE_OPTIONS)(kernel)
 
 
 int8_kernel, int4_kernel = _tuned(_int8_kernel), _tuned(_int4_kernel)
@@ -181,9 +181,7 @@ def _fastest(choices: list[tuple], M: int, N: int, K: int, x: torch.Tensor, args
     takes least GPU time, timed with the L2 cache flushed between calls as a decode step sees it."""
     if len(choices) == 1:
         return choices[0]
-    from triton.testing import do_bench
-
-    times = [do_bench(lambda c=c: _run(*c[:3], M, N, K, x, args, {**extra, **c[3]})) for c in choices]
+    times = [quick_bench(lambda c=c: _run(*c[:3], M, N, K, x, args, {**extra, **c[3]})) for c in choices]
     return choices[times.index(min(times))]
 
 
