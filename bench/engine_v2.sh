@@ -8,10 +8,10 @@
 #                              shared prefix; warm starts with --no-async-scheduling (random) and
 #                              --no-prefix-cache (shared); llama-server 1B the same (GPU_TESTS=1:
 #                              the engine's GPU tests first)
-#   bench/engine_v2.sh OUT 2   8B: llama-server and ours (cold start), random prompts and the shared
-#                              prefix
-#   bench/engine_v2.sh OUT 3   ours 8B warm starts: with --no-async-scheduling (random prompts), with
-#                              --no-prefix-cache (shared prefix)
+#   bench/engine_v2.sh OUT 2   8B, ours: start-up cold, random prompts and the shared prefix (on a
+#                              fresh machine: phase 1's setup first, for the 8B shape only)
+#   bench/engine_v2.sh OUT 3   8B: llama-server, random prompts and the shared prefix; ours warm
+#                              starts with --no-async-scheduling (random), --no-prefix-cache (shared)
 #   bench/engine_v2.sh OUT 4   ours alone, 1B: the attention kernel's GPU test, start-up cold and
 #                              warm, random prompts at 1, 8, 32 with py-spy on the server at 1
 #                              (.devwheels/tools carries py-spy's wheel)
@@ -57,8 +57,8 @@ start_llama() {  # LABEL GGUF
   wait_ready 8001 $PID "$1"
 }
 stop() { kill -TERM "$PID" 2>/dev/null; wait "$PID" 2>/dev/null || true; }
-checkpoint() {  # SHAPE: wait for the detached job's checkpoint and GGUF
-  for i in $(seq 300); do [ -f "/tmp/ck-$1.done" ] && return 0; sleep 2; done; log "no checkpoint $1"; return 1
+checkpoint() {  # SHAPE [ready]: wait for the detached job's checkpoint and GGUF (ready: the checkpoint)
+  for i in $(seq 300); do [ -f "/tmp/ck-$1.${2:-done}" ] && return 0; sleep 2; done; log "no checkpoint $1"; return 1
 }
 capacity() {  # LABEL ARGS...: 64 concurrent ~1,200-token prompts at --context 8192; most running at once
   start_ours "$1" /tmp/ck-llama-3.1-8b --engine fast --weight-quant int8 --gpu-profile t4 --max-batch 64 \
@@ -94,17 +94,22 @@ if [ "$phase" = 4 ]; then
   log "phase 4 done"; exit 0
 fi
 
-if [ "$phase" = 1 ]; then
-  install
-  (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) | tee "$out/bench.txt"
+install  # every phase: a warm machine keeps the last call's quantserve
+if [ "$phase" = 1 ] || { [ "$phase" = 2 ] && [ ! -f /tmp/checkpoints.log ]; }; then
+  # a fresh machine: llama.cpp's build and the checkpoints (with their Q8_0 GGUFs), detached
+  (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) | tee -a "$out/bench.txt"
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" \
       | tee -a "$out/bench.txt"
   [ -x /tmp/llama-cpp/bin/llama-server ] || setsid nohup nice -n 19 bash .devwheels/device-llama-cpp.sh \
       .devwheels/llama/llama_cpp_python-0.3.36.tar.gz /tmp/llama-cpp 90 > /tmp/llama-build.out 2>&1 < /dev/null &
-  setsid nohup bash -c "cd /tmp && for s in llama-3.2-1b llama-3.1-8b; do [ -f /tmp/ck-\$s.done ] || { \
-      python3 -m quantserve.bench.make_checkpoint --shape \$s --out /tmp/ck-\$s --context 8192 && \
+  shapes="llama-3.2-1b llama-3.1-8b"; [ "$phase" = 2 ] && shapes=llama-3.1-8b
+  # ck-SHAPE.ready: the checkpoint (ours can start); ck-SHAPE.done: its GGUF too (llama-server can)
+  setsid nohup bash -c "cd /tmp && for s in $shapes; do [ -f /tmp/ck-\$s.done ] || { \
+      python3 -m quantserve.bench.make_checkpoint --shape \$s --out /tmp/ck-\$s --context 8192 && touch /tmp/ck-\$s.ready && \
       python3 -m quantserve convert /tmp/ck-\$s -f gguf-q8_0 -o /tmp/gguf-\$s -q && touch /tmp/ck-\$s.done; }; done" \
       > /tmp/checkpoints.log 2>&1 < /dev/null &
+fi
+if [ "$phase" = 1 ]; then
   # from /tmp: in the source tree `quantserve` would be the bare folder, not the installed package
   # the compiled blocks inside the CUDA graphs against eager first, then the attention kernel
   if [ "${GPU_TESTS:-0}" = 1 ]; then
@@ -125,15 +130,17 @@ if [ "$phase" = 1 ]; then
   tail -n 3 /tmp/llama-build.out >> "$out/bench.txt"
   start_llama llama-1b /tmp/gguf-llama-3.2-1b/*.gguf && { load llama-1b 8001 random; load llama-1b 8001 shared; stop; }
 elif [ ! -f /tmp/checkpoints.log ]; then
-  # a fresh machine (the last one went back between calls): nothing of phase 1 is here, and
-  # waiting for its checkpoints would spend the whole call
-  log "phase $phase needs phase 1's files in /tmp: this machine is fresh, run phase 1 first"; exit 3
+  # a fresh machine (the last one went back between calls): nothing of phase 2 is here, and
+  # waiting for its checkpoint would spend the whole call
+  log "phase $phase needs phase 2's files in /tmp: this machine is fresh, run phase 2 first"; exit 3
 elif [ "$phase" = 2 ]; then
-  checkpoint llama-3.1-8b
-  start_llama llama-8b /tmp/gguf-llama-3.1-8b/*.gguf && { load llama-8b 8001 random; load llama-8b 8001 shared; stop; }
+  checkpoint llama-3.1-8b ready
   rm -rf "$QUANTSERVE_HOME/compile"  # cold: nothing of the 1B shape's kernels either
   start_ours ours-8b-cold /tmp/ck-llama-3.1-8b "${ours[@]}" && { load ours-8b 8000 random; load ours-8b 8000 shared; stop; }
 elif [ "$phase" = 3 ]; then
+  checkpoint llama-3.1-8b
+  for i in $(seq 150); do [ -x /tmp/llama-cpp/bin/llama-server ] && break; sleep 2; done
+  start_llama llama-8b /tmp/gguf-llama-3.1-8b/*.gguf && { load llama-8b 8001 random; load llama-8b 8001 shared; stop; }
   start_ours ours-8b-warm /tmp/ck-llama-3.1-8b "${ours[@]}" --no-async-scheduling && { load ours-8b-sync 8000 random; stop; }
   start_ours ours-8b-warm2 /tmp/ck-llama-3.1-8b "${ours[@]}" --no-prefix-cache && { load ours-8b-nocache 8000 shared; stop; }
 else

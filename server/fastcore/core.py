@@ -108,6 +108,12 @@ class FastCore:
         self.model = build_transformer(weights, self.args, device, dtype, weight_quant, quant_kernel, group_size)
         self.attention = use_attention(self.model, attention, device)
         self.load_seconds = time.perf_counter() - t0
+        if device.type == "cuda":
+            # the load's fp16 copies are freed but stay held by the caching allocator, in pieces
+            # the sizes of the checkpoint's tensors: under a per-process cap (the T4 profile) they
+            # count as used, and an allocation of another size cannot reuse them (an 8B model ran
+            # out of memory at warm-up with 1 GiB held that way)
+            torch.cuda.empty_cache()
         if kv_blocks is None:
             kv_blocks = self.blocks_for_budget(kv_budget_gib)
         self.pool = BlockPool(kv_blocks, max_slots, prefix_cache)
@@ -160,7 +166,7 @@ class FastCore:
             # respect a per-process cap (the T4 profile) as well as what the device has free
             cap = torch.cuda.get_per_process_memory_fraction(self.device) * torch.cuda.get_device_properties(self.device).total_memory \
                 if hasattr(torch.cuda, "get_per_process_memory_fraction") else free
-            budget_gib = min(free, cap - torch.cuda.memory_allocated(self.device)) / 2**30
+            budget_gib = min(free, cap - torch.cuda.memory_reserved(self.device)) / 2**30
         per_block = BLOCK * self.kv_bytes_per_token() / 2**30
         return max(1, min(2 * self.max_slots * per_seq, int((budget_gib - reserve_gib) / per_block)))
 
@@ -352,6 +358,10 @@ class FastCore:
                     break  # more than the slots or the pool hold: no forward that large ever runs
                 for s in slots:
                     self.pool.start(s, [])  # from position 0 again, the blocks back in the pool
+                if self.device.type == "cuda":
+                    # the last size's activations and tuning buffers, freed, would stay held in
+                    # pieces of their own sizes (see __init__): given back before this one
+                    torch.cuda.empty_cache()
                 self.step([(s, [0] * n) for s, n in zip(slots, pieces)])
         finally:
             for s in slots:
