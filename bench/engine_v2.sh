@@ -129,7 +129,7 @@ if [ "$phase" = 1 ]; then
   for i in $(seq 120); do [ -x /tmp/llama-cpp/bin/llama-server ] && break; sleep 2; done
   tail -n 3 /tmp/llama-build.out >> "$out/bench.txt"
   start_llama llama-1b /tmp/gguf-llama-3.2-1b/*.gguf && { load llama-1b 8001 random; load llama-1b 8001 shared; stop; }
-elif [ ! -f /tmp/checkpoints.log ]; then
+elif [ ! -f /tmp/checkpoints.log ] && [ "$phase" != 2 ]; then
   # a fresh machine (the last one went back between calls): nothing of phase 2 is here, and
   # waiting for its checkpoint would spend the whole call
   log "phase $phase needs phase 2's files in /tmp: this machine is fresh, run phase 2 first"; exit 3
