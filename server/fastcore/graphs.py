@@ -54,6 +54,7 @@ class Steps:
         self.buckets = tuple(b for b in BATCH_BUCKETS if b < max_seqs) + (max_seqs,)
         self.graphs: dict[int, tuple] = {}  # batch bucket -> (graph, its input buffer, its logits)
         self.pool = torch.cuda.graph_pool_handle() if graphs else None
+        self._side = None  # the stream the graphs' warm-up runs go on (_capture)
         # mixed steps: a bucket must exceed the tokens it holds (one padding token at least)
         self.mixed_graphs = graphs and compile
         self.token_buckets = tuple(b for b in TOKEN_BUCKETS if b <= max_tokens) + (-(-(max_tokens + 1) // 16) * 16,)
@@ -191,7 +192,13 @@ class Steps:
         kernels and lets cuBLAS pick its workspaces outside the capture.  All graphs share one
         memory pool; they replay one at a time on one stream, and each replay overwrites the
         output of the last."""
-        side = torch.cuda.Stream(self.device)
+        # one side stream for every capture: the caching allocator keeps a stream's freed blocks
+        # for that stream alone, so a new stream per graph left each warm-up run's activations
+        # held where nothing else could use them (an 8B model under the T4 profile ran out of
+        # memory at warm-up with 1.6 GiB held that way)
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        side = self._side
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
