@@ -15,6 +15,9 @@
 #   bench/engine_v2.sh OUT 4   ours alone, 1B: the attention kernel's GPU test, start-up cold and
 #                              warm, random prompts at 1, 8, 32 with py-spy on the server at 1
 #                              (.devwheels/tools carries py-spy's wheel)
+#   bench/engine_v2.sh OUT 6   ours alone (a fresh machine, no llama.cpp build beside it): 1B cold
+#                              start, random and shared loads with py-spy on the server, warm start;
+#                              8B cold and warm starts (each start-up part by part in the logs)
 #   bench/engine_v2.sh OUT 5   capacity at --context 8192 with fp16 and int8 KV; int8 KV's quality, 1B
 # Run from the repo root with .devwheels carried (the wheels the GPU image lacks).
 set -uo pipefail
@@ -73,6 +76,27 @@ install() {
   # this tree's quantserve every time: a warm machine keeps the last call's
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target "$site" .
 }
+
+if [ "$phase" = 6 ]; then  # start-up, part by part, and a profile of the server under load: ours alone
+  install
+  python3 -m pip install -q --no-index --no-deps --target /tmp/tools .devwheels/tools/*.whl
+  (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) | tee -a "$out/bench.txt"
+  setsid nohup bash -c "cd /tmp && for s in llama-3.2-1b llama-3.1-8b; do python3 -m quantserve.bench.make_checkpoint \
+      --shape \$s --out /tmp/ck-\$s --context 8192 && touch /tmp/ck-\$s.ready; done" > /tmp/checkpoints.log 2>&1 < /dev/null &
+  checkpoint llama-3.2-1b ready
+  rm -rf "$QUANTSERVE_HOME/compile"
+  if start_ours ours-1b-cold /tmp/ck-llama-3.2-1b "${ours[@]}"; then
+    /tmp/tools/bin/py-spy record -p "$PID" -d 12 -r 200 -f raw --threads -o "$out/pyspy-1b-load.txt" > /dev/null 2>&1 &
+    load ours-1b 8000 random; load ours-1b 8000 shared; stop
+  fi
+  start_ours ours-1b-warm /tmp/ck-llama-3.2-1b "${ours[@]}" && stop
+  checkpoint llama-3.1-8b ready
+  rm -rf "$QUANTSERVE_HOME/compile"
+  start_ours ours-8b-cold /tmp/ck-llama-3.1-8b "${ours[@]}" && stop
+  start_ours ours-8b-warm /tmp/ck-llama-3.1-8b "${ours[@]}" && stop
+  grep -h "loaded fast engine" "$out"/ours-*.log >> "$out/bench.txt"
+  log "phase 6 done"; exit 0
+fi
 
 if [ "$phase" = 4 ]; then
   install

@@ -93,12 +93,14 @@ class FastCore:
         self.device, self.dtype, self.weight_quant, self.quant_kernel = device, dtype, weight_quant, quant_kernel
         self.max_slots, self.max_seq, self.max_batched_tokens = max_slots, max_seq, max(max_batched_tokens, PROMPT_PIECE)
         self.kv_int8 = kv_cache_dtype == "int8"
+        t0 = time.perf_counter()
         if device.type == "cuda" and compile is not False:
             # inductor's compile workers take seconds to start: started now, they come up while
             # the weights load rather than when the first step compiles
             from torch._inductor.async_compile import maybe_warm_pool
 
             maybe_warm_pool()
+        self.start_up = {"compile workers": time.perf_counter() - t0}  # seconds of each part of __init__
         t0 = time.perf_counter()
         weights = open_weights(model, device, dtype, weight_quant, random_config, seed)
         self.prequantized = weights.prequantized  # an AWQ / GPTQ checkpoint's quantization (quant/prequantized.py)
@@ -116,6 +118,8 @@ class FastCore:
             torch.cuda.empty_cache()
         if kv_blocks is None:
             kv_blocks = self.blocks_for_budget(kv_budget_gib)
+        self.start_up["weights"] = self.load_seconds
+        t0 = time.perf_counter()
         self.pool = BlockPool(kv_blocks, max_slots, prefix_cache)
         self.model.setup_caches(kv_blocks, max_slots, max_seq, weights.rope, dtype, device,
                                 torch.int8 if self.kv_int8 else None)
@@ -123,6 +127,7 @@ class FastCore:
         graphs = self.compile and device.type == "cuda" and self.attention == "triton"
         self.steps = Steps(self.model, device, max_slots, self.compile, graphs, weight_quant, quant_kernel,
                            self.max_batched_tokens, self.groups)
+        self.start_up["kv pool"] = time.perf_counter() - t0
 
     # ---- sizes ---------------------------------------------------------------------------------
     def weight_bytes_per_token(self) -> int:

@@ -8,6 +8,7 @@ and the EngineInfo the server reports.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from quantserve.server.config import EngineOptions
@@ -26,8 +27,10 @@ def load_fast(path: Path, gpu_profile: str | None, context: int | None, max_batc
     from quantserve.quant.prequantized import quantization_config, quantization_problem
     from quantserve.server.fastcore.adapter import FastCoreBackend
 
+    t0 = time.perf_counter()
     caps = detect(gpu_profile)
     apply_profile(caps)
+    start_up = {"device": time.perf_counter() - t0}  # seconds of each part of the start-up, for /health
     problem = quantization_problem(path)
     if problem:
         raise ModelLoadError(problem)
@@ -48,6 +51,7 @@ def load_fast(path: Path, gpu_profile: str | None, context: int | None, max_batc
         from quantserve.server.fastcore.compile_cache import use_compile_cache
 
         compile_cache = use_compile_cache(caps.gpu_name or "cuda")
+    t0 = time.perf_counter()
     try:
         backend = FastCoreBackend(str(path), max_batch, context, weight_quant=weight_quant, profile=caps.profile,
                                   prefix_cache=prefix_cache, kv_cache_dtype=kv_cache_dtype, kv_blocks=kv_blocks,
@@ -56,6 +60,11 @@ def load_fast(path: Path, gpu_profile: str | None, context: int | None, max_batc
     except (ValueError, KeyError, NotImplementedError) as e:
         raise ModelLoadError(f"cannot run {path} ({e}); use the hf engine", "engine", "fast") from e
     core = backend.core
+    start_up.update(core.start_up, **{"warm-up": backend.warm_up_s})
+    start_up["other"] = time.perf_counter() - t0 - sum(core.start_up.values()) - backend.warm_up_s
+    t0 = time.perf_counter()
+    tokenizer = HFTokenizer(load_tokenizer(path))
+    start_up["tokenizer"] = time.perf_counter() - t0
     info = EngineInfo(engine="fast", model_path=str(path), context_length=context, max_batch=max_batch,
                       max_queue=max_queue, device=str(core.device), dtype=str(core.dtype).replace("torch.", ""),
                       attention=f"{core.attention} (paged KV cache, {core.pool.num_blocks} blocks of 16 tokens)",
@@ -68,5 +77,6 @@ def load_fast(path: Path, gpu_profile: str | None, context: int | None, max_batc
                              "hidden_size": core.args.dim,
                              "kv_cache_dtype": "int8" if core.kv_int8 else str(core.dtype).replace("torch.", ""),
                              "warm_up_s": round(getattr(backend, "warm_up_s", 0.0), 1),
-                             "compile_cache": str(compile_cache) if compile_cache else None})
-    return backend, HFTokenizer(load_tokenizer(path)), info
+                             "compile_cache": str(compile_cache) if compile_cache else None,
+                             "start_up_s": {part: round(t, 2) for part, t in start_up.items()}})
+    return backend, tokenizer, info

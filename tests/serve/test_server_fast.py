@@ -29,6 +29,10 @@ def test_fast_engine_is_reported(server):
     assert server.health["engine"] == "fast"
     assert server.health["max_num_batched_tokens"] == 32
     assert server.health["kv_blocks"] == 16 * 512 // 16  # on a CPU: a whole context per sequence
+    # where the start-up went, part by part, and nothing left out of the total
+    parts = server.health["start_up_s"]
+    assert {"device", "weights", "kv pool", "warm-up", "tokenizer", "first request, scheduler"} <= set(parts)
+    assert 0 < sum(parts.values()) <= server.health["ready_s"] + 0.1
     assert server.client().models.list().data[0].model_dump()["engine"] == "fast"
 
 
