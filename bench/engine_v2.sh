@@ -18,6 +18,7 @@
 #   bench/engine_v2.sh OUT 6   ours alone (a fresh machine, no llama.cpp build beside it): 1B cold
 #                              start, random and shared loads with py-spy on the server, warm start;
 #                              8B cold and warm starts (each start-up part by part in the logs)
+#   bench/engine_v2.sh OUT 7   ours alone, 8B, a fresh machine: cold start, random prompts, warm start
 #   bench/engine_v2.sh OUT 5   capacity at --context 8192 with fp16 and int8 KV; int8 KV's quality, 1B
 # Run from the repo root with .devwheels carried (the wheels the GPU image lacks).
 set -uo pipefail
@@ -96,6 +97,17 @@ if [ "$phase" = 6 ]; then  # start-up, part by part, and a profile of the server
   start_ours ours-8b-warm /tmp/ck-llama-3.1-8b "${ours[@]}" && stop
   grep -h "loaded fast engine" "$out"/ours-*.log >> "$out/bench.txt"
   log "phase 6 done"; exit 0
+fi
+
+if [ "$phase" = 7 ]; then  # 8B alone on a fresh machine: cold start, random prompts, warm start
+  install
+  (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) | tee -a "$out/bench.txt"
+  (cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape llama-3.1-8b --out /tmp/ck-llama-3.1-8b \
+      --context 8192 > /tmp/checkpoints.log 2>&1) || { log "no checkpoint"; exit 1; }
+  start_ours ours-8b-cold /tmp/ck-llama-3.1-8b "${ours[@]}" && { load ours-8b 8000 random; stop; }
+  start_ours ours-8b-warm /tmp/ck-llama-3.1-8b "${ours[@]}" && stop
+  grep -h "loaded fast engine" "$out"/ours-*.log >> "$out/bench.txt"
+  log "phase 7 done"; exit 0
 fi
 
 if [ "$phase" = 4 ]; then

@@ -25,6 +25,7 @@ step's entries, attention.py attends over the pages, graphs.py runs the compiled
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
 import torch
@@ -93,14 +94,15 @@ class FastCore:
         self.device, self.dtype, self.weight_quant, self.quant_kernel = device, dtype, weight_quant, quant_kernel
         self.max_slots, self.max_seq, self.max_batched_tokens = max_slots, max_seq, max(max_batched_tokens, PROMPT_PIECE)
         self.kv_int8 = kv_cache_dtype == "int8"
-        t0 = time.perf_counter()
+        self._compile_workers = None
         if device.type == "cuda" and compile is not False:
-            # inductor's compile workers take seconds to start: started now, they come up while
-            # the weights load rather than when the first step compiles
-            from torch._inductor.async_compile import maybe_warm_pool
-
-            maybe_warm_pool()
-        self.start_up = {"compile workers": time.perf_counter() - t0}  # seconds of each part of __init__
+            # inductor starts its compile workers at the first compile, and waits for them (4-7 s
+            # on a 16-core H200 host, a warm start's compile included): started on a thread of
+            # their own now, they come up while the weights load
+            self._compile_workers = threading.Thread(target=_start_compile_workers, name="quantserve-compile-workers",
+                                                     daemon=True)
+            self._compile_workers.start()
+        self.start_up = {}  # seconds of each part of __init__ and warm_up, for /health
         t0 = time.perf_counter()
         weights = open_weights(model, device, dtype, weight_quant, random_config, seed)
         self.prequantized = weights.prequantized  # an AWQ / GPTQ checkpoint's quantization (quant/prequantized.py)
@@ -128,6 +130,10 @@ class FastCore:
         self.steps = Steps(self.model, device, max_slots, self.compile, graphs, weight_quant, quant_kernel,
                            self.max_batched_tokens, self.groups)
         self.start_up["kv pool"] = time.perf_counter() - t0
+        if self._compile_workers is not None:  # up before anything compiles (inductor would start its own)
+            t0 = time.perf_counter()
+            self._compile_workers.join()
+            self.start_up["compile workers (the rest)"] = time.perf_counter() - t0
 
     # ---- sizes ---------------------------------------------------------------------------------
     def weight_bytes_per_token(self) -> int:
@@ -256,7 +262,11 @@ class FastCore:
         for i, r in enumerate(rows):
             blocks = self.pool.table[r]
             host[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        self.model.block_table[torch.tensor(rows, device=self.device)] = host.to(self.device)
+        # non-blocking copies (staged by the driver; no wait for the GPU): a blocking one waited
+        # for the step in flight, which with async scheduling happened whenever a sequence
+        # crossed into a new block (a quarter of the scheduler's time at 32 sequences, py-spy)
+        index = torch.tensor(rows).to(self.device, non_blocking=True)
+        self.model.block_table[index] = host.to(self.device, non_blocking=True)
         self.pool.dirty.clear()
 
     # ---- conveniences over `step` --------------------------------------------------------------
@@ -372,6 +382,15 @@ class FastCore:
             for s in slots:
                 self.release(s)
             self.pool.forget_all()  # the warm-up's tokens are no prefix anyone asked for
+
+
+def _start_compile_workers() -> None:
+    from torch._inductor.async_compile import maybe_warm_pool
+
+    try:
+        maybe_warm_pool()
+    except Exception:  # noqa: BLE001  inductor starts them again at the first compile, and says what failed there
+        pass
 
 
 __all__ = ["FastCore", "KVPoolFull", "PendingTokens"]
