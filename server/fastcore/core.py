@@ -25,7 +25,6 @@ step's entries, attention.py attends over the pages, graphs.py runs the compiled
 from __future__ import annotations
 
 import sys
-import threading
 import time
 
 import torch
@@ -94,14 +93,6 @@ class FastCore:
         self.device, self.dtype, self.weight_quant, self.quant_kernel = device, dtype, weight_quant, quant_kernel
         self.max_slots, self.max_seq, self.max_batched_tokens = max_slots, max_seq, max(max_batched_tokens, PROMPT_PIECE)
         self.kv_int8 = kv_cache_dtype == "int8"
-        self._compile_workers = None
-        if device.type == "cuda" and compile is not False:
-            # inductor starts its compile workers at the first compile, and waits for them (4-7 s
-            # on a 16-core H200 host, a warm start's compile included): started on a thread of
-            # their own now, they come up while the weights load
-            self._compile_workers = threading.Thread(target=_start_compile_workers, name="quantserve-compile-workers",
-                                                     daemon=True)
-            self._compile_workers.start()
         self.start_up = {}  # seconds of each part of __init__ and warm_up, for /health
         t0 = time.perf_counter()
         weights = open_weights(model, device, dtype, weight_quant, random_config, seed)
@@ -130,10 +121,6 @@ class FastCore:
         self.steps = Steps(self.model, device, max_slots, self.compile, graphs, weight_quant, quant_kernel,
                            self.max_batched_tokens, self.groups)
         self.start_up["kv pool"] = time.perf_counter() - t0
-        if self._compile_workers is not None:  # up before anything compiles (inductor would start its own)
-            t0 = time.perf_counter()
-            self._compile_workers.join()
-            self.start_up["compile workers (the rest)"] = time.perf_counter() - t0
 
     # ---- sizes ---------------------------------------------------------------------------------
     def weight_bytes_per_token(self) -> int:
@@ -382,15 +369,6 @@ class FastCore:
             for s in slots:
                 self.release(s)
             self.pool.forget_all()  # the warm-up's tokens are no prefix anyone asked for
-
-
-def _start_compile_workers() -> None:
-    from torch._inductor.async_compile import maybe_warm_pool
-
-    try:
-        maybe_warm_pool()
-    except Exception:  # noqa: BLE001  inductor starts them again at the first compile, and says what failed there
-        pass
 
 
 __all__ = ["FastCore", "KVPoolFull", "PendingTokens"]
