@@ -27,6 +27,7 @@ from quantserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, 
 from quantserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
                                         ModelCard, ModelList, ResponsesRequest, TokenizeRequest)
 from quantserve.server.serving import ServerState, check_model
+from quantserve.server.tokenizing import encode_all
 
 log = logging.getLogger("quantserve.server")
 
@@ -172,7 +173,7 @@ async def get_model(model_id: str, request: Request):
 async def completions(body: CompletionRequest, request: Request):
     state = ready(request)
     if body.stream:
-        job, texts = serving_completions.prepare(state, body)
+        job, texts = await serving_completions.prepare(state, body)
         return SSEResponse(serving_completions.stream(state, body, job, texts), job.cancel)
     return await serving_completions.complete(state, body, request)
 
@@ -181,7 +182,7 @@ async def completions(body: CompletionRequest, request: Request):
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     state = ready(request)
     if body.stream:
-        job, plan = serving_chat.prepare(state, body)
+        job, plan = await serving_chat.prepare(state, body)
         return SSEResponse(serving_chat.stream(state, body, job, plan), job.cancel)
     return await serving_chat.complete(state, body, request)
 
@@ -195,7 +196,7 @@ async def embeddings(body: EmbeddingRequest, request: Request):
 async def responses(body: ResponsesRequest, request: Request):
     state = ready(request)
     if body.stream:
-        job, plan = serving_responses.prepare_stream(state, body)
+        job, plan = await serving_responses.prepare_stream(state, body)
         return SSEResponse(serving_responses.stream(state, body, job, plan), job.cancel)
     return await serving_responses.respond(state, body, request)
 
@@ -207,9 +208,9 @@ async def tokenize(body: TokenizeRequest, request: Request):
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt or messages", param="prompt")
     if body.messages is not None:
-        tokens = serving_chat.render_prompt(state, [{"role": m.role, "content": m.text()} for m in body.messages])
+        tokens = await serving_chat.render_prompt(state, [{"role": m.role, "content": m.text()} for m in body.messages])
     else:
-        tokens = state.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        tokens = (await encode_all(state.engine.tokenizer, [body.prompt], body.add_special_tokens))[0]
     return {"tokens": tokens, "count": len(tokens), "max_model_len": state.engine.info.context_length}
 
 

@@ -11,6 +11,11 @@ from quantserve.server.exceptions import ModelLoadError, NoChatTemplateError
 
 
 class HFTokenizer:
+    # encode and decode only read the Rust tokenizer (transformers changes its truncation and
+    # padding settings only when a call asks for others, which nothing here does): prompts may be
+    # encoded on worker threads while the event loop decodes (server/tokenizing.py)
+    thread_safe = True
+
     def __init__(self, tokenizer):
         self.tok = tokenizer
         # the server checks prompts against its own --context; the tokenizer's model_max_length

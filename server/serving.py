@@ -22,6 +22,7 @@ from quantserve.server.metrics import Metrics
 from quantserve.server.protocol import PromptTokensDetails, Usage, _SamplingFields
 from quantserve.server.sampling import SamplingParams
 from quantserve.server.textstream import ChoiceText, Delta
+from quantserve.server.tokenizing import encode_all
 
 log = logging.getLogger("quantserve.server")
 
@@ -83,9 +84,10 @@ class Job:
         return sum(c.completion_tokens for c in self.choices)
 
 
-def tokenized(tokenizer, value, param: str) -> tuple[list[list[int]], list[str]]:
+async def tokenized(tokenizer, value, param: str) -> tuple[list[list[int]], list[str]]:
     """Token ids and text of a prompt-shaped field (a string, strings, token ids or lists of them:
-    completions' `prompt`, embeddings' `input`); texts get the tokenizer's special tokens."""
+    completions' `prompt`, embeddings' `input`); texts get the tokenizer's special tokens (long
+    ones encoded off the event loop: tokenizing.py)."""
     if isinstance(value, str):
         texts = [value]
     elif value and all(isinstance(x, int) for x in value):
@@ -96,7 +98,7 @@ def tokenized(tokenizer, value, param: str) -> tuple[list[list[int]], list[str]]
         texts = list(value)
     else:
         raise APIError(400, f"{param} must be a string, a list of strings, or token ids", param=param)
-    return [tokenizer.encode(t, add_special_tokens=True) for t in texts], texts
+    return await encode_all(tokenizer, texts, add_special_tokens=True), texts
 
 
 def _in_vocab(tokenizer, ids: list[int], param: str) -> list[int]:

@@ -13,6 +13,7 @@ from quantserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkC
 from quantserve.server.serving import (Job, ServerState, check_model, collect, new_id, run_job,
                                        run_to_reply, sse_error, start_job)
 from quantserve.server.textstream import LogprobEntry
+from quantserve.server.tokenizing import encode_all
 from quantserve.server.unsupported import refuse_unsupported
 from quantserve.server.exceptions import NoChatTemplateError, RequestFieldError
 
@@ -62,7 +63,7 @@ def conversation(state: ServerState, req: ChatCompletionRequest, plan) -> tuple[
     return render_fallback(messages, plan, tool_format(state)), {}
 
 
-def render_prompt(state: ServerState, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+async def render_prompt(state: ServerState, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
     tok = state.engine.tokenizer
     try:
         text = tok.render_chat(messages, **(template_kwargs or {}))
@@ -71,7 +72,7 @@ def render_prompt(state: ServerState, messages: list[dict], template_kwargs: dic
     except Exception as e:  # template errors (e.g. roles the template refuses) are the caller's
         raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
     # the rendered text already holds BOS and the special tokens: no second BOS
-    return tok.encode(text, add_special_tokens=False)
+    return (await encode_all(tok, [text], add_special_tokens=False))[0]
 
 
 def _logprobs_out(entries: list[LogprobEntry]) -> ChoiceLogprobs:
@@ -81,7 +82,7 @@ def _logprobs_out(entries: list[LogprobEntry]) -> ChoiceLogprobs:
         for e in entries])
 
 
-def prepare(state: ServerState, req: ChatCompletionRequest):
+async def prepare(state: ServerState, req: ChatCompletionRequest):
     """(the job, its tool plan or None)."""
     from quantserve.server.structured import OutputFormat
 
@@ -94,7 +95,7 @@ def prepare(state: ServerState, req: ChatCompletionRequest):
         raise APIError(400, f"chat_template_kwargs cannot set {sorted(reserved)[0]!r}", param="chat_template_kwargs")
     plan = tool_plan(state, req)
     messages, tool_kwargs = conversation(state, req, plan)
-    prompt = render_prompt(state, messages, {**(req.chat_template_kwargs or {}), **tool_kwargs})
+    prompt = await render_prompt(state, messages, {**(req.chat_template_kwargs or {}), **tool_kwargs})
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     try:
@@ -122,7 +123,7 @@ def reply_message(text: str, finish_reason: str | None, plan) -> tuple[Assistant
 
 
 async def complete(state: ServerState, req: ChatCompletionRequest, request) -> ChatCompletion:
-    job, plan = prepare(state, req)
+    job, plan = await prepare(state, req)
     await run_to_reply(job, request, collect(state, job))
     choices = []
     for i, c in enumerate(job.choices):

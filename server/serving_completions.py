@@ -28,13 +28,13 @@ def _legacy_logprobs(entries: list[LogprobEntry], offset: int) -> CompletionLogp
     return out
 
 
-def prepare(state: ServerState, req: CompletionRequest) -> tuple[Job, list[str]]:
+async def prepare(state: ServerState, req: CompletionRequest) -> tuple[Job, list[str]]:
     check_model(state, req.model)
     refuse_unsupported(req, chat=False)
     if req.max_tokens == 0 and not req.echo:
         raise APIError(400, "max_tokens 0 asks for nothing: it is only allowed with echo (to score the prompt)",
                        param="max_tokens")
-    prompts, texts = tokenized(state.engine.tokenizer, req.prompt, "prompt")
+    prompts, texts = await tokenized(state.engine.tokenizer, req.prompt, "prompt")
     max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS
     # echo with logprobs: the prompt's own log-probabilities too (lm-evaluation-harness's log-likelihood)
     scored = req.logprobs if req.echo and req.logprobs is not None else None
@@ -44,7 +44,7 @@ def prepare(state: ServerState, req: CompletionRequest) -> tuple[Job, list[str]]
 
 
 async def complete(state: ServerState, req: CompletionRequest, request) -> Completion:
-    job, texts = prepare(state, req)
+    job, texts = await prepare(state, req)
     await run_to_reply(job, request, collect(state, job))
     choices = []
     for i, c in enumerate(job.choices):

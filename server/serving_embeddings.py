@@ -21,11 +21,11 @@ from quantserve.server.serving import ServerState, api_error_of, check_model, to
 from quantserve.server.unsupported import refuse_fields
 
 
-def _inputs(state: ServerState, req: EmbeddingRequest) -> list[list[int]]:
+async def _inputs(state: ServerState, req: EmbeddingRequest) -> list[list[int]]:
     if req.input == "" or (isinstance(req.input, list) and "" in req.input):
         # OpenAI's rule too: an empty string has nothing to embed (it would be a lone BOS)
         raise APIError(400, "input holds an empty string", param="input")
-    return tokenized(state.engine.tokenizer, req.input, "input")[0]
+    return (await tokenized(state.engine.tokenizer, req.input, "input"))[0]
 
 
 def _width(state: ServerState) -> int | None:
@@ -42,7 +42,7 @@ async def embed(state: ServerState, req: EmbeddingRequest, request) -> dict:
     if req.dimensions is not None and req.dimensions != width:
         raise APIError(400, f"dimensions: this model's embeddings have {width} dimensions and cannot be "
                        "shortened (it was not trained for it)", param="dimensions")
-    prompts = _inputs(state, req)
+    prompts = await _inputs(state, req)
     context, vocab = engine.info.context_length, engine.tokenizer.vocab_size
     for i, ids in enumerate(prompts):
         if not ids:

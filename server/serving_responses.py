@@ -169,7 +169,7 @@ async def respond(state: ServerState, req: ResponsesRequest, request) -> dict:
     from quantserve.server import serving_chat
 
     chat = to_chat(req)
-    job, plan = serving_chat.prepare(state, chat)
+    job, plan = await serving_chat.prepare(state, chat)
     await run_to_reply(job, request, collect(state, job))
     choice = job.choices[0]
     message, finish = serving_chat.reply_message(choice.text, choice.finish_reason, plan)
@@ -180,10 +180,10 @@ async def respond(state: ServerState, req: ResponsesRequest, request) -> dict:
     return _response(new_id("resp"), req, state, _status(finish), output, job, finish)
 
 
-def prepare_stream(state: ServerState, req: ResponsesRequest):
+async def prepare_stream(state: ServerState, req: ResponsesRequest):
     from quantserve.server import serving_chat
 
-    return serving_chat.prepare(state, to_chat(req))
+    return await serving_chat.prepare(state, to_chat(req))
 
 
 async def stream(state: ServerState, req: ResponsesRequest, job, plan) -> AsyncIterator[str]:

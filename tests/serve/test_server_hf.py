@@ -180,6 +180,28 @@ def test_tokenize_detokenize_and_metrics(server, reference):
         assert f"quantserve:{gauge}" in m
 
 
+def test_long_prompts_tokenized_off_the_loop_answer_as_short_ones_do(server, reference):
+    """Prompts of more than OFF_LOOP_CHARS characters together are encoded on worker threads
+    (server/tokenizing.py): the same ids, the same greedy answers, the same clean errors."""
+    from quantserve.server.tokenizing import OFF_LOOP_CHARS
+
+    # eight prompts in one request, ~300 characters each: off the loop together, each within the context
+    prompts = [f"{p} " + " ".join(["the quick brown fox jumps over the lazy dog"] * 6) for p in PROMPTS[:4]] * 2
+    assert sum(map(len, prompts)) >= OFF_LOOP_CHARS and all(len(p) < OFF_LOOP_CHARS for p in prompts)
+    r = server.client().completions.create(model=server.model_name, prompt=prompts, temperature=0, max_tokens=8)
+    ids = [reference.tokenizer(p).input_ids for p in prompts]
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == \
+        [reference.text(reference.greedy(i, max_new=8)) for i in ids]
+    assert r.usage.prompt_tokens == sum(map(len, ids))
+    # one long text: /tokenize has no context limit; a completion that long gets the context's 400
+    long = " ".join(PROMPTS) * 60
+    tokenized = httpx.post(server.base_url + "/tokenize", json={"model": server.model_name, "prompt": long}).json()
+    assert tokenized["tokens"] == reference.tokenizer(long).input_ids
+    refused = httpx.post(server.base_url + "/v1/completions",
+                         json={"model": server.model_name, "prompt": long, "max_tokens": 4})
+    assert refused.status_code == 400 and "context" in refused.json()["error"]["message"]
+
+
 async def _stream_chat(ac, model: str, user: str, max_tokens: int, **kw) -> tuple[str, float, float]:
     """(text, seconds to first content, seconds to the end) of one streamed chat request."""
     t0, first = time.perf_counter(), None

@@ -29,7 +29,8 @@ GROUND = ("quantserve.settings", "quantserve.formats", "quantserve.capabilities"
 HTTP = ("quantserve.server.api_server", "quantserve.server.serving*", "quantserve.server.protocol",
         "quantserve.server.errors",
         "quantserve.server.middleware", "quantserve.server.metrics", "quantserve.server.unsupported",
-        "quantserve.server.tools", "quantserve.server.tool_parsers", "quantserve.server.uvicorn_server")
+        "quantserve.server.tools", "quantserve.server.tool_parsers", "quantserve.server.uvicorn_server",
+        "quantserve.server.tokenizing")
 ENGINE = ("quantserve.server.engine", "quantserve.server.engines", "quantserve.server.scheduler",
           "quantserve.server.exceptions", "quantserve.server.faults", "quantserve.server.sampling",
           "quantserve.server.paged_scheduler",
