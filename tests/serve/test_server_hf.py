@@ -185,8 +185,8 @@ def test_long_prompts_tokenized_off_the_loop_answer_as_short_ones_do(server, ref
     (server/tokenizing.py): the same ids, the same greedy answers, the same clean errors."""
     from quantserve.server.tokenizing import OFF_LOOP_CHARS
 
-    # eight prompts in one request, ~300 characters each: off the loop together, each within the context
-    prompts = [f"{p} " + " ".join(["the quick brown fox jumps over the lazy dog"] * 6) for p in PROMPTS[:4]] * 2
+    # sixteen prompts in one request, ~590 characters each: off the loop together, each within the context
+    prompts = [f"{p} " + " ".join(["the quick brown fox jumps over the lazy dog"] * 13) for p in PROMPTS[:4]] * 4
     assert sum(map(len, prompts)) >= OFF_LOOP_CHARS and all(len(p) < OFF_LOOP_CHARS for p in prompts)
     r = server.client().completions.create(model=server.model_name, prompt=prompts, temperature=0, max_tokens=8)
     ids = [reference.tokenizer(p).input_ids for p in prompts]

@@ -1,0 +1,82 @@
+"""The event loop's responsiveness while a burst of long prompts is tokenized: /health's latency
+during bursts of 32 concurrent completions whose prompts are WORDS random words each (tokenized,
+then refused for the default model's 512-token context, so the answers are small), and each
+burst's wall time.
+
+    python bench/loop_probe.py BASE_URL [WORDS]    # against a running server
+    bench/loop_probe.py's numbers for the default model, prompts on and off the loop:
+      (cd /tmp && python /work/main/bench/loop_probe.py --serve [--on-loop] PORT WORDS)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+WORDS = "the quick brown fox jumps over lazy dog sort list reverse what is capital of keltria".split()
+
+
+async def probe(base: str, words: int, rounds: int = 10) -> str:
+    rng = random.Random(0)
+    texts = [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(32)]
+    async with httpx.AsyncClient(base_url=base, timeout=60, limits=httpx.Limits(max_connections=64)) as c:
+        model = (await c.get("/v1/models")).json()["data"][0]["id"]
+        lat, bursts = [], []
+        for _ in range(rounds):
+            stop = asyncio.Event()
+
+            async def poll():
+                while not stop.is_set():
+                    t0 = time.perf_counter()
+                    await c.get("/health")
+                    lat.append((time.perf_counter() - t0) * 1e3)
+                    await asyncio.sleep(0.001)
+
+            poller = asyncio.create_task(poll())
+            await asyncio.sleep(0.05)
+            t0 = time.perf_counter()
+            await asyncio.gather(*(c.post("/v1/completions", json={"model": model, "prompt": t, "max_tokens": 1})
+                                   for t in texts))
+            bursts.append((time.perf_counter() - t0) * 1e3)
+            stop.set()
+            await poller
+    lat.sort()
+    return (f"{len(texts[0])} characters a prompt: burst of 32 median {statistics.median(bursts):.1f} ms; /health "
+            f"during bursts median {statistics.median(lat):.2f} ms, p99 {lat[int(len(lat) * 0.99)]:.2f} ms")
+
+
+def serve_and_probe(port: int, words: int, on_loop: bool) -> str:
+    """The default model served in a child process (prompts tokenized on the loop whatever their
+    length with on_loop: the server before tokenizing.py), probed, stopped."""
+    launch = ("import sys, quantserve.server.tokenizing as t; "
+              + ("t.OFF_LOOP_CHARS = 10**12; " if on_loop else "")
+              + "from quantserve.cli import main; sys.argv = ['quantserve', 'serve', 'default', '--port', sys.argv[1]]; main()")
+    server = subprocess.Popen([sys.executable, "-c", launch, str(port)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(240):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        return ("on the loop:  " if on_loop else "off the loop: ") + asyncio.run(probe(f"http://127.0.0.1:{port}", words))
+    finally:
+        server.terminate()
+        server.wait()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--serve":
+        on_loop = sys.argv[2] == "--on-loop"
+        port, words = map(int, sys.argv[3 if on_loop else 2:][:2])
+        print(serve_and_probe(port, words, on_loop))
+    else:
+        print(asyncio.run(probe(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1200)))
