@@ -93,7 +93,7 @@ class FastCore:
         self.device, self.dtype, self.weight_quant, self.quant_kernel = device, dtype, weight_quant, quant_kernel
         self.max_slots, self.max_seq, self.max_batched_tokens = max_slots, max_seq, max(max_batched_tokens, PROMPT_PIECE)
         self.kv_int8 = kv_cache_dtype == "int8"
-        self.start_up = {}  # seconds of each part of __init__ and warm_up, for /health
+        self.start_up = {}  # seconds of each part of __init__ (/health shows them: loader.py)
         t0 = time.perf_counter()
         weights = open_weights(model, device, dtype, weight_quant, random_config, seed)
         self.prequantized = weights.prequantized  # an AWQ / GPTQ checkpoint's quantization (quant/prequantized.py)
