@@ -3,9 +3,11 @@ during bursts of 32 concurrent completions whose prompts are WORDS random words 
 then refused for the default model's 512-token context, so the answers are small), and each
 burst's wall time.
 
-    python bench/loop_probe.py BASE_URL [WORDS]    # against a running server
-    bench/loop_probe.py's numbers for the default model, prompts on and off the loop:
-      (cd /tmp && python /work/main/bench/loop_probe.py --serve [--on-loop] PORT WORDS)
+    python bench/loop_probe.py BASE_URL [WORDS]               # against a running server
+    python REPO/bench/loop_probe.py --serve [--on-loop] PORT WORDS  # the default model served here,
+                                                              # prompts off (or on) the loop
+With --serve, run it from outside the source tree (there `quantserve` would be the bare folder,
+not the installed package).
 """
 
 from __future__ import annotations

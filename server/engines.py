@@ -203,10 +203,10 @@ class ScheduledEngine:
         if self.kind == "fast":
             info.extra["async_scheduling"] = o.async_scheduling
         info.extra["ready_s"] = round(time.perf_counter() - t0, 1)  # from the start of loading to ready
-        parts = info.extra.get("start_up_s")  # the fast engine says where its start-up went
-        if parts is not None:
-            parts["first request, scheduler"] = round(time.perf_counter() - t1, 2)
-            parts = ", ".join(f"{what} {s:.1f} s" for what, s in parts.items() if s >= 0.05)
+        start_up = info.extra.get("start_up_s")  # the fast engine says where its start-up went
+        if start_up is not None:
+            start_up["first request, scheduler"] = round(time.perf_counter() - t1, 2)
+        parts = ", ".join(f"{what} {s:.1f} s" for what, s in (start_up or {}).items() if s >= 0.05)
         log.info("loaded %s engine (%s): %s (%s, attention %s, context %d, batch %d) in %.1f s%s", info.engine,
                  self.why, info.model_path, info.dtype, info.attention, info.context_length, info.max_batch,
                  info.extra["ready_s"], f" ({parts})" if parts else "")

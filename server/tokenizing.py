@@ -20,9 +20,10 @@ only reads the Rust tokenizer); llama.cpp's tokenizer in the gguf engine stays o
 from __future__ import annotations
 
 import asyncio
+import functools
 from concurrent.futures import ThreadPoolExecutor
 
-OFF_LOOP_CHARS = 8192  # texts shorter than this stay on the loop (see above)
+OFF_LOOP_CHARS = 8192  # a request's texts shorter than this together stay on the loop (see above)
 WORKERS = 4
 
 _pool: ThreadPoolExecutor | None = None
@@ -36,16 +37,12 @@ def _threads() -> ThreadPoolExecutor:
 
 
 async def encode_all(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
-    """Each text's token ids, the long ones encoded on worker threads (in parallel)."""
+    """Each text's token ids; when the texts are long together, encoded on worker threads (in parallel)."""
     if not getattr(tokenizer, "thread_safe", False) or sum(len(t) for t in texts) < OFF_LOOP_CHARS:
         return [tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]
     loop = asyncio.get_running_loop()
-    return list(await asyncio.gather(*(loop.run_in_executor(_threads(), _encode, tokenizer, t, add_special_tokens)
-                                       for t in texts)))
-
-
-def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    encode = functools.partial(tokenizer.encode, add_special_tokens=add_special_tokens)
+    return list(await asyncio.gather(*(loop.run_in_executor(_threads(), encode, t) for t in texts)))
 
 
 __all__ = ["OFF_LOOP_CHARS", "encode_all"]

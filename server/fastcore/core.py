@@ -102,7 +102,7 @@ class FastCore:
         self.groups = self.args.n_heads // self.args.n_kv_heads  # query heads per KV head
         self.model = build_transformer(weights, self.args, device, dtype, weight_quant, quant_kernel, group_size)
         self.attention = use_attention(self.model, attention, device)
-        self.load_seconds = time.perf_counter() - t0
+        self.load_seconds = self.start_up["weights"] = time.perf_counter() - t0
         if device.type == "cuda":
             # the load's fp16 copies are freed but stay held by the caching allocator, in pieces
             # the sizes of the checkpoint's tensors: under a per-process cap (the T4 profile) they
@@ -111,7 +111,6 @@ class FastCore:
             torch.cuda.empty_cache()
         if kv_blocks is None:
             kv_blocks = self.blocks_for_budget(kv_budget_gib)
-        self.start_up["weights"] = self.load_seconds
         t0 = time.perf_counter()
         self.pool = BlockPool(kv_blocks, max_slots, prefix_cache)
         self.model.setup_caches(kv_blocks, max_slots, max_seq, weights.rope, dtype, device,
