@@ -76,6 +76,8 @@ def serve_and_probe(port: int, words: int, on_loop: bool) -> str:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) < 2 or (sys.argv[1] == "--serve" and len([a for a in sys.argv[2:] if a != "--on-loop"]) != 2):
+        sys.exit("usage: loop_probe.py BASE_URL [WORDS] | loop_probe.py --serve [--on-loop] PORT WORDS")
     if sys.argv[1] == "--serve":
         on_loop = sys.argv[2] == "--on-loop"
         port, words = map(int, sys.argv[3 if on_loop else 2:][:2])
