@@ -43,6 +43,7 @@ class TokenEvent:
     finish_reason: str | None = None  # "stop" (eos), "length", "cancelled" or "error"
     error: EngineError | None = None  # with finish_reason "error"
     cached_tokens: int | None = None  # first token only: prompt tokens taken from the prefix cache
+    queued_s: float | None = None  # first token only: seconds from submission to taking a slot
     # first event only, when asked for: (token, its logprob or None for the first, top alternatives)
     # for every prompt token
     prompt_logprobs: list[tuple[int, float | None, list[TopLogprob]]] | None = None

@@ -95,6 +95,13 @@ class Metrics:
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("quantserve:e2e_request_latency_seconds", "Request latency.",
                              buckets=_LATENCY_BUCKETS, registry=r)
+        # the engine's part of the time to first token, in vLLM's two pieces: waiting for a slot,
+        # then the prompt's forwards up to the first sampled token (what is left of the time to
+        # first token is the HTTP layer: parsing, tokenizing, streaming)
+        self.queue_time = Histogram("quantserve:request_queue_time_seconds", "Time a request waited for a "
+                                    "slot in the engine.", buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefill_time = Histogram("quantserve:request_prefill_time_seconds", "Time from taking a slot to "
+                                      "the first token sampled.", buckets=_LATENCY_BUCKETS, registry=r)
 
     def record_choice(self, ttft_s: float | None, latency_s: float, tokens: int, finish_reason: str) -> None:
         self.generation_tokens.inc(tokens)
@@ -104,6 +111,11 @@ class Metrics:
             self.ttft.observe(ttft_s)
             if tokens > 1:
                 self.tpot.observe((latency_s - ttft_s) / (tokens - 1))
+
+    def record_engine_first_token(self, queued_s: float, elapsed_s: float) -> None:
+        """A first token's engine timings: `queued_s` waiting for a slot, `elapsed_s` from submission."""
+        self.queue_time.observe(queued_s)
+        self.prefill_time.observe(max(0.0, elapsed_s - queued_s))
 
     def record_outcome(self, outcome: str, completion_tokens: int) -> None:
         self.outcomes.labels(outcome).inc()

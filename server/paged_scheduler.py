@@ -219,10 +219,18 @@ class PagedScheduler(Scheduler):
             decodes = [s for s in decodes if s is not victim]
             pieces = [(s, c) for s, c in pieces if s is not victim]
             self._fail(victim, error)
+        # every greedy pick of the step in one argmax and one copy to the host: the decodes' and the
+        # first tokens of the prompts this step completes (a wave of 32 cached-prefix requests
+        # otherwise copied 32 vocabulary-wide rows, one sync each, for an argmax on the CPU)
+        firsts = [not seq.generated and seq.prefilled + len(chunk) == seq.context_len() and seq.sampler.plain_greedy
+                  for seq, chunk in pieces]
+        greedy = any(firsts) or any(seq.sampler.plain_greedy for seq in decodes)
+        picks = logits.argmax(-1).tolist() if greedy else None
         if decodes:
-            self._decoded(decodes, logits[:len(decodes)])
-        for (seq, chunk), row in zip(pieces, logits[len(decodes):]):
-            self._prefilled(seq, chunk, row.cpu())
+            self._decoded(decodes, logits[:len(decodes)], picks[:len(decodes)] if picks else None)
+        for i, (seq, chunk) in enumerate(pieces):
+            row = len(decodes) + i
+            self._prefilled(seq, chunk, logits[row], picks[row] if firsts[i] else None)
 
     def _run_piece(self, seq: _Running, chunk: list[int]) -> None:
         """A prompt piece whose every position is scored, alone."""

@@ -39,6 +39,7 @@ class _Running:
     last_token: int
     generated: int
     submitted_at: float
+    admitted_at: float = 0.0  # when it first took a slot: submitted_at..admitted_at is its time queued
     arrival: int = 0  # admission order: the newest sequence is the first preempted
     prefilled: int = 0  # tokens of `context()` whose K/V are in the cache
     cached: int = 0  # prompt tokens taken from the prefix cache instead of computed
@@ -245,7 +246,8 @@ class Scheduler:
     def _admit(self, stream: TokenStream, submitted_at: float, slot: int) -> None:
         req = stream.request
         seq = _Running(stream, slot, SequenceSampler(req.params, req.prompt_ids, self.backend.vocab_size),
-                       last_token=-1, generated=0, submitted_at=submitted_at, arrival=next(self._arrivals))
+                       last_token=-1, generated=0, submitted_at=submitted_at, admitted_at=time.perf_counter(),
+                       arrival=next(self._arrivals))
         self._start(seq, slot)
         seq.cached = seq.prefilled
 
@@ -329,15 +331,19 @@ class Scheduler:
             seq.prompt_scores.append((token, logprob, [TopLogprob(t, lp) for t, lp in top]))
         return rows[-1]
 
-    def _prefilled(self, seq: _Running, chunk: list[int], logits) -> None:
+    def _prefilled(self, seq: _Running, chunk: list[int], logits, token: int | None = None) -> None:
+        """`chunk` of `seq`'s context is in the cache; `logits` are its last position's (a greedy
+        sequence may come with its `token` already picked from them)."""
         seq.prefilled += len(chunk)
         if not seq.ready or seq.generated:  # more to come, or a resumed sequence: its next token is known
             return
         if seq.stream.request.params.max_tokens == 0:  # scoring only (echo): the prompt is the reply
             self._finish(seq, TokenEvent(None, finish_reason="length", cached_tokens=seq.cached,
                                          prompt_logprobs=seq.prompt_scores))
+        elif token is not None:
+            self._emit(seq, None, token)  # the prompt is in: its first token (which carries `cached`)
         else:
-            self._emit(seq, logits)  # the prompt is in: its first token (which carries `cached`)
+            self._emit(seq, logits.cpu() if hasattr(logits, "cpu") else logits)
 
     def _decode_step(self) -> None:
         batch = [seq for seq in self._running.values() if seq.decoding]
@@ -361,9 +367,9 @@ class Scheduler:
             self._fail(victim, error)
         self._decoded(batch, logits)
 
-    def _decoded(self, batch: list[_Running], logits) -> None:
+    def _decoded(self, batch: list[_Running], logits, argmax: list[int] | None = None) -> None:
         """A decode step fed each sequence of `batch` its last token: sample the next ones from
-        `logits` (a row per sequence, in order)."""
+        `logits` (a row per sequence, in order; `argmax`: their greedy picks, when taken already)."""
         self._decode_steps += 1
         self._decode_rows += len(batch)
         for seq in batch:
@@ -371,7 +377,8 @@ class Scheduler:
         # Plain greedy rows take one batched argmax where the logits are (on a GPU: a copy of
         # `batch` ints instead of batch x vocab floats, 16 MB a step at 32 x 128k); the rest are
         # sampled on the CPU, each with its own generator, penalties and logprobs.
-        argmax = logits.argmax(-1).tolist() if any(seq.sampler.plain_greedy for seq in batch) else None
+        if argmax is None and any(seq.sampler.plain_greedy for seq in batch):
+            argmax = logits.argmax(-1).tolist()
         # Greedy rows under a grammar (structured output) take one masked argmax the same way.
         masked = self._masked_argmax(logits, batch)
         for row, seq in enumerate(batch):
@@ -416,6 +423,7 @@ class Scheduler:
         event = TokenEvent(token, logprob, [TopLogprob(t, lp) for t, lp in top] if top is not None else None)
         if seq.generated == 1:
             event.cached_tokens, event.prompt_logprobs = seq.cached, seq.prompt_scores
+            event.queued_s = seq.admitted_at - seq.submitted_at
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             event.finish_reason = "stop"
         elif seq.generated >= params.max_tokens:

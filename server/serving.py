@@ -267,6 +267,8 @@ async def run_job(state: ServerState, job: Job) -> AsyncIterator[tuple[int, Delt
             delta = choice.push(event)
             if first is None and event.token_id is not None:
                 first = time.perf_counter() - job.started
+                if event.queued_s is not None:
+                    state.metrics.record_engine_first_token(event.queued_s, event.elapsed_s)
             if delta.text or delta.logprobs or delta.finish_reason:
                 await queue.put((i, delta))
             if delta.finish_reason:

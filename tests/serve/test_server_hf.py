@@ -176,6 +176,11 @@ def test_tokenize_detokenize_and_metrics(server, reference):
     assert m["quantserve:prompt_tokens_total"] > 0 and m["quantserve:generation_tokens_total"] > 0
     assert m["quantserve:time_to_first_token_seconds_count"] > 0
     assert m["quantserve:time_per_output_token_seconds_count"] > 0
+    # the engine's part of the time to first token: waiting for a slot, then the prompt's forwards
+    firsts = m["quantserve:time_to_first_token_seconds_count"]
+    assert m["quantserve:request_queue_time_seconds_count"] == firsts == m["quantserve:request_prefill_time_seconds_count"]
+    engine_s = m["quantserve:request_queue_time_seconds_sum"] + m["quantserve:request_prefill_time_seconds_sum"]
+    assert 0 < engine_s <= m["quantserve:time_to_first_token_seconds_sum"]
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         assert f"quantserve:{gauge}" in m
 
