@@ -20,6 +20,14 @@
 #                              8B cold and warm starts (each start-up part by part in the logs)
 #   bench/engine_v2.sh OUT 7   ours alone, 8B, a fresh machine: cold start, random prompts, warm start
 #   bench/engine_v2.sh OUT 5   capacity at --context 8192 with fp16 and int8 KV; int8 KV's quality, 1B
+#   bench/engine_v2.sh OUT 8   a fresh machine split in two: llama.cpp's build and the checkpoints on
+#                              cores 8-15, ours (server and client) on cores 0-7 throughout.  1B: ours
+#                              cold (random, shared), warm with --no-prefix-cache (shared), warm starts
+#                              with and without inductor's compile workers; llama-server 1B once built
+#   bench/engine_v2.sh OUT 9   the same machine: the event loop's tokenization probe on cores 0-7;
+#                              llama-server 1B if phase 8 had no time for it; 8B: ours cold (random,
+#                              shared), warm --no-prefix-cache (shared), warm start with the compile
+#                              workers; llama-server 8B (random, shared)
 # Run from the repo root with .devwheels carried (the wheels the GPU image lacks).
 set -uo pipefail
 out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
@@ -43,14 +51,14 @@ load() {  # LABEL PORT KIND: random ~690-token prompts at 1, 8, 32; or the share
     random) args=(--concurrency 1,8,32 --input-len 225) ;;
     shared) args=(--concurrency 32 --num-prompts 128 --shared-prefix-len 490 --input-len 8) ;;
   esac
-  (cd /tmp && timeout 240 python3 -m quantserve.bench.serve --base-url "http://127.0.0.1:$port/v1" "${args[@]}" \
+  (cd /tmp && timeout 240 ${PIN:+taskset -c $PIN} python3 -m quantserve.bench.serve --base-url "http://127.0.0.1:$port/v1" "${args[@]}" \
       --output-len 128 --ignore-eos --label "$label" --out "$out/$label-$kind.json") > "$out/$label-$kind.log" 2>&1 \
       || log "$label $kind: rc=$?"
   tail -n 6 "$out/$label-$kind.log" >> "$out/bench.txt"
 }
-start_ours() {  # LABEL CHECKPOINT ARGS...: our server on :8000 (sets PID)
+start_ours() {  # LABEL CHECKPOINT ARGS...: our server on :8000 (sets PID; on the cores $PIN names, if set)
   local label=$1 ck=$2; shift 2
-  (cd /tmp && exec python3 -m quantserve serve "$ck" --port 8000 "$@") > "$out/$label.log" 2>&1 &
+  (cd /tmp && exec ${PIN:+taskset -c $PIN} python3 -m quantserve serve "$ck" --port 8000 "$@") > "$out/$label.log" 2>&1 &
   PID=$!
   wait_ready 8000 $PID "$label"
 }
@@ -61,6 +69,13 @@ start_llama() {  # LABEL GGUF
   wait_ready 8001 $PID "$1"
 }
 stop() { kill -TERM "$PID" 2>/dev/null; wait "$PID" 2>/dev/null || true; }
+engine_ttft() {  # LABEL PORT: the time-to-first-token histograms' sums and counts (ours), for differences
+  curl -s "http://127.0.0.1:$2/metrics" | grep -E "^quantserve:(request_queue_time|request_prefill_time|time_to_first_token)_seconds_(sum|count)" \
+      | sed "s/^/$1 /" >> "$out/engine-ttft.txt"
+}
+shared_split() {  # LABEL: the shared load with the server's own split of its time to first token around it
+  engine_ttft "$1-before" 8000; load "$1" 8000 shared; engine_ttft "$1-after" 8000
+}
 checkpoint() {  # SHAPE [ready]: wait for the detached job's checkpoint and GGUF (ready: the checkpoint)
   for i in $(seq 300); do [ -f "/tmp/ck-$1.${2:-done}" ] && return 0; sleep 2; done; log "no checkpoint $1"; return 1
 }
@@ -108,6 +123,65 @@ if [ "$phase" = 7 ]; then  # 8B alone on a fresh machine: cold start, random pro
   start_ours ours-8b-warm /tmp/ck-llama-3.1-8b "${ours[@]}" && stop
   grep -h "loaded fast engine" "$out"/ours-*.log >> "$out/bench.txt"
   log "phase 7 done"; exit 0
+fi
+
+if [ "$phase" = 8 ] || [ "$phase" = 9 ]; then  # cores 0-7 ours, 8-15 the build and the checkpoints
+  install; export PIN=0-7
+  if [ "$phase" = 8 ]; then
+    (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) | tee -a "$out/bench.txt"
+    python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" \
+        | tee -a "$out/bench.txt"
+    lscpu | grep -E "^Model name|^CPU\(s\)" >> "$out/bench.txt"
+    [ -x /tmp/llama-cpp/bin/llama-server ] || setsid nohup taskset -c 8-15 bash .devwheels/device-llama-cpp.sh \
+        .devwheels/llama/llama_cpp_python-0.3.36.tar.gz /tmp/llama-cpp 90 > /tmp/llama-build.out 2>&1 < /dev/null &
+    setsid nohup taskset -c 8-15 bash -c "cd /tmp && for s in llama-3.2-1b llama-3.1-8b; do [ -f /tmp/ck-\$s.done ] || { \
+        python3 -m quantserve.bench.make_checkpoint --shape \$s --out /tmp/ck-\$s --context 8192 && touch /tmp/ck-\$s.ready && \
+        python3 -m quantserve convert /tmp/ck-\$s -f gguf-q8_0 -o /tmp/gguf-\$s -q && touch /tmp/ck-\$s.done; }; done" \
+        > /tmp/checkpoints.log 2>&1 < /dev/null &
+    checkpoint llama-3.2-1b ready
+    rm -rf "$QUANTSERVE_HOME/compile"
+    start_ours ours-1b-cold /tmp/ck-llama-3.2-1b "${ours[@]}" && { load ours-1b 8000 random; shared_split ours-1b; stop; }
+    start_ours ours-1b-nocache /tmp/ck-llama-3.2-1b "${ours[@]}" --no-prefix-cache && { shared_split ours-1b-nocache; stop; }
+    start_ours ours-1b-warm /tmp/ck-llama-3.2-1b "${ours[@]}" && stop  # warm: no compile workers (the marker)
+    TORCH_WARM_POOL=1 start_ours ours-1b-warm-workers /tmp/ck-llama-3.2-1b "${ours[@]}" && stop
+    # while llama.cpp builds: async scheduling and the compiled steps on the GPU against eager
+    (cd /tmp && timeout $(( 480 - SECONDS > 60 ? 480 - SECONDS : 60 )) taskset -c $PIN python3 -m pytest --import-mode=append -rA -q \
+        -p no:cacheprovider "$repo/tests/serve/test_async_scheduling.py" "$repo/tests/serve/test_fastcore.py" \
+        -k "launched_ahead or preemption or sampled_requests or compiled_cuda or graphs_match") > "$out/gpu-tests.log" 2>&1 \
+        || log "gpu tests: rc=$?"
+    grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$out/gpu-tests.log" >> "$out/bench.txt"
+  else
+    [ -f /tmp/checkpoints.log ] || { log "phase 9 needs phase 8's machine: this one is fresh"; exit 3; }
+    # the event loop under bursts of 32 prompts, tokenized on and off it (the default model, hf engine)
+    for words in 440 1200; do for where in --on-loop --off-loop; do
+      (cd /tmp && CUDA_VISIBLE_DEVICES= timeout 120 taskset -c $PIN python3 "$repo/bench/loop_probe.py" --serve $where 8970 $words) \
+          >> "$out/loop-probe.txt" 2>&1 || log "loop probe $words $where: rc=$?"
+    done; done
+    cat "$out/loop-probe.txt" >> "$out/bench.txt"
+  fi
+  if [ ! -f /tmp/llama-1b.done ]; then
+    for i in $(seq 150); do [ -x /tmp/llama-cpp/bin/llama-server ] && break; [ $SECONDS -gt 520 ] && break; sleep 2; done
+    if [ -x /tmp/llama-cpp/bin/llama-server ] && [ -f /tmp/ck-llama-3.2-1b.done ]; then
+      tail -n 3 /tmp/llama-build.out >> "$out/bench.txt"
+      start_llama llama-1b /tmp/gguf-llama-3.2-1b/*.gguf && { load llama-1b 8001 random; load llama-1b 8001 shared; stop; }
+      touch /tmp/llama-1b.done
+    else
+      log "llama.cpp's build (or the 1B GGUF) not ready: llama-server 1B left to phase 9"
+    fi
+  fi
+  if [ "$phase" = 9 ]; then
+    checkpoint llama-3.1-8b ready
+    rm -rf "$QUANTSERVE_HOME/compile"
+    start_ours ours-8b-cold /tmp/ck-llama-3.1-8b "${ours[@]}" && { load ours-8b 8000 random; shared_split ours-8b; stop; }
+    start_ours ours-8b-nocache /tmp/ck-llama-3.1-8b "${ours[@]}" --no-prefix-cache && { shared_split ours-8b-nocache; stop; }
+    TORCH_WARM_POOL=1 start_ours ours-8b-warm-workers /tmp/ck-llama-3.1-8b "${ours[@]}" && stop
+    checkpoint llama-3.1-8b
+    start_llama llama-8b /tmp/gguf-llama-3.1-8b/*.gguf && { load llama-8b 8001 random; load llama-8b 8001 shared; stop; }
+  fi
+  grep -h "loaded fast engine" "$out"/ours-*.log >> "$out/bench.txt"
+  cat "$out/engine-ttft.txt" >> "$out/bench.txt" 2>/dev/null
+  (cd "$out" && tar czf results.tgz *.json *.log *.txt 2>/dev/null)
+  log "phase $phase done"; exit 0
 fi
 
 if [ "$phase" = 4 ]; then

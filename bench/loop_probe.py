@@ -4,8 +4,9 @@ then refused for the default model's 512-token context, so the answers are small
 burst's wall time.
 
     python bench/loop_probe.py BASE_URL [WORDS]               # against a running server
-    python REPO/bench/loop_probe.py --serve [--on-loop] PORT WORDS  # the default model served here,
-                                                              # prompts off (or on) the loop
+    python REPO/bench/loop_probe.py --serve [--on-loop|--off-loop] PORT WORDS
+                                            # the default model served here; prompts on the loop, off
+                                            # it whatever their length, or as server/tokenizing.py says
 With --serve, run it from outside the source tree (there `quantserve` would be the bare folder,
 not the installed package).
 """
@@ -53,11 +54,13 @@ async def probe(base: str, words: int, rounds: int = 10) -> str:
             f"during bursts median {statistics.median(lat):.2f} ms, p99 {lat[int(len(lat) * 0.99)]:.2f} ms")
 
 
-def serve_and_probe(port: int, words: int, on_loop: bool) -> str:
-    """The default model served in a child process (prompts tokenized on the loop whatever their
-    length with on_loop: the server before tokenizing.py), probed, stopped."""
+def serve_and_probe(port: int, words: int, where: str | None) -> str:
+    """The default model served in a child process, probed, stopped.  where: "on" tokenizes every
+    prompt on the loop (the server before tokenizing.py), "off" every prompt off it, None as
+    tokenizing.py's threshold says."""
+    threshold = {"on": "10**12", "off": "0"}.get(where)
     launch = ("import sys, quantserve.server.tokenizing as t; "
-              + ("t.OFF_LOOP_CHARS = 10**12; " if on_loop else "")
+              + (f"t.OFF_LOOP_CHARS = {threshold}; " if threshold else "")
               + "from quantserve.cli import main; sys.argv = ['quantserve', 'serve', 'default', '--port', sys.argv[1]]; main()")
     server = subprocess.Popen([sys.executable, "-c", launch, str(port)], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
@@ -69,18 +72,19 @@ def serve_and_probe(port: int, words: int, on_loop: bool) -> str:
             except httpx.TransportError:
                 pass
             time.sleep(0.5)
-        return ("on the loop:  " if on_loop else "off the loop: ") + asyncio.run(probe(f"http://127.0.0.1:{port}", words))
+        return {"on": "on the loop:  ", "off": "off the loop: "}.get(where, "as configured: ") + asyncio.run(probe(f"http://127.0.0.1:{port}", words))
     finally:
         server.terminate()
         server.wait()
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2 or (sys.argv[1] == "--serve" and len([a for a in sys.argv[2:] if a != "--on-loop"]) != 2):
-        sys.exit("usage: loop_probe.py BASE_URL [WORDS] | loop_probe.py --serve [--on-loop] PORT WORDS")
+    flags = {"--on-loop": "on", "--off-loop": "off"}
+    if len(sys.argv) < 2 or (sys.argv[1] == "--serve" and len([a for a in sys.argv[2:] if a not in flags]) != 2):
+        sys.exit("usage: loop_probe.py BASE_URL [WORDS] | loop_probe.py --serve [--on-loop|--off-loop] PORT WORDS")
     if sys.argv[1] == "--serve":
-        on_loop = sys.argv[2] == "--on-loop"
-        port, words = map(int, sys.argv[3 if on_loop else 2:][:2])
-        print(serve_and_probe(port, words, on_loop))
+        where = flags.get(sys.argv[2])
+        port, words = map(int, sys.argv[3 if where else 2:][:2])
+        print(serve_and_probe(port, words, where))
     else:
         print(asyncio.run(probe(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1200)))
