@@ -7,15 +7,10 @@ The weight kernels' choice per layer shape (triton_mm.save_choices) is kept ther
 Their defaults sit in /tmp (gone after a reboot, or a fresh container), so the server points
 them at a folder of its cache, one per GPU model and library versions.  Settings the user made
 ($TORCHINDUCTOR_CACHE_DIR, $TRITON_CACHE_DIR) win.
-
-A model's first start that completes its warm-up leaves a marker (`warm_marker`): on the next
-start inductor's pool of compile workers is not started ahead (`skip_compile_workers`), since
-every graph comes from the cache.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from pathlib import Path
@@ -47,20 +42,3 @@ def use_compile_cache(gpu_name: str) -> Path | None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(folder / "inductor"))
     os.environ.setdefault("TRITON_CACHE_DIR", str(folder / "triton"))
     return folder
-
-
-def warm_marker(folder: Path, *key: str) -> Path:
-    """The file that says one model's warm-up (its `key`: config, quantization, sizes) has run
-    to the end with this cache folder."""
-    return folder / f"warm-{hashlib.sha256(chr(10).join(key).encode()).hexdigest()[:16]}"
-
-
-def skip_compile_workers(marker: Path) -> bool:
-    """On a warm start, keep inductor from starting its compile workers at its first graph: a
-    process per core, each importing torch, which then take the CPUs from the start-up's own work
-    for nothing (every graph is found in the cache).  If a graph is not there after all, inductor
-    compiles it in this process, or starts the pool then.  $TORCH_WARM_POOL, if set, wins."""
-    if not marker.exists():
-        return False
-    os.environ.setdefault("TORCH_WARM_POOL", "0")
-    return True

@@ -46,16 +46,11 @@ def load_fast(path: Path, gpu_profile: str | None, context: int | None, max_batc
     if context and context > trained:
         raise ModelLoadError(f"exceeds the model's trained context of {trained} tokens", "context", context)
     context = context or trained
-    compile_cache = marker = None
-    warm = False  # this model's warm-up ran to the end with this cache before (compile_cache.py)
+    compile_cache = None
     if caps.device == "cuda":
-        from quantserve.server.fastcore.compile_cache import skip_compile_workers, use_compile_cache, warm_marker
+        from quantserve.server.fastcore.compile_cache import use_compile_cache
 
         compile_cache = use_compile_cache(caps.gpu_name or "cuda")
-        if compile_cache is not None:
-            marker = warm_marker(compile_cache, (path / "config.json").read_text(), weight_quant, kv_cache_dtype,
-                                 str(context), str(max_batch), str(batched_tokens))
-            warm = skip_compile_workers(marker)
     t0 = time.perf_counter()
     try:
         backend = FastCoreBackend(str(path), max_batch, context, weight_quant=weight_quant, profile=caps.profile,
@@ -65,11 +60,6 @@ def load_fast(path: Path, gpu_profile: str | None, context: int | None, max_batc
     except (ValueError, KeyError, NotImplementedError) as e:
         raise ModelLoadError(f"cannot run {path} ({e}); use the hf engine", "engine", "fast") from e
     core = backend.core
-    if marker is not None and core.compile:
-        try:
-            marker.touch()
-        except OSError:
-            pass  # a read-only cache: the next start starts the compile workers too, nothing worse
     start_up.update(core.start_up, **{"warm-up": backend.warm_up_s})
     start_up["other"] = time.perf_counter() - t0 - sum(core.start_up.values()) - backend.warm_up_s
     t0 = time.perf_counter()
@@ -88,6 +78,5 @@ def load_fast(path: Path, gpu_profile: str | None, context: int | None, max_batc
                              "kv_cache_dtype": "int8" if core.kv_int8 else str(core.dtype).replace("torch.", ""),
                              "warm_up_s": round(getattr(backend, "warm_up_s", 0.0), 1),
                              "compile_cache": str(compile_cache) if compile_cache else None,
-                             "compile_cache_warm": warm,
                              "start_up_s": {part: round(t, 2) for part, t in start_up.items()}})
     return backend, tokenizer, info
