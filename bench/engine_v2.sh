@@ -24,6 +24,10 @@
 #                              cores 8-15, ours (server and client) on cores 0-7 throughout.  1B: ours
 #                              cold (random, shared), warm with --no-prefix-cache (shared), warm starts
 #                              with and without inductor's compile workers; llama-server 1B once built
+#   bench/engine_v2.sh OUT 10  a fresh machine, ours alone on cores 0-7, 1B: tokenization batched off the
+#                              loop (the default on 8 cores) against on the loop (QUANTSERVE_OFF_LOOP_CHARS):
+#                              random and shared loads each, the shared load without the prefix cache,
+#                              the loop probe both ways
 #   bench/engine_v2.sh OUT 9   the same machine: the event loop's tokenization probe on cores 0-7;
 #                              llama-server 1B if phase 8 had no time for it; 8B: ours cold (random,
 #                              shared), warm --no-prefix-cache (shared), warm start with the compile
@@ -123,6 +127,26 @@ if [ "$phase" = 7 ]; then  # 8B alone on a fresh machine: cold start, random pro
   start_ours ours-8b-warm /tmp/ck-llama-3.1-8b "${ours[@]}" && stop
   grep -h "loaded fast engine" "$out"/ours-*.log >> "$out/bench.txt"
   log "phase 7 done"; exit 0
+fi
+
+if [ "$phase" = 10 ]; then
+  install; export PIN=0-7
+  (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) | tee -a "$out/bench.txt"
+  (cd /tmp && taskset -c 8-15 python3 -m quantserve.bench.make_checkpoint --shape llama-3.2-1b --out /tmp/ck-llama-3.2-1b \
+      --context 8192 > /tmp/checkpoints.log 2>&1) || { log "no checkpoint"; exit 1; }
+  start_ours ours-1b-cold /tmp/ck-llama-3.2-1b "${ours[@]}" && { load ours-1b 8000 random; shared_split ours-1b; stop; }
+  QUANTSERVE_OFF_LOOP_CHARS=1000000000 start_ours ours-1b-onloop /tmp/ck-llama-3.2-1b "${ours[@]}" \
+      && { load ours-1b-onloop 8000 random; shared_split ours-1b-onloop; stop; }
+  start_ours ours-1b-nocache /tmp/ck-llama-3.2-1b "${ours[@]}" --no-prefix-cache && { shared_split ours-1b-nocache; stop; }
+  for where in --on-loop --off-loop; do
+    (cd /tmp && CUDA_VISIBLE_DEVICES= timeout 100 taskset -c $PIN python3 "$repo/bench/loop_probe.py" --serve $where 8970 440) \
+        >> "$out/loop-probe.txt" 2>&1 || log "loop probe $where: rc=$?"
+  done
+  cat "$out/loop-probe.txt" >> "$out/bench.txt"
+  grep -h "loaded fast engine" "$out"/ours-*.log >> "$out/bench.txt"
+  cat "$out/engine-ttft.txt" >> "$out/bench.txt" 2>/dev/null
+  (cd "$out" && tar czf results.tgz *.json *.log *.txt 2>/dev/null)
+  log "phase $phase done"; exit 0
 fi
 
 if [ "$phase" = 8 ] || [ "$phase" = 9 ]; then  # cores 0-7 ours, 8-15 the build and the checkpoints

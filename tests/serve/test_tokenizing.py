@@ -1,6 +1,7 @@
-"""Long prompts are tokenized off the event loop (server/tokenizing.py), on the default model's real
-tokenizer: the ids equal the tokenizer's own, under concurrency and beside decoding, and only
-long texts from a thread-safe tokenizer leave the loop."""
+"""Long prompts are tokenized off the event loop, the requests of one turn of the loop in one batch
+(server/tokenizing.py), on the default model's real tokenizer: the ids equal the tokenizer's own,
+under concurrency and beside decoding; a text that fails fails its own request only; only long
+texts from a thread-safe tokenizer leave the loop."""
 
 from __future__ import annotations
 
@@ -20,10 +21,16 @@ class _Recording(HFTokenizer):
     def __init__(self, tok):
         super().__init__(tok)
         self.threads: list[str] = []
+        self.batches: list[int] = []  # texts per batch encode
 
     def encode(self, text, add_special_tokens):
         self.threads.append(threading.current_thread().name)
         return super().encode(text, add_special_tokens)
+
+    def encode_batch(self, texts, add_special_tokens):
+        self.threads.append(threading.current_thread().name)
+        self.batches.append(len(texts))
+        return super().encode_batch(texts, add_special_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +69,33 @@ def test_long_prompts_encode_on_worker_threads_to_the_same_ids(tokenizer):
     assert got == expected
     assert rec.threads and all(name.startswith("quantserve-tokenize") for name in rec.threads)
     assert loop_thread not in rec.threads
+    # the 64 requests of one turn of the loop went in two batches, one per add_special_tokens
+    assert sorted(rec.batches) == [32, 32]
+
+
+def test_a_text_that_fails_fails_its_own_request_only(tokenizer):
+    class FailsOnBad(_Recording):
+        def encode(self, text, add_special_tokens):
+            if "BAD" in text:
+                raise ValueError("cannot encode this text")
+            return super().encode(text, add_special_tokens)
+
+        def encode_batch(self, texts, add_special_tokens):
+            if any("BAD" in t for t in texts):
+                raise ValueError("cannot encode this batch")
+            return super().encode_batch(texts, add_special_tokens)
+
+    texts = _texts(6, OFF_LOOP_CHARS + 100)
+    texts[2] += "BAD"
+    rec = FailsOnBad(tokenizer)
+
+    async def main():
+        return await asyncio.gather(*(encode_all(rec, [t], add_special_tokens=True) for t in texts),
+                                    return_exceptions=True)
+
+    got = asyncio.run(main())
+    assert isinstance(got[2], ValueError)
+    assert [g[0] for i, g in enumerate(got) if i != 2] == [tokenizer(t).input_ids for i, t in enumerate(texts) if i != 2]
 
 
 def test_short_prompts_and_other_tokenizers_stay_on_the_loop(tokenizer):
@@ -80,3 +114,15 @@ def test_short_prompts_and_other_tokenizers_stay_on_the_loop(tokenizer):
 
 async def _encode_on_a_loop(tok, texts):
     return threading.current_thread().name, await encode_all(tok, texts, add_special_tokens=True)
+
+
+def test_the_line_moves_down_with_the_cores_and_the_setting_wins(monkeypatch):
+    from quantserve.server import tokenizing
+
+    monkeypatch.delenv("QUANTSERVE_OFF_LOOP_CHARS", raising=False)
+    monkeypatch.setattr(tokenizing.os, "sched_getaffinity", lambda pid: set(range(2)), raising=False)
+    assert tokenizing._off_loop_chars() == 8192
+    monkeypatch.setattr(tokenizing.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert tokenizing._off_loop_chars() == 1024
+    monkeypatch.setenv("QUANTSERVE_OFF_LOOP_CHARS", "3000")
+    assert tokenizing._off_loop_chars() == 3000
