@@ -75,6 +75,15 @@ def choice_list(*choices: str):
     return parse
 
 
+def choice(*choices: str):
+    """A parser for one of `choices`."""
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise typer.BadParameter(f"'{text}': choose from {', '.join(choices)}")
+        return text
+    return parse
+
+
 def existing_file(text: str) -> str:
     if not Path(text).is_file():
         raise typer.BadParameter(f"{text}: no such file")

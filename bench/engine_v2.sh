@@ -28,6 +28,9 @@
 #                              loop (the default on 8 cores) against on the loop (QUANTSERVE_OFF_LOOP_CHARS):
 #                              random and shared loads each, the shared load without the prefix cache,
 #                              the loop probe both ways
+#   bench/engine_v2.sh OUT 11  a fresh machine, ours alone on all cores, 8B: cold start, random prompts at
+#                              1, 8, 32 and the shared load (bench serve's aiohttp client), warm start with
+#                              --no-prefix-cache (shared); each shared load again with --client httpx
 #   bench/engine_v2.sh OUT 9   the same machine: the event loop's tokenization probe on cores 0-7;
 #                              llama-server 1B if phase 8 had no time for it; 8B: ours cold (random,
 #                              shared), warm --no-prefix-cache (shared), warm start with the compile
@@ -56,7 +59,8 @@ load() {  # LABEL PORT KIND: random ~690-token prompts at 1, 8, 32; or the share
     shared) args=(--concurrency 32 --num-prompts 128 --shared-prefix-len 490 --input-len 8) ;;
   esac
   (cd /tmp && timeout 240 ${PIN:+taskset -c $PIN} python3 -m quantserve.bench.serve --base-url "http://127.0.0.1:$port/v1" "${args[@]}" \
-      --output-len 128 --ignore-eos --label "$label" --out "$out/$label-$kind.json") > "$out/$label-$kind.log" 2>&1 \
+      --output-len 128 --ignore-eos --label "$label" --out "$out/$label-$kind.json" ${SERVE_EXTRA:-}) \
+      > "$out/$label-$kind.log" 2>&1 \
       || log "$label $kind: rc=$?"
   tail -n 6 "$out/$label-$kind.log" >> "$out/bench.txt"
 }
@@ -127,6 +131,25 @@ if [ "$phase" = 7 ]; then  # 8B alone on a fresh machine: cold start, random pro
   start_ours ours-8b-warm /tmp/ck-llama-3.1-8b "${ours[@]}" && stop
   grep -h "loaded fast engine" "$out"/ours-*.log >> "$out/bench.txt"
   log "phase 7 done"; exit 0
+fi
+
+if [ "$phase" = 11 ]; then
+  install
+  (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) | tee -a "$out/bench.txt"
+  (cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape llama-3.1-8b --out /tmp/ck-llama-3.1-8b \
+      --context 8192 > /tmp/checkpoints.log 2>&1) || { log "no checkpoint"; exit 1; }
+  rm -rf "$QUANTSERVE_HOME/compile"
+  if start_ours ours-8b-cold /tmp/ck-llama-3.1-8b "${ours[@]}"; then
+    load ours-8b 8000 random; shared_split ours-8b
+    engine_ttft ours-8b-httpx-before 8000; SERVE_EXTRA="--client httpx" load ours-8b-httpx 8000 shared
+    engine_ttft ours-8b-httpx-after 8000; stop
+  fi
+  if start_ours ours-8b-nocache /tmp/ck-llama-3.1-8b "${ours[@]}" --no-prefix-cache; then
+    shared_split ours-8b-nocache; SERVE_EXTRA="--client httpx" load ours-8b-nocache-httpx 8000 shared; stop
+  fi
+  grep -h "loaded fast engine" "$out"/ours-*.log >> "$out/bench.txt"
+  cat "$out/engine-ttft.txt" >> "$out/bench.txt" 2>/dev/null
+  log "phase $phase done"; exit 0
 fi
 
 if [ "$phase" = 10 ]; then

@@ -14,6 +14,10 @@ are the server's `usage.completion_tokens` when it sends usage, else the number 
 with text (one token each on both servers).  Prompts are fixed-length random words from a seeded
 generator (about one token per word with a BPE tokenizer) or lines of a corpus file.
 
+The client is aiohttp, as vLLM's benchmark's: its C parser keeps the client's own time per streamed
+event small, which at thousands of events a second is otherwise part of what is measured (httpx,
+pure Python, the client of this file's figures before 2026-12-04 evening: `--client httpx`).
+
 `--shared-prefix-len N` puts one N-word system text before every prompt (as a system message with
 --chat): the load of many users of one application, which a server's prefix cache serves without
 recomputing the shared part.  `cached_tokens` sums what the server said it took from its cache
@@ -64,6 +68,10 @@ class ServeOptions:
     no_warmup: bool = False
     out: str | None = None
     save_records: bool = False
+    client: str = "aiohttp"  # or "httpx" (the client of earlier figures)
+
+
+CLIENTS = ("aiohttp", "httpx")
 
 
 @dataclass
@@ -97,37 +105,62 @@ def make_prompts(n: int, input_len: int, seed: int, corpus: str | None = None) -
     return [" ".join(rng.choice(WORDS) for _ in range(input_len)) for _ in range(n)]
 
 
+async def _lines_httpx(client, url: str, body: dict):
+    """(status, error text or None, the response's lines) over httpx."""
+    async with client.stream("POST", url, json=body) as resp:
+        if resp.status_code != 200:
+            yield resp.status_code, (await resp.aread())[:200], None
+            return
+        async for line in resp.aiter_lines():
+            yield 200, None, line
+
+
+async def _lines_aiohttp(client, url: str, body: dict):
+    """The same over aiohttp: the body's bytes split into lines as they come."""
+    async with client.post(url, json=body) as resp:
+        if resp.status != 200:
+            yield resp.status, (await resp.read())[:200], None
+            return
+        pending = b""
+        async for chunk in resp.content.iter_any():
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in lines:
+                yield 200, None, line.decode().rstrip("\r")
+        if pending:
+            yield 200, None, pending.decode()
+
+
 async def one_request(client, url: str, body: dict, chat: bool) -> Record:
     rec = Record()
     t0 = time.perf_counter()
+    lines = _lines_httpx if client.__class__.__module__.startswith("httpx") else _lines_aiohttp
     try:
         done = False
-        async with client.stream("POST", url, json=body) as resp:
-            if resp.status_code != 200:
-                rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+        async for status, error, line in lines(client, url, body):
+            if status != 200:
+                rec.error = f"HTTP {status}: {error!r}"
                 return rec
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                obj = json.loads(data)
-                if obj.get("error"):  # an error inside a started stream (after the HTTP 200)
-                    rec.error = f"error event: {json.dumps(obj['error'])[:200]}"
-                    return rec
-                if obj.get("usage"):
-                    rec.prompt_tokens = obj["usage"].get("prompt_tokens")
-                    rec.cached_tokens = (obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
-                    rec.output_tokens = obj["usage"].get("completion_tokens") or rec.output_tokens
-                for ch in obj.get("choices") or []:
-                    text = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
-                    if text:
-                        now = time.perf_counter() - t0
-                        if rec.ttft is None:
-                            rec.ttft = now
-                        rec.chunk_times.append(now)
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                done = True
+                break
+            obj = json.loads(data)
+            if obj.get("error"):  # an error inside a started stream (after the HTTP 200)
+                rec.error = f"error event: {json.dumps(obj['error'])[:200]}"
+                return rec
+            if obj.get("usage"):
+                rec.prompt_tokens = obj["usage"].get("prompt_tokens")
+                rec.cached_tokens = (obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+                rec.output_tokens = obj["usage"].get("completion_tokens") or rec.output_tokens
+            for ch in obj.get("choices") or []:
+                text = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
+                if text:
+                    now = time.perf_counter() - t0
+                    if rec.ttft is None:
+                        rec.ttft = now
+                    rec.chunk_times.append(now)
         if not done:  # the server closed the stream early (llama.cpp's does on a too-long prompt)
             rec.error = "the stream ended without [DONE]"
             return rec
@@ -189,15 +222,29 @@ def json_schema_arg(value: str) -> dict:
         raise typer.BadParameter(f"{value}: not JSON ({e})") from None
 
 
+def _session(client: str, concurrency: int, timeout: float, headers: dict):
+    """An HTTP client session of the kind asked for, with a connection for every concurrent request."""
+    if client == "httpx":
+        import httpx
+
+        limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+        return httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers)
+    try:
+        import aiohttp
+    except ImportError:
+        raise UserError("bench serve's default client needs aiohttp (pip install aiohttp), or pass --client httpx") \
+            from None
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency + 4), headers=headers,
+                                 timeout=aiohttp.ClientTimeout(total=timeout))
+
+
 async def run_level(base_url: str, model: str, prompts: list[str], concurrency: int, output_len: int,
                     chat: bool, ignore_eos: bool, api_key: str | None, timeout: float,
-                    json_schema: dict | None = None, prefix: str | None = None) -> tuple[list[Record], float]:
-    import httpx
-
+                    json_schema: dict | None = None, prefix: str | None = None,
+                    client: str = "aiohttp") -> tuple[list[Record], float]:
     url = base_url.rstrip("/") + ("/chat/completions" if chat else "/completions")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     sem = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
 
     def body(p: str) -> dict:
         b = {"model": model, "max_tokens": output_len, "temperature": 0.0, "stream": True,
@@ -213,10 +260,10 @@ async def run_level(base_url: str, model: str, prompts: list[str], concurrency: 
             b["response_format"] = {"type": "json_schema", "json_schema": {"name": "bench", "schema": json_schema}}
         return b
 
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
+    async with _session(client, concurrency, timeout, headers) as session:
         async def guarded(p):
             async with sem:
-                return await one_request(client, url, body(p), chat)
+                return await one_request(session, url, body(p), chat)
 
         t0 = time.perf_counter()
         records = await asyncio.gather(*(guarded(p) for p in prompts))
@@ -276,7 +323,7 @@ def run(o: ServeOptions) -> None:
               "settings": {**asdict(o), "api_key": "***" if o.api_key else None}, "runs": []}  # never the key
     if not o.no_warmup:
         recs, _ = asyncio.run(run_level(o.base_url, model, make_prompts(1, o.input_len, o.seed + 1),
-                                        1, 8, o.chat, o.ignore_eos, o.api_key, o.timeout))
+                                        1, 8, o.chat, o.ignore_eos, o.api_key, o.timeout, client=o.client))
         if not recs[0].ok:
             raise UserError(f"the warm-up request failed: {recs[0].error}")
     # its own generator: the prompts after it are the same with or without it
@@ -285,7 +332,8 @@ def run(o: ServeOptions) -> None:
         n = o.num_prompts or max(16, 4 * c)
         prompts = make_prompts(n, o.input_len, o.seed, o.corpus)
         records, duration = asyncio.run(run_level(o.base_url, model, prompts, c, o.output_len, o.chat,
-                                                  o.ignore_eos, o.api_key, o.timeout, o.json_schema, prefix))
+                                                  o.ignore_eos, o.api_key, o.timeout, o.json_schema, prefix,
+                                                  o.client))
         fixed = o.ignore_eos or o.json_schema is FIXED_LENGTH_SCHEMA
         m = {"concurrency": c, "num_prompts": n,
              **compute_metrics(records, duration, o.output_len if fixed else None)}

@@ -169,11 +169,12 @@ def test_serve_against_nothing_is_one_line_and_exit_1(capsys):
     assert len(err) == 1 and err[0].startswith("error: cannot reach http://127.0.0.1:9/v1/models")
 
 
-def test_failed_requests_make_the_run_exit_1(llama_server, capsys):
+@pytest.mark.parametrize("client", bs.CLIENTS)
+def test_failed_requests_make_the_run_exit_1(llama_server, capsys, client):
     """Prompts longer than the server's 512-token context: every request fails, the table shows it
-    and the exit code says the figures are not a clean measurement."""
+    and the exit code says the figures are not a clean measurement (with either HTTP client)."""
     code = bs.main(["--base-url", llama_server, "--concurrency", "1", "--num-prompts", "2", "--input-len", "600",
-                    "--output-len", "4", "--no-warmup"])
+                    "--output-len", "4", "--no-warmup", "--client", client])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and err[-1].startswith("error: 2 of 2 requests failed, e.g. "), err
 
@@ -246,3 +247,19 @@ def test_replicas_compare_tables_the_rounds_and_says_what_is_missing(tmp_path, c
     (tmp_path / "ray-4.json").write_text("{not json")
     with pytest.raises(SystemExit, match="ray-4.json is not a `bench serve` result"):
         main([str(tmp_path)])
+
+
+def test_both_http_clients_read_the_same_streams(llama_server):
+    """aiohttp (the default) and httpx (the client of earlier figures) see the same tokens of the
+    same greedy streams, and the same usage."""
+    import asyncio
+
+    model = bs.served_model(llama_server, None)
+    prompts = bs.make_prompts(4, 12, 0)
+    seen = {}
+    for client in bs.CLIENTS:
+        records, _ = asyncio.run(bs.run_level(llama_server, model, prompts, 2, 6, False, False, None, 60,
+                                              client=client))
+        assert all(r.ok for r in records), [r.error for r in records]
+        seen[client] = [(r.output_tokens, r.prompt_tokens, len(r.chunk_times)) for r in records]
+    assert seen["aiohttp"] == seen["httpx"]
