@@ -1,8 +1,8 @@
 """Prompts tokenized off the event loop, the prompts of requests arriving together in one batch.
 
-Tokenizing a ~1,400-token prompt takes ~0.6 ms on this project's CI CPU and about twice that on
-the lent GPU host's.  Requests arrive in bursts (a chat service's clients, the shared-prefix
-load's 32 clients whose replies end in the same step), and on the event loop their prompts were
+Tokenizing a ~1,400-token prompt takes ~0.6 ms on this project's CI CPU.  Requests arrive in
+bursts (a chat service's clients, the shared-prefix load's 32 clients whose replies end in the
+same step), and on the event loop their prompts were
 encoded one after another, each in front of the next request's first token and of every running
 stream's next event.  So the prompts the loop's requests reach in one turn of the loop are
 gathered and encoded together by one call of the Rust tokenizer's batch encoder on a worker
@@ -15,9 +15,12 @@ text is, and its texts are encoded side by side only where there are cores to sp
 depends on the cores this process may use.  Where it lies was measured (bench/loop_probe.py,
 bursts of 32 prompts), first with a thread per prompt: on a 2-core Xeon, 32,000-character prompts
 took 0.74x the time off the loop and 6,400-character ones 1.15x longer; on 8 cores of the GPU
-host, 6,400-character prompts took 0.64x and 2,400-character ones 1.23x longer.  Batched, on the
-2-core Xeon, the shared-prefix load's 32 clients (~2,400-character prompts) waited longer for
-their first tokens off the loop (median 38-42 ms against 22 ms).
+host, 6,400-character prompts took 0.64x and 2,400-character ones 1.23x longer.  Batched, on those
+8 cores, 2,400-character prompts took 0.59x the time off the loop (66.7 against 113.8 ms a burst),
+and the 1B shape's concurrency-32 throughput rose 1.24x; on the 2-core Xeon the shared-prefix
+load's 32 clients waited longer for their first tokens with every prompt off the loop (median
+38-42 ms against 22 ms, bench/http_probe.py).  Hence 1,024 characters with 8 cores or more, and
+8,192 below.
 
 Only tokenizers that say `thread_safe = True` and have `encode_batch` leave the loop
 (server/hf_engine.py's, which only reads the Rust tokenizer); llama.cpp's tokenizer in the gguf
@@ -60,7 +63,7 @@ class _Batch:
         self.texts: list[str] = []
         self.futures: list[asyncio.Future] = []
 
-    def encode(self) -> list[list[int]]:  # on a worker thread
+    def encode(self) -> list:  # on a worker thread: each text's ids, or the exception it raised
         try:
             return self.tokenizer.encode_batch(self.texts, self.add_special_tokens)
         except Exception:  # one bad text fails its own request only: each again, alone
@@ -74,14 +77,14 @@ def _result_or_error(tokenizer, text: str, add_special_tokens: bool):
         return e
 
 
-_gathering: dict[tuple[int, bool], _Batch] = {}  # this turn's batches, by (tokenizer, add_special_tokens)
+# each event loop's batches of this turn, by (tokenizer, add_special_tokens): a batch's futures
+# belong to the loop that made them, and only that loop settles them
+_gathering: dict[asyncio.AbstractEventLoop, dict[tuple[int, bool], _Batch]] = {}
 
 
 def _dispatch(loop: asyncio.AbstractEventLoop) -> None:
-    """The turn is over: every batch gathered goes to the worker threads."""
-    batches = list(_gathering.values())
-    _gathering.clear()
-    for batch in batches:
+    """The loop's turn is over: every batch it gathered goes to the worker threads."""
+    for batch in _gathering.pop(loop, {}).values():
         loop.run_in_executor(_threads(), batch.encode).add_done_callback(
             lambda done, batch=batch: _settle(batch, done))
 
@@ -105,9 +108,10 @@ async def encode_all(tokenizer, texts: list[str], add_special_tokens: bool) -> l
             or sum(len(t) for t in texts) < OFF_LOOP_CHARS:
         return [tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]
     loop = asyncio.get_running_loop()
-    if not _gathering:
+    if loop not in _gathering:
+        _gathering[loop] = {}
         loop.call_soon(_dispatch, loop)  # after the callbacks ready now: the other requests of this turn
-    batch = _gathering.setdefault((id(tokenizer), add_special_tokens), _Batch(tokenizer, add_special_tokens))
+    batch = _gathering[loop].setdefault((id(tokenizer), add_special_tokens), _Batch(tokenizer, add_special_tokens))
     futures = [loop.create_future() for _ in texts]
     batch.texts += texts
     batch.futures += futures

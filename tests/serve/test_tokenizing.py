@@ -126,3 +126,21 @@ def test_the_line_moves_down_with_the_cores_and_the_setting_wins(monkeypatch):
     assert tokenizing._off_loop_chars() == 1024
     monkeypatch.setenv("QUANTSERVE_OFF_LOOP_CHARS", "3000")
     assert tokenizing._off_loop_chars() == 3000
+
+
+def test_two_event_loops_at_once_each_get_their_own_answers(tokenizer):
+    """Each loop's batch is its own (a replica's loop and a test client's, say): the same ids on both."""
+    texts = _texts(16, OFF_LOOP_CHARS + 50, seed=3)
+    expected = [tokenizer(t).input_ids for t in texts]
+    rec = _Recording(tokenizer)
+    got: dict[int, list] = {}
+
+    async def one(k: int):
+        got[k] = [r[0] for r in await asyncio.gather(*(encode_all(rec, [t], add_special_tokens=True) for t in texts))]
+
+    threads = [threading.Thread(target=lambda k=k: asyncio.run(one(k))) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert got == {0: expected, 1: expected}
