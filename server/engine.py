@@ -100,6 +100,9 @@ class ModelTokenizer(Protocol):
     def decode(self, ids: list[int]) -> str:
         """Text of `ids` without special tokens; split UTF-8 characters come out as U+FFFD."""
 
+    # optional: decode_stream(context ids) -> step(token id) -> text or None (an incomplete
+    # character), an incremental decoder that textstream.py prefers to decoding windows
+
     def token_text(self, token_id: int) -> str: ...
 
     def token_bytes(self, token_id: int) -> bytes: ...
@@ -167,6 +170,15 @@ class TokenStream:
             if event.finish_reason is not None:
                 self.finished = True
             yield event
+
+    def ready(self) -> list[TokenEvent]:
+        """The events already here, taken without waiting (those that came while the event loop
+        was busy elsewhere), up to and including the last one."""
+        events = []
+        while not self.finished and not self._queue.empty():
+            events.append(self._queue.get_nowait())
+            self.finished = events[-1].finish_reason is not None
+        return events
 
 
 def _deliver_all(items: list[tuple[TokenStream, TokenEvent]]) -> None:

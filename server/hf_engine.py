@@ -37,6 +37,16 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
+    def decode_stream(self, context: list[int]):
+        """An incremental decoder of the tokens that follow `context` (textstream.py), or None when
+        this tokenizer's decode does more than the Rust decoder (its spaces cleaned up)."""
+        if getattr(self.tok, "clean_up_tokenization_spaces", False) or not hasattr(self.tok, "backend_tokenizer"):
+            return None
+        from tokenizers.decoders import DecodeStream
+
+        backend, stream = self.tok.backend_tokenizer, DecodeStream(ids=list(context), skip_special_tokens=True)
+        return lambda token_id: stream.step(backend, token_id)
+
     def token_text(self, token_id: int) -> str:
         return self.tok.decode([token_id], skip_special_tokens=False)
 

@@ -260,17 +260,31 @@ async def run_job(state: ServerState, job: Job) -> AsyncIterator[tuple[int, Delt
             await queue.put((i, Delta("", [], "error")))
         await queue.put((i, None))
 
+    async def put(i: int, delta: Delta) -> None:
+        if delta.text or delta.logprobs or delta.finish_reason:
+            await queue.put((i, delta))
+
     async def _pump(i: int) -> None:
         stream, choice = job.streams[i], job.choices[i]
         first = None
         async for event in stream:
-            delta = choice.push(event)
-            if first is None and event.token_id is not None:
-                first = time.perf_counter() - job.started
-                if event.queued_s is not None:
-                    state.metrics.record_engine_first_token(event.queued_s, event.elapsed_s)
-            if delta.text or delta.logprobs or delta.finish_reason:
-                await queue.put((i, delta))
+            # the events that came while the loop was busy go out as one delta (vLLM merges a
+            # request's outputs the same way when its client falls behind): one chunk to build
+            # and send instead of several, so a loaded loop catches up instead of falling further
+            delta = None
+            for ev in [event, *stream.ready()]:
+                if first is None and ev.token_id is not None:
+                    first = time.perf_counter() - job.started
+                    if ev.queued_s is not None:
+                        state.metrics.record_engine_first_token(ev.queued_s, ev.elapsed_s)
+                piece = choice.push(ev)
+                if piece.finish_reason == "error" and delta is not None:
+                    await put(i, delta)  # an error event replaces its chunk: the text before it goes first
+                    delta = None
+                delta = piece if delta is None else delta.then(piece)
+                if piece.finish_reason:
+                    break
+            await put(i, delta)
             if delta.finish_reason:
                 stream.cancel()  # a stop string ends the choice before the engine would
                 state.metrics.record_choice(first, time.perf_counter() - job.started,

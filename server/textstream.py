@@ -1,7 +1,9 @@
 """From generated token ids to the text a client sees: incremental detokenization and stop strings.
 
 - Decoding token by token breaks multi-byte characters (U+FFFD halves); `IncrementalDetokenizer`
-  decodes a small window and releases text only once it no longer ends in U+FFFD (vLLM's method).
+  releases text only once it no longer ends in U+FFFD: through the Rust tokenizer's own
+  incremental decoder where the tokenizer offers one (`decode_stream`: ~1 µs a token, where two
+  window decodes through transformers took ~7), else by decoding a small window (vLLM's method).
 - Stop strings are never emitted, even when split across tokens: `StopMatcher` holds back the
   longest tail of the text that could still become a stop string, and cuts at the first match.
 - `ChoiceText` ties both together for one choice and pairs each released piece of text with the
@@ -22,9 +24,17 @@ class IncrementalDetokenizer:
         self._ids = list(prompt_ids[-4:])
         self._prefix = 0
         self._read = len(self._ids)
+        stream = getattr(tokenizer, "decode_stream", None)
+        self._step = stream(self._ids) if stream is not None else None
 
     def push(self, token_id: int) -> str:
         self._ids.append(token_id)
+        if self._step is not None:
+            text = self._step(token_id)
+            if text is None:  # an incomplete character: held (flush decodes what is held)
+                return ""
+            self._prefix, self._read = self._read, len(self._ids)
+            return text
         before = self._decode(self._ids[self._prefix:self._read])
         after = self._decode(self._ids[self._prefix:])
         if len(after) > len(before) and not after.endswith("\ufffd"):
@@ -84,6 +94,10 @@ class Delta:
     text: str
     logprobs: list[LogprobEntry] = field(default_factory=list)
     finish_reason: str | None = None
+
+    def then(self, later: "Delta") -> "Delta":
+        """This delta and a later one of the same choice as one."""
+        return Delta(self.text + later.text, self.logprobs + later.logprobs, later.finish_reason)
 
 
 class ChoiceText:

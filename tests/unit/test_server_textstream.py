@@ -56,3 +56,72 @@ def test_stop_matcher_holds_back_only_possible_prefixes():
     assert m.push("q") == ("xq", False)
     assert m.push("fooEN") == ("foo", False)
     assert m.push("D tail") == ("", True)
+
+
+def test_the_rust_incremental_decoder_gives_what_the_window_decoder_gives(tokenizer):
+    """Where the tokenizer offers `decode_stream` (the Rust decoder), every token's released text
+    equals the window method's (vLLM's), over random ids that split characters and hold special
+    tokens; both together equal the whole decode."""
+    import random
+
+    from quantserve.server.textstream import IncrementalDetokenizer
+
+    class WindowOnly:  # the same tokenizer without the Rust stream (as the gguf engine's)
+        decode = tokenizer.decode
+
+    assert tokenizer.decode_stream([1]) is not None
+    rng = random.Random(0)
+    prompt = tokenizer.encode("Repeat:", add_special_tokens=True)
+    for _ in range(20):
+        ids = [rng.randrange(tokenizer.vocab_size) for _ in range(60)]
+        fast, slow = IncrementalDetokenizer(tokenizer, prompt), IncrementalDetokenizer(WindowOnly(), prompt)
+        pieces = [(fast.push(t), slow.push(t)) for t in ids]
+        assert [f for f, _ in pieces] == [s for _, s in pieces]
+        assert fast.flush() == slow.flush()
+        assert "".join(f for f, _ in pieces) + "" == "".join(s for _, s in pieces)
+
+
+def _job_with_events(tokenizer, events):
+    """A one-choice Job whose stream already holds `events` (as when the loop was busy while a
+    step's tokens came), on the running loop."""
+    import asyncio
+
+    from quantserve.server.engine import EngineRequest, TokenStream
+    from quantserve.server.sampling import SamplingParams
+    from quantserve.server.serving import Job
+
+    class Engine:  # the stream's cancel() reaches it
+        def cancel(self, request_id):
+            pass
+
+    prompt = tokenizer.encode("Repeat:", add_special_tokens=True)
+    stream = TokenStream(EngineRequest(prompt, SamplingParams(max_tokens=16)), asyncio.get_running_loop(), Engine())
+    for event in events:
+        stream.deliver(event)
+    return Job([stream], [ChoiceText(tokenizer, prompt, [], want_logprobs=True)], prompt_tokens=len(prompt))
+
+
+def test_events_that_wait_go_out_as_one_delta_and_an_error_after_the_text(tokenizer):
+    """What came while the loop was busy is one delta (one chunk to send), the same text and
+    logprob entries as token by token; an error event still follows the text before it."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from quantserve.server.exceptions import EngineError
+    from quantserve.server.metrics import Metrics
+    from quantserve.server.serving import run_job
+
+    ids = tokenizer.encode("a b c d", add_special_tokens=False)
+    state = SimpleNamespace(metrics=Metrics(SimpleNamespace(stats=lambda: None)))
+
+    async def deltas(events):
+        job = _job_with_events(tokenizer, events)
+        return [d async for _, d in run_job(state, job)], job
+
+    got, job = asyncio.run(deltas([TokenEvent(t, logprob=-0.5) for t in ids[:-1]] +
+                                  [TokenEvent(ids[-1], logprob=-0.5, finish_reason="length")]))
+    assert len(got) == 1 and got[0].text == "a b c d" == job.choices[0].text
+    assert len(got[0].logprobs) == len(ids) and got[0].finish_reason == "length"
+    got, _ = asyncio.run(deltas([TokenEvent(t) for t in ids[:2]] +
+                                [TokenEvent(None, finish_reason="error", error=EngineError("boom"))]))
+    assert [(d.text, d.finish_reason) for d in got] == [(tokenizer.decode(ids[:2]), None), ("", "error")]
