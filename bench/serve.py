@@ -27,6 +27,7 @@ recomputing the shared part.  `cached_tokens` sums what the server said it took 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import statistics
@@ -130,37 +131,18 @@ async def _lines_aiohttp(client, url: str, body: dict):
             yield 200, None, pending.decode()
 
 
-async def one_request(client, url: str, body: dict, chat: bool) -> Record:
+_LINES = {"aiohttp": _lines_aiohttp, "httpx": _lines_httpx}
+
+
+async def one_request(session, client: str, url: str, body: dict, chat: bool) -> Record:
     rec = Record()
     t0 = time.perf_counter()
-    lines = _lines_httpx if client.__class__.__module__.startswith("httpx") else _lines_aiohttp
     try:
-        done = False
-        async for status, error, line in lines(client, url, body):
-            if status != 200:
-                rec.error = f"HTTP {status}: {error!r}"
-                return rec
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                done = True
-                break
-            obj = json.loads(data)
-            if obj.get("error"):  # an error inside a started stream (after the HTTP 200)
-                rec.error = f"error event: {json.dumps(obj['error'])[:200]}"
-                return rec
-            if obj.get("usage"):
-                rec.prompt_tokens = obj["usage"].get("prompt_tokens")
-                rec.cached_tokens = (obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
-                rec.output_tokens = obj["usage"].get("completion_tokens") or rec.output_tokens
-            for ch in obj.get("choices") or []:
-                text = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
-                if text:
-                    now = time.perf_counter() - t0
-                    if rec.ttft is None:
-                        rec.ttft = now
-                    rec.chunk_times.append(now)
+        # closed as soon as the stream is read, so its connection goes back to the pool at once
+        async with contextlib.aclosing(_LINES[client](session, url, body)) as lines:
+            done = await _read_stream(rec, lines, chat, t0)
+        if rec.error:
+            return rec
         if not done:  # the server closed the stream early (llama.cpp's does on a too-long prompt)
             rec.error = "the stream ended without [DONE]"
             return rec
@@ -170,6 +152,36 @@ async def one_request(client, url: str, body: dict, chat: bool) -> Record:
     except Exception as e:  # a failed request is counted, not fatal
         rec.error = f"{type(e).__name__}: {e}"
     return rec
+
+
+async def _read_stream(rec: Record, lines, chat: bool, t0: float) -> bool:
+    """Fill `rec` from the answer's lines; True when the stream ended with [DONE] (an error
+    reply or an error event sets rec.error)."""
+    async for status, error, line in lines:
+        if status != 200:
+            rec.error = f"HTTP {status}: {error!r}"
+            return False
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return True
+        obj = json.loads(data)
+        if obj.get("error"):  # an error inside a started stream (after the HTTP 200)
+            rec.error = f"error event: {json.dumps(obj['error'])[:200]}"
+            return False
+        if obj.get("usage"):
+            rec.prompt_tokens = obj["usage"].get("prompt_tokens")
+            rec.cached_tokens = (obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+            rec.output_tokens = obj["usage"].get("completion_tokens") or rec.output_tokens
+        for ch in obj.get("choices") or []:
+            text = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
+            if text:
+                now = time.perf_counter() - t0
+                if rec.ttft is None:
+                    rec.ttft = now
+                rec.chunk_times.append(now)
+    return False
 
 
 def _stats(values: list[float], scale: float = 1e3) -> dict:
@@ -263,7 +275,7 @@ async def run_level(base_url: str, model: str, prompts: list[str], concurrency: 
     async with _session(client, concurrency, timeout, headers) as session:
         async def guarded(p):
             async with sem:
-                return await one_request(session, url, body(p), chat)
+                return await one_request(session, client, url, body(p), chat)
 
         t0 = time.perf_counter()
         records = await asyncio.gather(*(guarded(p) for p in prompts))
