@@ -22,8 +22,8 @@
 #   bench/engine_v2.sh OUT 5   capacity at --context 8192 with fp16 and int8 KV; int8 KV's quality, 1B
 #   bench/engine_v2.sh OUT 8   a fresh machine split in two: llama.cpp's build and the checkpoints on
 #                              cores 8-15, ours (server and client) on cores 0-7 throughout.  1B: ours
-#                              cold (random, shared), warm with --no-prefix-cache (shared), warm starts
-#                              with and without inductor's compile workers; llama-server 1B once built
+#                              cold (random, shared), warm with --no-prefix-cache (shared), a warm start;
+#                              the engine's GPU tests; llama-server 1B once built
 #   bench/engine_v2.sh OUT 10  a fresh machine, ours alone on cores 0-7, 1B: tokenization batched off the
 #                              loop (the default on 8 cores) against on the loop (QUANTSERVE_OFF_LOOP_CHARS):
 #                              random and shared loads each, the shared load without the prefix cache,
@@ -33,8 +33,7 @@
 #                              --no-prefix-cache (shared); each shared load again with --client httpx
 #   bench/engine_v2.sh OUT 9   the same machine: the event loop's tokenization probe on cores 0-7;
 #                              llama-server 1B if phase 8 had no time for it; 8B: ours cold (random,
-#                              shared), warm --no-prefix-cache (shared), warm start with the compile
-#                              workers; llama-server 8B (random, shared)
+#                              shared), warm --no-prefix-cache (shared); llama-server 8B (random, shared)
 # Run from the repo root with .devwheels carried (the wheels the GPU image lacks).
 set -uo pipefail
 out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
@@ -189,8 +188,7 @@ if [ "$phase" = 8 ] || [ "$phase" = 9 ]; then  # cores 0-7 ours, 8-15 the build 
     rm -rf "$QUANTSERVE_HOME/compile"
     start_ours ours-1b-cold /tmp/ck-llama-3.2-1b "${ours[@]}" && { load ours-1b 8000 random; shared_split ours-1b; stop; }
     start_ours ours-1b-nocache /tmp/ck-llama-3.2-1b "${ours[@]}" --no-prefix-cache && { shared_split ours-1b-nocache; stop; }
-    start_ours ours-1b-warm /tmp/ck-llama-3.2-1b "${ours[@]}" && stop  # warm: no compile workers (the marker)
-    TORCH_WARM_POOL=1 start_ours ours-1b-warm-workers /tmp/ck-llama-3.2-1b "${ours[@]}" && stop
+    start_ours ours-1b-warm /tmp/ck-llama-3.2-1b "${ours[@]}" && stop
     # while llama.cpp builds: async scheduling and the compiled steps on the GPU against eager
     (cd /tmp && timeout $(( 480 - SECONDS > 60 ? 480 - SECONDS : 60 )) taskset -c $PIN python3 -m pytest --import-mode=append -rA -q \
         -p no:cacheprovider "$repo/tests/serve/test_async_scheduling.py" "$repo/tests/serve/test_fastcore.py" \
@@ -221,7 +219,6 @@ if [ "$phase" = 8 ] || [ "$phase" = 9 ]; then  # cores 0-7 ours, 8-15 the build 
     rm -rf "$QUANTSERVE_HOME/compile"
     start_ours ours-8b-cold /tmp/ck-llama-3.1-8b "${ours[@]}" && { load ours-8b 8000 random; shared_split ours-8b; stop; }
     start_ours ours-8b-nocache /tmp/ck-llama-3.1-8b "${ours[@]}" --no-prefix-cache && { shared_split ours-8b-nocache; stop; }
-    TORCH_WARM_POOL=1 start_ours ours-8b-warm-workers /tmp/ck-llama-3.1-8b "${ours[@]}" && stop
     checkpoint llama-3.1-8b
     start_llama llama-8b /tmp/gguf-llama-3.1-8b/*.gguf && { load llama-8b 8001 random; load llama-8b 8001 shared; stop; }
   fi
