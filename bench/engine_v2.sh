@@ -83,6 +83,18 @@ engine_ttft() {  # LABEL PORT: the time-to-first-token histograms' sums and coun
 shared_split() {  # LABEL: the shared load with the server's own split of its time to first token around it
   engine_ttft "$1-before" 8000; load "$1" 8000 shared; engine_ttft "$1-after" 8000
 }
+machine() {  # the GPU, the driver and the libraries, into bench.txt
+  (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) | tee -a "$out/bench.txt"
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" \
+      | tee -a "$out/bench.txt"
+}
+finish() {  # the start-up lines and the time-to-first-token split into bench.txt, everything in one
+            # tarball (the device sends back at most 8 files), then stop
+  grep -h "loaded fast engine" "$out"/ours-*.log >> "$out/bench.txt" 2>/dev/null
+  cat "$out/engine-ttft.txt" >> "$out/bench.txt" 2>/dev/null
+  (cd "$out" && tar czf results.tgz *.json *.log *.txt 2>/dev/null)
+  log "phase $phase done"; exit 0
+}
 checkpoint() {  # SHAPE [ready]: wait for the detached job's checkpoint and GGUF (ready: the checkpoint)
   for i in $(seq 300); do [ -f "/tmp/ck-$1.${2:-done}" ] && return 0; sleep 2; done; log "no checkpoint $1"; return 1
 }
@@ -103,7 +115,7 @@ install() {
 if [ "$phase" = 6 ]; then  # start-up, part by part, and a profile of the server under load: ours alone
   install
   python3 -m pip install -q --no-index --no-deps --target /tmp/tools .devwheels/tools/*.whl
-  (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) | tee -a "$out/bench.txt"
+  machine
   setsid nohup bash -c "cd /tmp && for s in llama-3.2-1b llama-3.1-8b; do python3 -m quantserve.bench.make_checkpoint \
       --shape \$s --out /tmp/ck-\$s --context 8192 && touch /tmp/ck-\$s.ready; done" > /tmp/checkpoints.log 2>&1 < /dev/null &
   checkpoint llama-3.2-1b ready
@@ -117,24 +129,22 @@ if [ "$phase" = 6 ]; then  # start-up, part by part, and a profile of the server
   rm -rf "$QUANTSERVE_HOME/compile"
   start_ours ours-8b-cold /tmp/ck-llama-3.1-8b "${ours[@]}" && stop
   start_ours ours-8b-warm /tmp/ck-llama-3.1-8b "${ours[@]}" && stop
-  grep -h "loaded fast engine" "$out"/ours-*.log >> "$out/bench.txt"
-  log "phase 6 done"; exit 0
+  finish
 fi
 
 if [ "$phase" = 7 ]; then  # 8B alone on a fresh machine: cold start, random prompts, warm start
   install
-  (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) | tee -a "$out/bench.txt"
+  machine
   (cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape llama-3.1-8b --out /tmp/ck-llama-3.1-8b \
       --context 8192 > /tmp/checkpoints.log 2>&1) || { log "no checkpoint"; exit 1; }
   start_ours ours-8b-cold /tmp/ck-llama-3.1-8b "${ours[@]}" && { load ours-8b 8000 random; stop; }
   start_ours ours-8b-warm /tmp/ck-llama-3.1-8b "${ours[@]}" && stop
-  grep -h "loaded fast engine" "$out"/ours-*.log >> "$out/bench.txt"
-  log "phase 7 done"; exit 0
+  finish
 fi
 
 if [ "$phase" = 11 ]; then
   install
-  (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) | tee -a "$out/bench.txt"
+  machine
   (cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape llama-3.1-8b --out /tmp/ck-llama-3.1-8b \
       --context 8192 > /tmp/checkpoints.log 2>&1) || { log "no checkpoint"; exit 1; }
   rm -rf "$QUANTSERVE_HOME/compile"
@@ -146,14 +156,12 @@ if [ "$phase" = 11 ]; then
   if start_ours ours-8b-nocache /tmp/ck-llama-3.1-8b "${ours[@]}" --no-prefix-cache; then
     shared_split ours-8b-nocache; SERVE_EXTRA="--client httpx" load ours-8b-nocache-httpx 8000 shared; stop
   fi
-  grep -h "loaded fast engine" "$out"/ours-*.log >> "$out/bench.txt"
-  cat "$out/engine-ttft.txt" >> "$out/bench.txt" 2>/dev/null
-  log "phase $phase done"; exit 0
+  finish
 fi
 
 if [ "$phase" = 10 ]; then
   install; export PIN=0-7
-  (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) | tee -a "$out/bench.txt"
+  machine
   (cd /tmp && taskset -c 8-15 python3 -m quantserve.bench.make_checkpoint --shape llama-3.2-1b --out /tmp/ck-llama-3.2-1b \
       --context 8192 > /tmp/checkpoints.log 2>&1) || { log "no checkpoint"; exit 1; }
   start_ours ours-1b-cold /tmp/ck-llama-3.2-1b "${ours[@]}" && { load ours-1b 8000 random; shared_split ours-1b; stop; }
@@ -165,18 +173,13 @@ if [ "$phase" = 10 ]; then
         >> "$out/loop-probe.txt" 2>&1 || log "loop probe $where: rc=$?"
   done
   cat "$out/loop-probe.txt" >> "$out/bench.txt"
-  grep -h "loaded fast engine" "$out"/ours-*.log >> "$out/bench.txt"
-  cat "$out/engine-ttft.txt" >> "$out/bench.txt" 2>/dev/null
-  (cd "$out" && tar czf results.tgz *.json *.log *.txt 2>/dev/null)
-  log "phase $phase done"; exit 0
+  finish
 fi
 
 if [ "$phase" = 8 ] || [ "$phase" = 9 ]; then  # cores 0-7 ours, 8-15 the build and the checkpoints
   install; export PIN=0-7
   if [ "$phase" = 8 ]; then
-    (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) | tee -a "$out/bench.txt"
-    python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" \
-        | tee -a "$out/bench.txt"
+    machine
     lscpu | grep -E "^Model name|^CPU\(s\)" >> "$out/bench.txt"
     [ -x /tmp/llama-cpp/bin/llama-server ] || setsid nohup taskset -c 8-15 bash .devwheels/device-llama-cpp.sh \
         .devwheels/llama/llama_cpp_python-0.3.36.tar.gz /tmp/llama-cpp 90 > /tmp/llama-build.out 2>&1 < /dev/null &
@@ -222,16 +225,13 @@ if [ "$phase" = 8 ] || [ "$phase" = 9 ]; then  # cores 0-7 ours, 8-15 the build 
     checkpoint llama-3.1-8b
     start_llama llama-8b /tmp/gguf-llama-3.1-8b/*.gguf && { load llama-8b 8001 random; load llama-8b 8001 shared; stop; }
   fi
-  grep -h "loaded fast engine" "$out"/ours-*.log >> "$out/bench.txt"
-  cat "$out/engine-ttft.txt" >> "$out/bench.txt" 2>/dev/null
-  (cd "$out" && tar czf results.tgz *.json *.log *.txt 2>/dev/null)
-  log "phase $phase done"; exit 0
+  finish
 fi
 
 if [ "$phase" = 4 ]; then
   install
   python3 -m pip install -q --no-index --no-deps --target /tmp/tools .devwheels/tools/*.whl
-  (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) | tee "$out/bench.txt"
+  machine
   setsid nohup bash -c "cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape llama-3.2-1b \
       --out /tmp/ck-llama-3.2-1b --context 8192 && touch /tmp/ck-llama-3.2-1b.done" > /tmp/checkpoints.log 2>&1 < /dev/null &
   (cd /tmp && timeout 120 python3 -m pytest --import-mode=append -q -p no:cacheprovider \
@@ -251,9 +251,7 @@ fi
 install  # every phase: a warm machine keeps the last call's quantserve
 if [ "$phase" = 1 ] || { [ "$phase" = 2 ] && [ ! -f /tmp/checkpoints.log ]; }; then
   # a fresh machine: llama.cpp's build and the checkpoints (with their Q8_0 GGUFs), detached
-  (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) | tee -a "$out/bench.txt"
-  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" \
-      | tee -a "$out/bench.txt"
+  machine
   [ -x /tmp/llama-cpp/bin/llama-server ] || setsid nohup nice -n 19 bash .devwheels/device-llama-cpp.sh \
       .devwheels/llama/llama_cpp_python-0.3.36.tar.gz /tmp/llama-cpp 90 > /tmp/llama-build.out 2>&1 < /dev/null &
   shapes="llama-3.2-1b llama-3.1-8b"; [ "$phase" = 2 ] && shapes=llama-3.1-8b

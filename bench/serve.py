@@ -69,10 +69,7 @@ class ServeOptions:
     no_warmup: bool = False
     out: str | None = None
     save_records: bool = False
-    client: str = "aiohttp"  # or "httpx" (the client of earlier figures)
-
-
-CLIENTS = ("aiohttp", "httpx")
+    client: str = "aiohttp"  # or "httpx" (the client of earlier figures): a key of _LINES
 
 
 @dataclass
@@ -131,7 +128,8 @@ async def _lines_aiohttp(client, url: str, body: dict):
             yield 200, None, pending.decode()
 
 
-_LINES = {"aiohttp": _lines_aiohttp, "httpx": _lines_httpx}
+_LINES = {"aiohttp": _lines_aiohttp, "httpx": _lines_httpx}  # each client's reader of an answer's lines
+CLIENTS = tuple(_LINES)
 
 
 async def one_request(session, client: str, url: str, body: dict, chat: bool) -> Record:

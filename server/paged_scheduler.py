@@ -222,8 +222,7 @@ class PagedScheduler(Scheduler):
         # every greedy pick of the step in one argmax and one copy to the host: the decodes' and the
         # first tokens of the prompts this step completes (a wave of 32 cached-prefix requests
         # otherwise copied 32 vocabulary-wide rows, one sync each, for an argmax on the CPU)
-        firsts = [not seq.generated and seq.prefilled + len(chunk) == seq.context_len() and seq.sampler.plain_greedy
-                  for seq, chunk in pieces]
+        firsts = [not seq.generated and seq.ready_after(len(chunk)) and seq.sampler.plain_greedy for seq, chunk in pieces]
         greedy = any(firsts) or any(seq.sampler.plain_greedy for seq in decodes)
         picks = logits.argmax(-1).tolist() if greedy else None
         if decodes:

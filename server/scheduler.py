@@ -31,6 +31,11 @@ from quantserve.server.engine import (EngineClosedError, EngineError, EngineStat
 from quantserve.server.sampling import SequenceSampler, masked_argmax
 
 
+def _on_host(logits):
+    """A logits row where the CPU sampler reads it: a torch tensor copied to the host, numpy as it is."""
+    return logits.cpu() if hasattr(logits, "cpu") else logits
+
+
 @dataclass
 class _Running:
     stream: TokenStream
@@ -63,7 +68,11 @@ class _Running:
     @property
     def ready(self) -> bool:
         """Its whole context is in the cache."""
-        return self.prefilled == self.context_len()
+        return self.ready_after(0)
+
+    def ready_after(self, tokens: int) -> bool:
+        """Its whole context is in the cache once `tokens` more are."""
+        return self.prefilled + tokens == self.context_len()
 
     @property
     def decoding(self) -> bool:
@@ -343,7 +352,7 @@ class Scheduler:
         elif token is not None:
             self._emit(seq, None, token)  # the prompt is in: its first token (which carries `cached`)
         else:
-            self._emit(seq, logits.cpu() if hasattr(logits, "cpu") else logits)
+            self._emit(seq, _on_host(logits))
 
     def _decode_step(self) -> None:
         batch = [seq for seq in self._running.values() if seq.decoding]
@@ -387,8 +396,7 @@ class Scheduler:
             elif row in masked:
                 self._emit(seq, None, masked[row])
             else:
-                row_logits = logits[row]
-                self._emit(seq, row_logits.cpu() if hasattr(row_logits, "cpu") else row_logits)  # torch or numpy
+                self._emit(seq, _on_host(logits[row]))
 
     def _masked_argmax(self, logits, batch: list[_Running]) -> dict[int, int]:
         """row -> token for the batch's masked-greedy rows (all their masks computed at once)."""
