@@ -11,7 +11,8 @@ MB) and the time per call is the graph's time over its calls, launch gaps betwee
 as in the decode step's own graph.  Kinds (as in bench/kernels.py): fp16 (cuBLAS), int8 / int4 ours
 (the launcher's own choice per shape, reported with it), int8-old / int4-old (the batch-1
 matrix-vector kernels of the file given by --old, at their autotuner's best config, split-K buffer
-and cast included), int8-gemlite / int4-gemlite.  Every row also records the error against the
+and cast included), int8-gemlite / int4-gemlite, int8-dense / int4-dense and int8-tiles / int4-tiles (prompts
+only: the dequantize-then-cuBLAS path alone, the 128-row tiles alone).  Every row also records the error against the
 fp32 product of the same integers dequantized.
 """
 
@@ -30,7 +31,8 @@ SHAPES = {
     "1b": ([("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192)], 16,
            ("lm_head", 128256, 2048)),
 }
-KINDS = ("fp16", "int8", "int8-old", "int8-gemlite", "int4", "int4-old", "int4-gemlite")
+KINDS = ("fp16", "int8", "int8-old", "int8-gemlite", "int8-dense", "int8-tiles", "int4", "int4-old", "int4-gemlite",
+         "int4-dense", "int4-tiles")
 
 
 def _old_module(path: str | None):
@@ -77,8 +79,41 @@ def build(kind: str, w, old):
         return layer, linear_weight_bytes(layer), layer
     weights, _, library = kind.partition("-")
     layer = make_linear(w, None, weights, torch.float16, "gemlite" if library == "gemlite" else "triton")
-    fn = _old_layer(kind, layer, old) if library == "old" else layer
+    fn = {"old": lambda: _old_layer(kind, layer, old), "dense": lambda: _dense_layer(layer),
+          "tiles": lambda: _tile_layer(layer)}.get(library, lambda: layer)()
     return fn, linear_weight_bytes(layer), layer
+
+
+def _dense_layer(layer):
+    """x -> y by the prompt path's dequantize-then-cuBLAS alone (the launcher times it against the
+    tiles; this row shows its time whichever wins, as a GPU without tensor-core Triton would run it)."""
+    from quantserve.server.fastcore import triton_mm
+
+    if hasattr(layer, "mins"):
+        return lambda x: triton_mm._int4_dense(x, layer.weight, layer.scales, layer.mins, layer.group_size)
+    return lambda x: triton_mm._int8_dense(x, layer.weight, layer.scales)
+
+
+def _tile_layer(layer):
+    """x -> y by the 128-row prompt tiles alone, at their autotuner's best config for this shape."""
+    from quantserve.server.fastcore import triton_mm
+
+    int4 = hasattr(layer, "mins")
+    args = (layer.weight, layer.scales) + ((layer.mins,) if int4 else ())
+    extra = {"GROUP": layer.group_size} if int4 else {}
+    tuned = triton_mm.int4_prompt_kernel if int4 else triton_mm.int8_prompt_kernel
+    state = {}
+
+    def call(x):
+        M, K = x.shape
+        N = layer.weight.shape[0]
+        if "choice" not in state:
+            state["choice"] = triton_mm._tune(tuned, triton_mm.PROMPT_BLOCK_M, M, N, K, x, (x, *args), extra)
+            state["config"] = state["choice"][1]
+        fn, config, block_m, _ = state["choice"]
+        return triton_mm._run(fn, config, block_m, M, N, K, x, (x, *args), extra)
+    call.state = state
+    return call
 
 
 def dequantized(w) -> dict:
@@ -139,13 +174,13 @@ def describe_choice(kind: str, fn, N: int, K: int, M: int) -> str | None:
         f, config, block_m, flags = c
         name = getattr(f, "__name__", None) or getattr(getattr(f, "fn", None), "__name__", str(f))
         return f"{name} {config.kwargs if config is not None else 'dense'} w{getattr(config, 'num_warps', '-')} {flags}"
-    if kind.endswith("-old"):
+    if kind.endswith(("-old", "-tiles")):
         c = fn.state.get("config")
-        return f"old {c.kwargs} w{c.num_warps}" if c is not None else None
+        return f"{kind.split('-')[1]} {c.kwargs} w{c.num_warps} s{c.num_stages}" if c is not None else None
     return None
 
 
-def run(shapes, kinds, batches, out: str, old_path: str | None, budget_mb: int = 400) -> dict:
+def run(shapes, kinds, batches, out: str, old_path: str | None, budget_mb: int = 400, only=None) -> dict:
     import torch
 
     from quantserve.server.fastcore.quant import gemlite_available
@@ -160,6 +195,8 @@ def run(shapes, kinds, batches, out: str, old_path: str | None, budget_mb: int =
     for shape in shapes:
         layers, _, head = SHAPES[shape]
         for name, N, K in layers + [head]:
+            if only and name not in only:
+                continue
             fp16_bytes = 2 * N * K
             copies = max(1, min(16, -(-budget_mb * 10**6 // (fp16_bytes // 2))))
             torch.manual_seed(0)
@@ -176,6 +213,8 @@ def run(shapes, kinds, batches, out: str, old_path: str | None, budget_mb: int =
                 for M in batches:
                     if M > 1 and kind.endswith(("-old", "-gemlite")):
                         continue  # batch-1 kernels (old) / GemLite's own per-M tuning: batch 1 only here
+                    if M <= 64 and kind.endswith(("-dense", "-tiles")):
+                        continue  # a prompt path
                     torch.manual_seed(M)
                     x = torch.randn(M, K, device="cuda", dtype=torch.float16)
                     row = {"shape": shape, "layer": name, "N": N, "K": K, "M": M, "kind": kind, "copies": copies}
@@ -226,6 +265,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma list of {', '.join(KINDS)}")
     ap.add_argument("--batches", default="1", help="comma list of M (rows of x); the -old and -gemlite kinds run at 1 only")
     ap.add_argument("--old", default=None, help="a previous triton_gemv.py whose batch-1 kernels to time beside ours")
+    ap.add_argument("--layers", default="", help="comma list of layer names to time (default: every layer and lm_head)")
     ap.add_argument("--out", default="bench/results/kernel_race.json", help="JSON file to write")
     args = ap.parse_args(argv)
     import torch
@@ -233,7 +273,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         ap.exit(1, "error: kernel_race needs a CUDA GPU\n")
     run([s for s in args.shapes.split(",") if s], [k for k in args.kinds.split(",") if k],
-        [int(b) for b in args.batches.split(",") if b], args.out, args.old)
+        [int(b) for b in args.batches.split(",") if b], args.out, args.old,
+        only={n for n in args.layers.split(",") if n})
     return 0
 
 

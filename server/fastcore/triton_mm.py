@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from quantserve.server.fastcore.triton_dequant import AUTOTUNE_OPTIONS, int8_to, nibble_to, quick_bench
+from quantserve.server.fastcore.triton_dequant import (AUTOTUNE_OPTIONS, dequantize_int4, dequantize_int8, int8_to,
+                                                       nibble_to, quick_bench)
 from quantserve.server.fastcore.triton_gemv import fits as gemv_fits, int4_gemv_kernel, int8_gemv_kernel
 
 
@@ -37,8 +38,8 @@ from quantserve.server.fastcore.triton_gemv import fits as gemv_fits, int4_gemv_
 
 def _configs():
     # Few configs on purpose: each one is a Triton compile (~1 s) per shape at start-up.
-    out = [triton.Config({"BLOCK_N": bn, "BLOCK_K": 128, "SPLIT_K": split}, num_warps=4, num_stages=4)
-           for bn in (64, 128) for split in (1, 4)]
+    out = [triton.Config({"BLOCK_N": bn, "BLOCK_K": 128, "SPLIT_K": split, "SWAP": swap}, num_warps=4, num_stages=4)
+           for swap in (False, True) for bn in (64, 128) for split in (1, 4)]
     out.append(triton.Config({"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 8}, num_warps=4, num_stages=4))
     out.append(triton.Config({"BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1}, num_warps=4, num_stages=4))  # any K % 64
     return out
@@ -61,67 +62,106 @@ def _prune(configs, named_args, **kwargs):
 
 
 @triton.jit
-def _store(out_ptr, acc, rm, rn, M, N, stride_om, SPLIT_K: tl.constexpr):
-    ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
+def _store(out_ptr, acc, rm, rn, M, N, stride_om, SPLIT_K: tl.constexpr, SWAP: tl.constexpr):
+    # acc is [BM, BN], or [BN, BM] when the kernel computed the transposed product
+    if SWAP:
+        ptrs = out_ptr + rm[None, :] * stride_om + rn[:, None]
+        mask = (rm[None, :] < M) & (rn[:, None] < N)
+    else:
+        ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
     if SPLIT_K == 1:
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
 
 
+# SWAP: compute y.T = W @ x.T, the converted weight tile as `tl.dot`'s first operand.  On sm_90
+# Triton then feeds the tile to wgmma from registers and keeps several wgmmas in flight; as the
+# second operand it is written back to shared memory each K step and every wgmma is waited for.
+# On a GPU without wgmma the launcher times both orientations.
+
 @triton.jit(do_not_specialize=["M"])
 def _int8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, stride_om,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                 BIT_DEQUANT: tl.constexpr = True):
+                 BIT_DEQUANT: tl.constexpr = True, SWAP: tl.constexpr = False):
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_len = K // SPLIT_K
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(pid_k * k_len, (pid_k + 1) * k_len, BLOCK_K):
         rk = k + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=rm[:, None] < M, other=0.0)
-        w = tl.load(w_ptr + rn[None, :] * K + rk[:, None], mask=rn[None, :] < N, other=0)  # [BK, BN]
-        acc += tl.dot(x, int8_to(w, x.dtype, BIT_DEQUANT))
+        if SWAP:
+            xt = tl.load(x_ptr + rm[None, :] * stride_xm + rk[:, None], mask=rm[None, :] < M, other=0.0)  # [BK, BM]
+            w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=rn[:, None] < N, other=0)  # [BN, BK]
+            acc += tl.dot(int8_to(w, xt.dtype, BIT_DEQUANT), xt)
+        else:
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=rm[:, None] < M, other=0.0)
+            w = tl.load(w_ptr + rn[None, :] * K + rk[:, None], mask=rn[None, :] < N, other=0)  # [BK, BN]
+            acc += tl.dot(x, int8_to(w, x.dtype, BIT_DEQUANT))
     scale = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-    _store(out_ptr, acc * scale[None, :], rm, rn, M, N, stride_om, SPLIT_K)
+    if SWAP:
+        acc = acc * scale[:, None]
+    else:
+        acc = acc * scale[None, :]
+    _store(out_ptr, acc, rm, rn, M, N, stride_om, SPLIT_K, SWAP)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, stride_om,
                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT_K: tl.constexpr, BIT_DEQUANT: tl.constexpr = True):
-    # w_ptr: uint8 [N, K/2], column 2j in the high nibble, 2j+1 in the low one.
+                 SPLIT_K: tl.constexpr, BIT_DEQUANT: tl.constexpr = True, SWAP: tl.constexpr = False):
+    # w_ptr: uint8 [N, K/2], column 2j in the high nibble, 2j+1 in the low one.  x is one
+    # contiguous load.  x @ W.T: the packed tile [BN, BK/2] is unpacked in registers to [BN, BK]
+    # (the nibbles interleaved back into column order), one `tl.dot` of full depth.  W @ x.T
+    # (SWAP): the nibbles stay where they were loaded (the first operand's registers) and x's small
+    # tile is split into its even and odd columns instead: two `tl.dot`s of half depth.
     # A K tile lies inside one quantization group (BLOCK_K <= GROUP, both powers of two), so
-    # x . (q * s + z) = s * (x . q) + z * sum(x), with one scale and one offset per column.
+    # x . (q * s + z) = s * (x . q) + z * sum(x), with one scale and one offset per column: the
+    # integers go to `tl.dot` exactly (dequantizing the tile to q * s + z in registers first
+    # measured 1.1-1.2x slower at batch 8 and 32).
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     HALF: tl.constexpr = BLOCK_K // 2
     k_len = K // SPLIT_K
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(pid_k * k_len, (pid_k + 1) * k_len, BLOCK_K):
+        rk = k + tl.arange(0, BLOCK_K)
         rj = k // 2 + tl.arange(0, HALF)  # packed byte index
-        xm = rm[:, None] < M
-        x_hi = tl.load(x_ptr + rm[:, None] * stride_xm + 2 * rj[None, :], mask=xm, other=0.0)
-        x_lo = tl.load(x_ptr + rm[:, None] * stride_xm + 2 * rj[None, :] + 1, mask=xm, other=0.0)
-        packed = tl.load(w_ptr + rn[None, :] * (K // 2) + rj[:, None], mask=rn[None, :] < N, other=0)
-        q_hi = nibble_to(packed >> 4, x_hi.dtype, BIT_DEQUANT)
-        q_lo = nibble_to(packed & 0xF, x_hi.dtype, BIT_DEQUANT)
-        part = tl.dot(x_hi, q_hi) + tl.dot(x_lo, q_lo)
-        xsum = tl.sum(x_hi.to(tl.float32), axis=1) + tl.sum(x_lo.to(tl.float32), axis=1)
+        packed = tl.load(w_ptr + rn[:, None] * (K // 2) + rj[None, :], mask=rn[:, None] < N, other=0)  # [BN, BK/2]
         g = k // GROUP
         s = tl.load(s_ptr + rn * (K // GROUP) + g, mask=rn < N, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + rn * (K // GROUP) + g, mask=rn < N, other=0.0).to(tl.float32)
-        acc += part * s[None, :] + xsum[:, None] * z[None, :]
-    _store(out_ptr, acc, rm, rn, M, N, stride_om, SPLIT_K)
+        if SWAP:
+            xt = tl.load(x_ptr + rm[None, :] * stride_xm + rk[:, None], mask=rm[None, :] < M, other=0.0)  # [BK, BM]
+            x_even, x_odd = tl.split(tl.permute(tl.reshape(xt, (HALF, 2, BLOCK_M)), (0, 2, 1)))  # [BK/2, BM] each
+            part = tl.dot(nibble_to(packed >> 4, xt.dtype, BIT_DEQUANT), x_even)
+            part = tl.dot(nibble_to(packed & 0xF, xt.dtype, BIT_DEQUANT), x_odd, part)
+            xsum = tl.sum(xt.to(tl.float32), axis=0)
+            acc += part * s[:, None] + z[:, None] * xsum[None, :]
+        else:
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=rm[:, None] < M, other=0.0)  # [BM, BK]
+            q = nibble_to(tl.interleave(packed >> 4, packed & 0xF), x.dtype, BIT_DEQUANT)  # [BN, BK]
+            xsum = tl.sum(x.to(tl.float32), axis=1)
+            acc += tl.dot(x, tl.trans(q)) * s[None, :] + xsum[:, None] * z[None, :]
+    _store(out_ptr, acc, rm, rn, M, N, stride_om, SPLIT_K, SWAP)
 
 
 def _prompt_configs():
-    # prompt-sized M (> 64 rows): 128-row tiles, so each weight tile is converted once per 128 rows
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1}, num_warps=warps, num_stages=stages)
-            for bn, bk, warps, stages in ((128, 64, 8, 3), (128, 64, 4, 4), (64, 64, 4, 4), (256, 64, 8, 3))]
+    # prompt-sized M (> 64 rows): 128-row tiles, so each weight tile is converted once per 128 rows.
+    # On an H200 at M = 512 dequantize-then-cuBLAS beat all of these (bench/RESULTS.md); they stay
+    # for prompts just past 64 rows, where the dense copy's fixed cost is not yet amortised.
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": 64, "SPLIT_K": 1, "SWAP": swap}, num_warps=warps,
+                          num_stages=stages)
+            for swap, bn, warps, stages in ((False, 128, 8, 3), (False, 128, 4, 4), (True, 128, 8, 3), (True, 64, 4, 4))]
 
 
 PROMPT_BLOCK_M = 128
@@ -147,16 +187,14 @@ def _m_bucket(M: int) -> int:
 
 
 def _int8_dense(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Prefill-sized M: the whole weight dequantized to x's dtype, then one cuBLAS matmul.  Writes
-    and reads a dense copy, which long prompts amortise over many rows."""
-    return torch.mm(x, weight.to(x.dtype).mul_(scales[:, None]).t())  # in place: one copy at the peak
+    """Prefill-sized M: the whole weight dequantized to x's dtype in one pass, then one cuBLAS
+    matmul.  Writes and reads a dense copy, which long prompts amortise over many rows."""
+    return torch.mm(x, dequantize_int8(weight, scales, x.dtype).t())
 
 
 def _int4_dense(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                 group: int) -> torch.Tensor:
-    N = packed.shape[0]
-    q = torch.stack([packed >> 4, packed & 0xF], dim=-1).view(N, -1, group).to(x.dtype)
-    return torch.mm(x, q.mul_(scales[..., None]).add_(mins[..., None]).view(N, -1).t())  # in place, as above
+    return torch.mm(x, dequantize_int4(packed, scales, mins, group, x.dtype).t())
 
 
 # (kernel name, M bucket, batch 1?, N, K, dtype, group) -> (kernel, config, BLOCK_M, flags) chosen for

@@ -95,6 +95,39 @@ def test_every_prompt_tile_config():
         _check(y, ref4, f"int4 prompt {config}")
 
 
+def test_every_tile_config_at_decode_batches():
+    """Each tiled config (both orientations: x @ W.T and the transposed W @ x.T, split-K or not),
+    at decode batches that fill one tile, part of one and more than one."""
+    from quantserve.server.fastcore import triton_mm
+
+    N, K = 1000, 2048
+    q8, q4 = _layers(N, K, seed=3)
+    for M in (8, 33, 64):
+        x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+        ref8, ref4 = _reference(q8, x), _reference(q4, x)
+        for config in triton_mm._configs():
+            if K % (config.kwargs["BLOCK_K"] * config.kwargs["SPLIT_K"]):
+                continue
+            block_m = triton_mm._block_m(M)
+            _check(triton_mm._run(triton_mm.int8_kernel.fn, config, block_m, M, N, K, x, (x, q8.weight, q8.scales), {}),
+                   ref8, f"int8 M={M} {config}")
+            _check(triton_mm._run(triton_mm.int4_kernel.fn, config, block_m, M, N, K, x,
+                                  (x, q4.weight, q4.scales, q4.mins), {"GROUP": q4.group_size}), ref4, f"int4 M={M} {config}")
+
+
+def test_dense_dequantization_is_exact():
+    """The prompt path's one-pass dequantization gives the layer's own weights (int8: q * s rounded
+    once; int4: q * s + m rounded once), for N and K that are not whole blocks."""
+    from quantserve.server.fastcore.triton_dequant import dequantize_int4, dequantize_int8
+
+    q8, q4 = _layers(1000, 17 * 128, seed=4)  # 1000 rows, 2176 columns: neither is whole blocks of 32 x 256
+    want8 = (q8.weight.float() * q8.scales.float()[:, None]).half()
+    assert torch.equal(dequantize_int8(q8.weight, q8.scales, torch.float16), want8)
+    got4 = dequantize_int4(q4.weight, q4.scales, q4.mins, q4.group_size, torch.float16)
+    # one rounding to fp16 of the fp32 q * s + m (a fused multiply-add may differ in fp32's last bit)
+    torch.testing.assert_close(got4.float(), q4.dequantize(torch.float32).half().float(), rtol=1e-3, atol=1e-6)
+
+
 @pytest.mark.parametrize("N,K", [(3072, 2048), (2048, 8192), (1000, 256)])
 def test_launcher_matches_dequantized_matmul(N, K):
     """What the layers call: the launcher's own choice per shape, decode batches and prompts."""
