@@ -84,8 +84,9 @@ def recompile_all(arch: str) -> list[dict]:
 
 # ---- without a GPU: our decode kernels and GemLite's batch-1 4-bit kernel, at 8B qkv's shape ----
 
-def _ours() -> dict[str, tuple]:
-    """(ASTSource, options) of each of our weight kernels, at a config the tuners pick on the 8B shape."""
+def _ours(arch: str = "sm_75") -> dict[str, tuple]:
+    """(ASTSource, options) of each of our weight kernels for `arch`, at a config the tuners pick on the
+    8B shape (the int4 tiles with their sum of x on `tl.dot` only where that is tensor-core work)."""
     from triton.compiler import ASTSource
 
     from quantserve.server.fastcore import triton_gemv, triton_mm
@@ -96,14 +97,15 @@ def _ours() -> dict[str, tuple]:
     int4 = {k: int4[k] for k in ("x_ptr", "w_ptr", "s_ptr", "z_ptr", "out_ptr", "M", "N", "K", "M_BUCKET",
                                  "stride_xm", "stride_om", "GROUP")}
     meta = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "BIT_DEQUANT")
+    z_dot = {"Z_DOT": int(arch.removeprefix("sm_")) >= 80}
     out = {}
     for name, fn, sig, bm, extra in (
             ("ours int8 batch-1 matrix-vector", triton_gemv._int8_gemv_kernel, base, 1, {}),
             ("ours int8 tiled (tl.dot)", triton_mm._int8_kernel, base, 16, {}),
             ("ours int4 batch-1 matrix-vector", triton_gemv._int4_gemv_kernel, int4, 1, {"GROUP": 128}),
-            ("ours int4 tiled (tl.dot)", triton_mm._int4_kernel, int4, 16, {"GROUP": 128})):
+            ("ours int4 tiled (tl.dot)", triton_mm._int4_kernel, int4, 16, {"GROUP": 128, **z_dot})):
         const = {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1, "BIT_DEQUANT": True, **extra}
-        out[name] = (ASTSource(fn=fn, signature={**sig, **{m: "constexpr" for m in meta}}, constexprs=const),
+        out[name] = (ASTSource(fn=fn, signature={**sig, **{m: "constexpr" for m in meta + tuple(extra)}}, constexprs=const),
                      {"num_warps": 4})
     return out
 
@@ -179,14 +181,14 @@ def main(argv=None) -> int:
                             "and count their SASS instructions (no GPU needed: Triton cross-compiles).")
     ap.add_argument("--arch", default="sm_75,sm_90", help="comma list, e.g. sm_75,sm_90")
     args = ap.parse_args(argv)
-    kernels = _ours()
+    gemlite = {}
     try:
         _import_gemlite_without_a_gpu()
-        kernels["GemLite int4 GEMV_REVSPLITK (batch 1)"] = _gemlite_gemv()
+        gemlite["GemLite int4 GEMV_REVSPLITK (batch 1)"] = _gemlite_gemv()
     except ImportError as e:
         print(f"GemLite left out: {e}")
     for arch in [a.strip() for a in args.arch.split(",") if a.strip()]:
-        for name, (src, options) in kernels.items():
+        for name, (src, options) in {**_ours(arch), **gemlite}.items():
             c = compile_for(src, arch, options)
             shown = " ".join(f"{k} {c.get(k, 0)}" for k in WATCH)
             print(f"{arch}  {name:40} {'tensor cores' if c.get('HMMA') or c.get('IMMA') else 'no tensor cores':16} {shown}")

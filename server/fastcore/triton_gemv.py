@@ -29,12 +29,11 @@ same arithmetic without the PTX).
 """
 from __future__ import annotations
 
-import os
 
 import triton
 import triton.language as tl
 
-from quantserve.server.fastcore.triton_dequant import AUTOTUNE_OPTIONS
+from quantserve.server.fastcore.triton_dequant import AUTOTUNE_OPTIONS, PTX as _PTX
 
 # (BLOCK_N, BLOCK_K, warps): one 4-byte word per thread and row, the warps side by side along K,
 # so BLOCK_K = 128 * warps (int8: 4 columns a word) or 256 * warps (int4: 8 columns a word)
@@ -72,8 +71,6 @@ def _store_row(out_ptr, acc, rn, N, SPLIT_K: tl.constexpr):
         tl.atomic_add(out_ptr + rn, acc, mask=rn < N, sem="relaxed")
 
 
-# the interpreter (TRITON_INTERPRET=1, CPU checks) runs no PTX: the same arithmetic in Triton ops there
-_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 
 @triton.jit

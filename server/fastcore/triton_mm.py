@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from quantserve.server.fastcore.triton_dequant import (AUTOTUNE_OPTIONS, dequantize_int4, dequantize_int8, int8_to,
-                                                       nibble_to, quick_bench)
+                                                       nibbles_to_fp16, quick_bench)
 from quantserve.server.fastcore.triton_gemv import fits as gemv_fits, int4_gemv_kernel, int8_gemv_kernel
 
 
@@ -59,6 +59,11 @@ def _prune(configs, named_args, **kwargs):
             continue
         keep.append(c)
     return keep
+
+
+# Whether Triton's `tl.dot` runs on tensor cores on this GPU: it lowers to FMAs below sm_80 (a T4
+# is sm_75), so work moved onto `tl.dot` is free only from sm_80 on.  (The interpreter: either.)
+TENSOR_CORE_DOT = not torch.cuda.is_available() or torch.cuda.get_device_capability() >= (8, 0)
 
 
 @triton.jit
@@ -114,16 +119,19 @@ def _int8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, str
 @triton.jit(do_not_specialize=["M"])
 def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, stride_om,
                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT_K: tl.constexpr, BIT_DEQUANT: tl.constexpr = True, SWAP: tl.constexpr = False):
-    # w_ptr: uint8 [N, K/2], column 2j in the high nibble, 2j+1 in the low one.  x is one
-    # contiguous load.  x @ W.T: the packed tile [BN, BK/2] is unpacked in registers to [BN, BK]
-    # (the nibbles interleaved back into column order), one `tl.dot` of full depth.  W @ x.T
-    # (SWAP): the nibbles stay where they were loaded (the first operand's registers) and x's small
-    # tile is split into its even and odd columns instead: two `tl.dot`s of half depth.
+                 SPLIT_K: tl.constexpr, BIT_DEQUANT: tl.constexpr = True, SWAP: tl.constexpr = False,
+                 Z_DOT: tl.constexpr = TENSOR_CORE_DOT):
+    # w_ptr: uint8 [N, K/2], column 2j in the high nibble, 2j+1 in the low one.  Each packed tile
+    # [BN, BK/2] becomes its high and low nibbles as fp16 in one PTX block per four bytes
+    # (nibbles_to_fp16), interleaved back into column order [BN, BK] in registers, and meets x's
+    # contiguous tile in one `tl.dot` of full depth (as the first operand with SWAP: W @ x.T).
     # A K tile lies inside one quantization group (BLOCK_K <= GROUP, both powers of two), so
-    # x . (q * s + z) = s * (x . q) + z * sum(x), with one scale and one offset per column: the
+    # x . (q * s + z) = s * (x . q) + z * sum(x), with one scale and one offset per output: the
     # integers go to `tl.dot` exactly (dequantizing the tile to q * s + z in registers first
-    # measured 1.1-1.2x slower at batch 8 and 32).
+    # measured 1.1-1.2x slower at batch 8 and 32).  With Z_DOT, z * sum(x) is a second `tl.dot`
+    # against the offsets broadcast along K: tensor-core work, idle at these sizes, where a sum of x
+    # across threads at every K step was a third of the loop's instructions (sm_90 SASS).  Where
+    # Triton's `tl.dot` is FMAs (below sm_80: a T4) that would double the multiply-adds: off there.
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -139,19 +147,22 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, stride_
         packed = tl.load(w_ptr + rn[:, None] * (K // 2) + rj[None, :], mask=rn[:, None] < N, other=0)  # [BN, BK/2]
         g = k // GROUP
         s = tl.load(s_ptr + rn * (K // GROUP) + g, mask=rn < N, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + rn * (K // GROUP) + g, mask=rn < N, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + rn * (K // GROUP) + g, mask=rn < N, other=0.0)
+        hi, lo = nibbles_to_fp16(packed, BIT_DEQUANT)
         if SWAP:
             xt = tl.load(x_ptr + rm[None, :] * stride_xm + rk[:, None], mask=rm[None, :] < M, other=0.0)  # [BK, BM]
-            x_even, x_odd = tl.split(tl.permute(tl.reshape(xt, (HALF, 2, BLOCK_M)), (0, 2, 1)))  # [BK/2, BM] each
-            part = tl.dot(nibble_to(packed >> 4, xt.dtype, BIT_DEQUANT), x_even)
-            part = tl.dot(nibble_to(packed & 0xF, xt.dtype, BIT_DEQUANT), x_odd, part)
-            xsum = tl.sum(xt.to(tl.float32), axis=0)
-            acc += part * s[:, None] + z[:, None] * xsum[None, :]
+            acc += tl.dot(tl.interleave(hi, lo).to(xt.dtype), xt) * s[:, None]  # [BN, BM]
+            if Z_DOT:
+                acc += tl.dot(tl.broadcast_to(z.to(xt.dtype)[:, None], (BLOCK_N, BLOCK_K)), xt)
+            else:
+                acc += z.to(tl.float32)[:, None] * tl.sum(xt.to(tl.float32), axis=0)[None, :]
         else:
             x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=rm[:, None] < M, other=0.0)  # [BM, BK]
-            q = nibble_to(tl.interleave(packed >> 4, packed & 0xF), x.dtype, BIT_DEQUANT)  # [BN, BK]
-            xsum = tl.sum(x.to(tl.float32), axis=1)
-            acc += tl.dot(x, tl.trans(q)) * s[None, :] + xsum[:, None] * z[None, :]
+            acc += tl.dot(x, tl.trans(tl.interleave(hi, lo).to(x.dtype))) * s[None, :]  # [BM, BN]
+            if Z_DOT:
+                acc += tl.dot(x, tl.broadcast_to(z.to(x.dtype)[None, :], (BLOCK_K, BLOCK_N)))
+            else:
+                acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * z.to(tl.float32)[None, :]
     _store(out_ptr, acc, rm, rn, M, N, stride_om, SPLIT_K, SWAP)
 
 

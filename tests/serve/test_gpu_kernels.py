@@ -96,8 +96,9 @@ def test_every_prompt_tile_config():
 
 
 def test_every_tile_config_at_decode_batches():
-    """Each tiled config (both orientations: x @ W.T and the transposed W @ x.T, split-K or not),
-    at decode batches that fill one tile, part of one and more than one."""
+    """Each tiled config (both orientations: x @ W.T and the transposed W @ x.T, split-K or not; int4
+    with its offsets' term on `tl.dot` or summed), at decode batches that fill one tile, part of one
+    and more than one."""
     from quantserve.server.fastcore import triton_mm
 
     N, K = 1000, 2048
@@ -111,8 +112,10 @@ def test_every_tile_config_at_decode_batches():
             block_m = triton_mm._block_m(M)
             _check(triton_mm._run(triton_mm.int8_kernel.fn, config, block_m, M, N, K, x, (x, q8.weight, q8.scales), {}),
                    ref8, f"int8 M={M} {config}")
-            _check(triton_mm._run(triton_mm.int4_kernel.fn, config, block_m, M, N, K, x,
-                                  (x, q4.weight, q4.scales, q4.mins), {"GROUP": q4.group_size}), ref4, f"int4 M={M} {config}")
+            for z_dot in (True, False):  # z * sum(x) on tl.dot (tensor cores) or summed in the loop (a T4)
+                _check(triton_mm._run(triton_mm.int4_kernel.fn, config, block_m, M, N, K, x,
+                                      (x, q4.weight, q4.scales, q4.mins), {"GROUP": q4.group_size, "Z_DOT": z_dot}),
+                       ref4, f"int4 M={M} {config} z_dot={z_dot}")
 
 
 def test_dense_dequantization_is_exact():
