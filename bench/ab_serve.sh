@@ -14,7 +14,7 @@
 #     LIMIT         seconds this script may take (440)
 # Loads (bench.serve, 128 tokens out, ignore_eos, streamed): ~685-token random prompts at
 # concurrency 1, 8, 32, then 32 clients sharing one ~1,500-token system prompt.  Then, time
-# left, bench/kv_quality.py on the default model and the 1B shape (fp16 against int8 KV on the GPU).
+# left, bench/quality.py on the default model and the 1B shape (fp16 against int8 KV on the GPU).
 set -uo pipefail
 old=$(realpath "$1"); out=$(realpath -m "$2"); mkdir -p "$out"; repo=$PWD
 limit=${LIMIT:-440}
@@ -85,7 +85,7 @@ fi
 if [ $SECONDS -lt $(( limit - 100 )) ]; then  # what an int8 KV cache costs on the GPU (fp16 against int8)
   for shape in default 1b; do
     arg=(); [ $shape = default ] || arg=(--shape $shape)
-    (cd /tmp && PYTHONPATH=/tmp/site timeout $(( limit - SECONDS - 5 )) python3 -m quantserve.bench.kv_quality "${arg[@]}") \
+    (cd /tmp && PYTHONPATH=/tmp/site timeout $(( limit - SECONDS - 5 )) python3 -m quantserve.bench.quality "${arg[@]}") \
         > "$out/kv-quality-$shape.txt" 2>&1 || log "kv quality $shape: rc=$?"
     tail -n 8 "$out/kv-quality-$shape.txt" >> "$out/bench.txt"
   done

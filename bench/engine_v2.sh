@@ -298,7 +298,7 @@ elif [ "$phase" = 3 ]; then
 else
   capacity capacity-fp16-kv ${CAPACITY_FP16:-}
   capacity capacity-int8-kv --kv-cache-dtype int8 ${CAPACITY_INT8:-}
-  (cd /tmp && timeout 120 python3 -m quantserve.bench.kv_quality --shape 1b) > "$out/kv-quality-1b.txt" 2>&1 \
+  (cd /tmp && timeout 120 python3 -m quantserve.bench.quality --shape 1b) > "$out/kv-quality-1b.txt" 2>&1 \
       || log "kv quality: rc=$?"
   tail -n 8 "$out/kv-quality-1b.txt" >> "$out/bench.txt"
 fi

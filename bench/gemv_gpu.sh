@@ -15,16 +15,7 @@
 set -uo pipefail
 out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
 export PYTHONPATH=$site QUANTSERVE_HOME=/tmp/qs-home PYTHONUNBUFFERED=1
-common=(--generate-batches '' --new-tokens 128 --gpu-profile t4 --no-fit-check)
-log() { echo "[$SECONDS s] $*" | tee -a "$out/bench.txt"; }
-left() { local v=$(( $1 - SECONDS )); [ "$v" -ge 5 ] || v=5; echo "$v"; }  # seconds until mark $1
-decode() {  # LIMIT_S NAME ARGS...: one bench decode run, its rows into bench.txt
-  local limit=$1 name=$2; shift 2
-  [ "$limit" -gt 30 ] || { log "decode $name: skipped (no time left)"; return; }
-  (cd /tmp && timeout "$limit" python3 -m quantserve.bench.decode "${common[@]}" "$@" --out "$out/decode-$name.json") \
-      > "$out/decode-$name.log" 2>&1 || log "decode $name: rc=$?"
-  grep -E "tok/s|error|Error|batch [0-9]+:" "$out/decode-$name.log" | tail -n 8 >> "$out/bench.txt"
-}
+source "$repo/bench/gpu_lib.sh"  # log, left, decode
 if [ "$phase" = 1 ]; then
   if [ ! -d "$site/quantserve" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .devwheels/*.whl \

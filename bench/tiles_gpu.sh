@@ -16,21 +16,12 @@
 set -uo pipefail
 dest=$(realpath -m "$1"); phase=$2; out=/tmp/tiles-$phase; mkdir -p "$out" "$dest"; repo=$PWD; site=/tmp/site; old=/tmp/site-old
 export QUANTSERVE_HOME=/tmp/qs-home PYTHONUNBUFFERED=1
-log() { echo "[$SECONDS s] $*" | tee -a "$out/bench.txt"; }
-left() { local v=$(( $1 - SECONDS )); [ "$v" -ge 5 ] || v=5; echo "$v"; }  # seconds until mark $1
+source "$repo/bench/gpu_lib.sh"  # log, left, decode
 race() {  # LIMIT_S NAME SITE ARGS...
   local limit=$1 name=$2 where=$3; shift 3
   (cd /tmp && PYTHONPATH=$where:$site timeout "$limit" python3 -m quantserve.bench.kernel_race --shapes 8b \
       --out "$out/race-$name.json" "$@") > "$out/race-$name.log" 2>&1 || log "race $name: rc=$?"
   grep -E "^\| " "$out/race-$name.log" >> "$out/bench.txt"; log "race $name done"
-}
-decode() {  # LIMIT_S NAME ARGS...
-  local limit=$1 name=$2; shift 2
-  [ "$limit" -gt 30 ] || { log "decode $name: skipped (no time left)"; return; }
-  (cd /tmp && PYTHONPATH=$site timeout "$limit" python3 -m quantserve.bench.decode --generate-batches '' \
-      --new-tokens 128 --gpu-profile t4 --no-fit-check "$@" --out "$out/decode-$name.json") \
-      > "$out/decode-$name.log" 2>&1 || log "decode $name: rc=$?"
-  grep -E "tok/s|error|Error|batch [0-9]+:" "$out/decode-$name.log" | tail -n 8 >> "$out/bench.txt"
 }
 if [ "$phase" = 1 ]; then
   if [ ! -d "$site/fastapi" ]; then

@@ -415,8 +415,8 @@ def test_other_families_decode_like_transformers(arch, default_model, tmp_path):
 
 def test_an_int8_kv_cache_costs_little_quality_and_half_the_memory():
     """The int8 cache against the full-precision one on the default model's held-out windows
-    (bench/kv_quality.py; 99.75 % agreement, +0.05 % perplexity when measured on this CPU)."""
-    from quantserve.bench.kv_quality import run
+    (bench/quality.py; 99.75 % agreement, +0.05 % perplexity when measured on this CPU)."""
+    from quantserve.bench.quality import run
 
     row = run(None, n_windows=4, length=256)
     assert row["top1_agreement"] >= 0.99 and abs(row["ppl_change_pct"]) < 1.0, row
@@ -424,6 +424,15 @@ def test_an_int8_kv_cache_costs_little_quality_and_half_the_memory():
 
     a = ModelArgs(vocab_size=8, dim=64, ffn_dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=128, norm_eps=1e-6)
     assert a.kv_bytes_per_token(2, int8=True) / a.kv_bytes_per_token(2) == pytest.approx(130 / 256)  # vs fp16
+
+
+def test_int4_weights_keep_the_default_models_predictions():
+    """int4 weights (group 128) against unquantized ones on the default model's held-out windows
+    (bench/quality.py; 96.8 % top-1 agreement, +0.05 % perplexity over 8 windows on this CPU)."""
+    from quantserve.bench.quality import run
+
+    row = run(None, n_windows=4, length=256, weights="int4", kv="auto")
+    assert row["top1_agreement"] >= 0.94 and abs(row["ppl_change_pct"]) < 1.0, row
 
 
 def test_the_pool_leaves_room_for_the_largest_prompt_forward():

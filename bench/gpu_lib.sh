@@ -1,0 +1,12 @@
+# Shell steps the GPU bench scripts share.  Source it after setting $out (the call's work folder)
+# and, where the packages are installed apart, $site (their PYTHONPATH).
+log() { echo "[$SECONDS s] $*" | tee -a "$out/bench.txt"; }
+left() { local v=$(( $1 - SECONDS )); [ "$v" -ge 5 ] || v=5; echo "$v"; }  # seconds until mark $1
+decode() {  # LIMIT_S NAME ARGS...: one bench decode run (T4 profile, 128 new tokens), its rows into bench.txt
+  local limit=$1 name=$2; shift 2
+  [ "$limit" -gt 30 ] || { log "decode $name: skipped (no time left)"; return; }
+  (cd /tmp && PYTHONPATH=${site:-${PYTHONPATH:-}} timeout "$limit" python3 -m quantserve.bench.decode \
+      --generate-batches '' --new-tokens 128 --gpu-profile t4 --no-fit-check "$@" --out "$out/decode-$name.json") \
+      > "$out/decode-$name.log" 2>&1 || log "decode $name: rc=$?"
+  grep -E "tok/s|error|Error|batch [0-9]+:" "$out/decode-$name.log" | tail -n 8 >> "$out/bench.txt"
+}

@@ -1,0 +1,128 @@
+"""What the fast core's quantization costs in quality: an int8 KV cache (`kv_cache_dtype="int8"`)
+or int8 / int4 weights (`weight_quant`), each against the same core unquantized, on the same
+held-out token windows.
+
+Each window is prefilled in one forward with every position's logits (the prompt's own keys and
+values are written to the cache and read back from it, so the int8 KV rounding is in them), then
+    top-1 agreement   how often both give the same most likely next token,
+    perplexity        of the held-out text under each, and the relative change,
+    max |Δ logit|     the largest logit difference, over every position.
+
+    python -m quantserve.bench.quality                       # int8 KV cache, the embedded default model
+    python -m quantserve.bench.quality --shape 1b            # random weights of the Llama-3.2-1B layout
+    python -m quantserve.bench.quality --weights int4        # int4 weights (group 128), KV cache as the model
+
+Runs on a CPU (fp32 there; fp16 on a GPU).  The weights' integers and scales are the same on both:
+a CPU dequantizes and multiplies in torch, a GPU runs the Triton kernels, which match that to
+~1e-4 of the outputs' scale (tests/serve/test_gpu_kernels.py), so the CPU measures what the
+format costs.  Random weights make a near-uniform next-token distribution, so for the 1B shape
+agreement is a harder test than for a trained model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+
+def windows(tokenizer, n: int, length: int) -> list[list[int]]:
+    from quantserve.quant.evaluate import heldout_documents, token_windows
+
+    docs, _ = heldout_documents(None, tokenizer)
+    return token_windows(tokenizer, docs, length)[:n]
+
+
+def score(core, wins: list[list[int]]):
+    """Every window's logits [n - 1, vocab] (predicting positions 1..n-1), as float64 numpy."""
+    out = []
+    slot = core.acquire()
+    try:
+        for ids in wins:
+            out.append(core.prefill(slot, ids, all_logits=True)[:-1].double().cpu().numpy())
+            core.release(slot)
+            slot = core.acquire()
+    finally:
+        core.release(slot)
+    return out
+
+
+def compare(ref, got, wins) -> dict:
+    import numpy as np
+
+    agree = total = 0
+    nll_ref = nll_got = 0.0
+    worst = 0.0
+    for r, g, ids in zip(ref, got, wins):
+        target = np.array(ids[1:])
+        agree += int((r.argmax(-1) == g.argmax(-1)).sum())
+        total += len(target)
+        for logits, acc in ((r, "ref"), (g, "got")):
+            lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+            nll = float((lse - logits[np.arange(len(target)), target]).sum())
+            if acc == "ref":
+                nll_ref += nll
+            else:
+                nll_got += nll
+        worst = max(worst, float(np.abs(r - g).max()))
+    ppl_ref, ppl_got = math.exp(nll_ref / total), math.exp(nll_got / total)
+    return {"positions": total, "top1_agreement": round(agree / total, 4), "ppl_reference": round(ppl_ref, 4),
+            "ppl_quantized": round(ppl_got, 4), "ppl_change_pct": round(100 * (ppl_got / ppl_ref - 1), 3),
+            "max_abs_logit_diff": float(f"{worst:.3g}")}
+
+
+def run(shape: str | None, n_windows: int, length: int, weights: str = "none", kv: str = "int8") -> dict:
+    """One comparison: weights `weights` ("none", "int8", "int4") with a KV cache of `kv` ("auto":
+    the model's dtype, or "int8") against no quantization at all."""
+    import torch
+
+    import quantserve.demo  # noqa: F401  (registers the default model's held-out text)
+    from quantserve.demo.default_model import default_model_path
+    from quantserve.modeling import load_tokenizer
+    from quantserve.server.fastcore import FastCore
+
+    torch.set_grad_enabled(False)
+    default = default_model_path(progress=False)
+    tokenizer = load_tokenizer(default)
+    wins = windows(tokenizer, n_windows, length)
+    if shape is None:
+        source = {"model": str(default)}
+        label = "default model"
+    else:
+        from quantserve.bench.decode import model_config
+
+        source = {"model": None, "random_config": model_config(shape)}
+        label = f"{shape} shape, random weights"
+
+    def make(weight_quant: str, kv_cache_dtype: str):
+        return FastCore(**source, max_slots=1, max_seq=length, compile=False, weight_quant=weight_quant,
+                        kv_cache_dtype=kv_cache_dtype)
+
+    ref = score(make("none", "auto"), wins)
+    core = make(weights, kv)
+    row = {"model": label, "weights": weights, "kv_cache": kv, "dtype": str(core.dtype).replace("torch.", ""),
+           "device": str(core.device), "windows": len(wins), "window_tokens": length,
+           **compare(ref, score(core, wins), wins)}
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m quantserve.bench.quality", description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default=None, help="a bench decode shape (1b, 8b, ...) with random weights; "
+                    "default: the embedded default model")
+    ap.add_argument("--weights", choices=("none", "int8", "int4"), default="none",
+                    help="weight quantization to measure (default: none)")
+    ap.add_argument("--kv", choices=("auto", "int8"), default=None,
+                    help="KV cache to measure (default: int8 when --weights is none, else the model's dtype)")
+    ap.add_argument("--windows", type=int, default=8, help="held-out windows scored")
+    ap.add_argument("--length", type=int, default=256, help="tokens per window")
+    args = ap.parse_args(argv)
+    kv = args.kv or ("int8" if args.weights == "none" else "auto")
+    if args.weights == "none" and kv == "auto":
+        ap.error("nothing to measure: give --weights int8|int4 or --kv int8")
+    print(json.dumps(run(args.shape, args.windows, args.length, args.weights, kv), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
