@@ -220,8 +220,8 @@ class Int4Linear(nn.Module):
         N, K = weight.q.shape if isinstance(weight, PackedInt4) else weight.shape
         if K % group_size:
             raise ValueError(f"int4 needs in_features ({K}) divisible by group_size ({group_size})")
-        if kernel in ("triton", "gemlite") and (K % 64 or group_size < 64):
-            kernel = "torch"  # both Triton kernels walk K in blocks of >= 64 inside one group
+        if kernel in ("triton", "gemlite") and (K % 64 or group_size < 64 or group_size & (group_size - 1)):
+            kernel = "torch"  # both Triton kernels walk K in power-of-two blocks of >= 64 inside one group
         if kernel == "gemlite" and not (weight.q if isinstance(weight, PackedInt4) else weight).is_cuda:
             raise ValueError("the gemlite kernel needs the weights on a CUDA GPU")
         self.kernel, self.group_size, self.out_features = kernel, group_size, N
