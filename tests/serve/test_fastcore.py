@@ -121,6 +121,18 @@ def test_int4_layout_is_the_one_torch_int4_kernels_expect():
     assert ((deq - w).abs() <= step / 2 + 1e-5).all()
 
 
+def test_int4_groups_the_triton_kernels_cannot_walk_take_the_torch_path():
+    """The Triton int4 kernels walk K in power-of-two blocks of >= 64 inside one group: a group of
+    96 (a 64-wide block would straddle two) or 32 is served by the torch path, with its own sums."""
+    torch.manual_seed(0)
+    w, x = torch.randn(16, 192), torch.randn(2, 192)
+    for group in (96, 32):
+        layer = Int4Linear(w, None, torch.float32, group, "triton")
+        assert layer.kernel == "torch", group
+        assert torch.allclose(layer(x), x @ layer.dequantize(torch.float32).t(), atol=1e-4)
+    assert Int4Linear(w.repeat(1, 2)[:, :256], None, torch.float32, 64, "triton").kernel == "triton"
+
+
 def test_warm_up_compiles_every_decode_bucket_within_dynamos_limit(hf, monkeypatch):
     """A server with --max-batch 64 once died at dynamo's limit of 8 recompiles during warm-up
     (every decode shape compiled on its own).  Now the blocks are compiled with dynamic shapes at
