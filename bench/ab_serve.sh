@@ -14,7 +14,8 @@
 #     LIMIT         seconds this script may take (440)
 # Loads (bench.serve, 128 tokens out, ignore_eos, streamed): ~685-token random prompts at
 # concurrency 1, 8, 32, then 32 clients sharing one ~1,500-token system prompt.  Then, time
-# left, bench/quality.py on the default model and the 1B shape (fp16 against int8 KV on the GPU).
+# left, bench/quality.py on the default model and the 1B shape (fp16 against int8 KV, int8 and int4
+# weights on the GPU).
 set -uo pipefail
 old=$(realpath "$1"); out=$(realpath -m "$2"); mkdir -p "$out"; repo=$PWD
 limit=${LIMIT:-440}
@@ -82,12 +83,15 @@ if [ -n "$gpu_tests" ]; then
       "$repo/tests/serve/test_async_scheduling.py" -k "$gpu_tests") > "$out/gpu-tests.log" 2>&1 || log "gpu tests: rc=$?"
   grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$out/gpu-tests.log" >> "$out/bench.txt"
 fi
-if [ $SECONDS -lt $(( limit - 100 )) ]; then  # what an int8 KV cache costs on the GPU (fp16 against int8)
+if [ $SECONDS -lt $(( limit - 100 )) ]; then  # what an int8 KV cache and int8 / int4 weights cost on the GPU
   for shape in default 1b; do
-    arg=(); [ $shape = default ] || arg=(--shape $shape)
-    (cd /tmp && PYTHONPATH=/tmp/site timeout $(( limit - SECONDS - 5 )) python3 -m quantserve.bench.quality "${arg[@]}") \
-        > "$out/kv-quality-$shape.txt" 2>&1 || log "kv quality $shape: rc=$?"
-    tail -n 8 "$out/kv-quality-$shape.txt" >> "$out/bench.txt"
+    for what in "--kv int8" "--weights int8" "--weights int4"; do
+      arg=($what); [ $shape = default ] || arg+=(--shape $shape)
+      [ $SECONDS -lt $(( limit - 30 )) ] || break
+      (cd /tmp && PYTHONPATH=/tmp/site timeout $(( limit - SECONDS - 5 )) python3 -m quantserve.bench.quality "${arg[@]}") \
+          > "$out/quality-$shape-${what// /}.txt" 2>&1 || log "quality $shape $what: rc=$?"
+      tail -n 14 "$out/quality-$shape-${what// /}.txt" >> "$out/bench.txt"
+    done
   done
 fi
 log "done"
