@@ -2,10 +2,12 @@
 
 Decode reads every weight once per step, so a weight-only kernel is fast exactly when it streams
 the packed weights at memory bandwidth and never writes a dequantized copy.  These kernels load
-an int8 (or packed int4) tile, convert it in registers and feed `tl.dot` (tensor cores, fp32
-accumulation); the per-channel (int8) or per-group (int4) scales are applied to the tile's partial
-sums.  One kernel serves every decode batch (M = 1..64): rows past M are masked, and at these
-sizes the work is bandwidth-bound anyway.
+an int8 (or packed int4) tile, convert it in registers and feed `tl.dot` (fp32 accumulation; on
+tensor cores from sm_80 on, FMAs below: a T4); the per-channel (int8) or per-group (int4) scales
+are applied to the tile's partial sums.  One kernel serves every decode batch (M = 1..64): rows
+past M are masked.  Each kernel computes either x @ W.T or W @ x.T (SWAP), whichever its timings
+pick per shape.  Batch 1 has kernels of its own (triton_gemv.py); prompts (M > 64) take 128-row
+tiles or dequantize-then-cuBLAS (triton_dequant.py), whichever is faster for the shape.
 
 Skinny layers (the 8B model's down projection: N = 4096 outputs, K = 14336) give too few output
 tiles to keep every multiprocessor busy, so K is split over SPLIT_K programs that add their
