@@ -7,9 +7,11 @@ bits 0x6400; fp32: 2**23, bits 0x4B000000) turns an integer added into its bits 
 plus the integer, so an integer add and one float subtraction give the exact value (the trick
 FasterTransformer and Marlin use).
 
-The tiled kernels (triton_mm.py) use these; BIT_DEQUANT=False keeps Triton's plain `.to()`
-conversion, and the launcher times both.  The batch-1 matrix-vector kernels (triton_gemv.py) do the
-same trick two columns at a time in inline PTX, of their own.
+The tiled kernels (triton_mm.py) use these (`nibbles_to_fp16`: four packed bytes at a time in
+inline PTX); BIT_DEQUANT=False keeps Triton's plain `.to()` conversion.  The batch-1
+matrix-vector kernels (triton_gemv.py) do the same trick two columns at a time in inline PTX, of
+their own.  Last, `dequantize_int8` / `dequantize_int4`: the whole weight to fp16 in one pass, for
+prompts through cuBLAS.
 """
 
 from __future__ import annotations
@@ -70,7 +72,6 @@ def nibble_to(q, dtype: tl.constexpr, BIT_DEQUANT: tl.constexpr):
     else:
         out = q.to(dtype)
     return out
-
 
 
 @triton.jit
