@@ -120,6 +120,8 @@ def main(argv=None) -> int:
     kv = args.kv or ("int8" if args.weights == "none" else "auto")
     if args.weights == "none" and kv == "auto":
         ap.error("nothing to measure: give --weights int8|int4 or --kv int8")
+    if args.windows < 1 or args.length < 2:
+        ap.error("--windows must be >= 1 and --length >= 2 (a window predicts its tokens after the first)")
     print(json.dumps(run(args.shape, args.windows, args.length, args.weights, kv), indent=1))
     return 0
 
