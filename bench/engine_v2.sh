@@ -87,6 +87,9 @@ machine() {  # the GPU, the driver and the libraries, into bench.txt
   (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) | tee -a "$out/bench.txt"
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" \
       | tee -a "$out/bench.txt"
+  # uvicorn's HTTP parser: h11 (pure Python) where httptools is missing, which slows the HTTP layer
+  python3 -c "import importlib.util as u; print('uvicorn http:', 'httptools' if u.find_spec('httptools') else 'h11', '| loop:', 'uvloop' if u.find_spec('uvloop') else 'asyncio')" \
+      | tee -a "$out/bench.txt"
 }
 finish() {  # the start-up lines and the time-to-first-token split into bench.txt, everything in one
             # tarball (the device sends back at most 8 files), then stop

@@ -32,7 +32,7 @@ def v(p):
         return m.version(p)
     except m.PackageNotFoundError:
         return 'absent'
-print(', '.join(f'{p} {v(p)}' for p in ('torch', 'ray', 'aiohttp', 'uvicorn', 'uvloop', 'quantserve')))" \
+print(', '.join(f'{p} {v(p)}' for p in ('torch', 'ray', 'aiohttp', 'uvicorn', 'uvloop', 'httptools', 'quantserve')))" \
     | tee -a "$out/machine.txt"
 if [ "$model" = /tmp/m1b ] && [ ! -d /tmp/m1b ]; then
   $py -m quantserve.bench.make_checkpoint --shape llama-3.2-1b --out /tmp/m1b
