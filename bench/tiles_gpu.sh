@@ -23,14 +23,15 @@ race() {  # LIMIT_S NAME SITE ARGS...
       --out "$out/race-$name.json" "$@") > "$out/race-$name.log" 2>&1 || log "race $name: rc=$?"
   grep -E "^\| " "$out/race-$name.log" >> "$out/bench.txt"; log "race $name done"
 }
-if [ "$phase" = 1 ]; then
-  if [ ! -d "$site/fastapi" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .devwheels/*.whl \
-        .devwheels/llama/gguf-*.whl .devwheels/llama/diskcache-*.whl
+if [ ! -d "$site/fastapi" ]; then  # the wheels the image lacks, once per machine
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .devwheels/*.whl \
+      .devwheels/llama/gguf-*.whl .devwheels/llama/diskcache-*.whl
+fi
+[ "$phase" != 1 ] || [ -d "$old/quantserve" ] || \
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$old" .devwheels/old/quantserve-*.whl
-  fi
-  # this tree, always (a warm machine holds the last call's)
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target "$site" . 2>&1 | grep -v WARNING
+# this tree, always (a warm machine holds the last call's)
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target "$site" . 2>&1 | grep -v WARNING
+if [ "$phase" = 1 ]; then
   (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) > "$out/bench.txt"
   PYTHONPATH=$site python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$out/bench.txt" 2>&1
   log "installed"
@@ -43,11 +44,6 @@ if [ "$phase" = 1 ]; then
       --kinds fp16,int8,int4,int8-dense,int4-dense,int8-tiles,int4-tiles
   race $(left 585) old $old --batches 8,32,512 --kinds int8,int4  # its race has no --layers: lm_head too
 elif [ "$phase" = 3 ]; then
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target "$site" . 2>&1 | grep -v WARNING
-  if [ ! -d "$site/fastapi" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .devwheels/*.whl \
-        .devwheels/llama/gguf-*.whl .devwheels/llama/diskcache-*.whl
-  fi
   (cd /tmp && PYTHONPATH=$site timeout 150 python3 -m pytest --import-mode=append -q -p no:cacheprovider \
       "$repo/tests/serve/test_gpu_kernels.py" -k "tile_config or launcher or dense") > "$out/gpu-tests.log" 2>&1 \
       || log "gpu tests: rc=$?"
