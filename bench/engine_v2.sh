@@ -34,6 +34,11 @@
 #   bench/engine_v2.sh OUT 9   the same machine: the event loop's tokenization probe on cores 0-7;
 #                              llama-server 1B if phase 8 had no time for it; 8B: ours cold (random,
 #                              shared), warm --no-prefix-cache (shared); llama-server 8B (random, shared)
+#   bench/engine_v2.sh OUT 12  a fresh machine, ours alone, 8B: start-up cold and warm of this tree against
+#                              a base (the files under .devwheels/base laid over this tree's install), py-spy
+#                              on this tree's cold start; random prompts at 1, 8, 32 and the shared load with
+#                              and without the prefix cache (.devwheels/tools carries py-spy's wheel; a
+#                              carried .rayw/ray is copied to /tmp/qs-ray for bench/replicas_wheels.sh's run)
 # Run from the repo root with .devwheels carried (the wheels the GPU image lacks).
 set -uo pipefail
 out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
@@ -142,6 +147,27 @@ if [ "$phase" = 7 ]; then  # 8B alone on a fresh machine: cold start, random pro
       --context 8192 > /tmp/checkpoints.log 2>&1) || { log "no checkpoint"; exit 1; }
   start_ours ours-8b-cold /tmp/ck-llama-3.1-8b "${ours[@]}" && { load ours-8b 8000 random; stop; }
   start_ours ours-8b-warm /tmp/ck-llama-3.1-8b "${ours[@]}" && stop
+  finish
+fi
+
+if [ "$phase" = 12 ]; then
+  install
+  python3 -m pip install -q --no-index --no-deps --target /tmp/tools .devwheels/tools/*.whl
+  [ -d .rayw/ray ] && { mkdir -p /tmp/qs-ray && cp .rayw/ray/*.whl /tmp/qs-ray/; }
+  rm -rf /tmp/site-base && cp -r "$site" /tmp/site-base && cp -r .devwheels/base/. /tmp/site-base/
+  machine
+  (cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape llama-3.1-8b --out /tmp/ck-llama-3.1-8b \
+      --context 8192 > /tmp/checkpoints.log 2>&1) || { log "no checkpoint"; exit 1; }
+  rm -rf "$QUANTSERVE_HOME/compile"
+  PYTHONPATH=/tmp/site-base start_ours ours-8b-base-cold /tmp/ck-llama-3.1-8b "${ours[@]}" && stop
+  rm -rf "$QUANTSERVE_HOME/compile"
+  (cd /tmp && exec python3 -m quantserve serve /tmp/ck-llama-3.1-8b --port 8000 "${ours[@]}") > "$out/ours-8b-cold.log" 2>&1 &
+  PID=$!
+  /tmp/tools/bin/py-spy record -p "$PID" -d 110 -r 50 --idle --threads -f raw -o "$out/pyspy-8b-cold.txt" > /dev/null 2>&1 &
+  if wait_ready 8000 $PID ours-8b-cold; then load ours-8b 8000 random; shared_split ours-8b; stop; fi
+  start_ours ours-8b-nocache /tmp/ck-llama-3.1-8b "${ours[@]}" --no-prefix-cache && { shared_split ours-8b-nocache; stop; }
+  start_ours ours-8b-warm /tmp/ck-llama-3.1-8b "${ours[@]}" && stop
+  PYTHONPATH=/tmp/site-base start_ours ours-8b-base-warm /tmp/ck-llama-3.1-8b "${ours[@]}" && stop
   finish
 fi
 

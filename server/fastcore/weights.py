@@ -10,7 +10,8 @@ names exist, the model's HF config and its rotary frequencies.  There are four:
 
 `build_transformer` then moves the weights to the device one at a time, stacked into model.py's
 fused layers (and quantized) as the architecture's table says (architectures.py), so that no
-more than one layer's weights exist twice at any moment.
+more than one layer's weights exist twice at any moment.  A checkpoint folder's tensors are read
+a few ahead of the build on worker threads (read_ahead.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from quantserve.server.fastcore.architectures import ARCHITECTURES
 from quantserve.server.fastcore.model import ModelArgs, Transformer
 from quantserve.server.fastcore.quant import PackedInt4, cat_rows, make_linear
+from quantserve.server.fastcore.read_ahead import ReadAhead
 
 
 class Weights(NamedTuple):
@@ -31,6 +33,7 @@ class Weights(NamedTuple):
     config: object  # the HF config
     rope: dict  # {"full": (inv_freq, scale)}, and "sliding" (model.Transformer.setup_caches)
     prequantized: dict | None = None  # an AWQ / GPTQ checkpoint's quantization (quant/prequantized.py)
+    read_ahead: ReadAhead | None = None  # a checkpoint folder's: reads `get`'s next tensors on threads
 
 
 def open_weights(model, device: torch.device, dtype: torch.dtype, weight_quant: str,
@@ -51,7 +54,16 @@ def build_transformer(src: Weights, a: ModelArgs, device: torch.device, dtype: t
     """model.py's Transformer with the source's weights, on `device`, linear layers in `mode`
     ("none", "int8", "int4") through `kernel` (quant.make_linear)."""
     arch = ARCHITECTURES[src.config.model_type]
+    if src.read_ahead is None:
+        return _build(src, a, arch, device, dtype, mode, kernel, group_size)
+    src.read_ahead.start(_names_in_order(arch, src, a))
+    try:
+        return _build(src, a, arch, device, dtype, mode, kernel, group_size)
+    finally:
+        src.read_ahead.close()
 
+
+def _build(src: Weights, a: ModelArgs, arch, device, dtype, mode: str, kernel: str, group_size: int) -> Transformer:
     def w(name):
         return src.get(name).to(device=device)
 
@@ -85,6 +97,19 @@ def build_transformer(src: Weights, a: ModelArgs, device: torch.device, dtype: t
     if missing:  # an architectures.py entry that names too few tensors for its ModelArgs
         raise ValueError(f"{src.config.model_type}: no checkpoint tensor for {', '.join(missing[:4])}")
     return m.eval()
+
+
+def _names_in_order(arch, src: Weights, a: ModelArgs) -> list[str]:
+    """The tensors build_transformer asks the source for, in its order."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    for i in range(a.n_layers):
+        p = f"model.layers.{i}."
+        for ours, theirs in arch.linears.items():
+            names += [p + name + ".weight" for name in theirs]
+            if ours == "attention.wqkv" and a.qkv_bias and src.has(p + theirs[0] + ".bias"):
+                names += [p + name + ".bias" for name in theirs]
+        names += [p + theirs + ".weight" for theirs in arch.norms.values()]
+    return names + ["lm_head.weight"]
 
 
 def _rope_of(rot) -> dict:
@@ -162,16 +187,25 @@ def _checkpoint_tensors(folder: Path, dtype: torch.dtype, device: torch.device) 
     if arch is None or not tied_or_given or not {"model.embed_tokens.weight", *first} <= names:
         return None
 
-    def get(name: str) -> torch.Tensor:
+    def read(name: str) -> torch.Tensor:  # backed by the file's pages (a private mapping)
         if name == "lm_head.weight" and name not in names:  # tied embeddings
             name = "model.embed_tokens.weight"
-        t = raw(name)  # backed by the file's pages (a private mapping)
-        # a copy, always: nothing the model keeps may be backed by the file (rewritten later);
-        # for a GPU the copy to the device is that copy (a CPU copy first doubled the bytes moved)
-        return t.to(device=device if device.type == "cuda" else "cpu",
-                    dtype=dtype if t.is_floating_point() else t.dtype, copy=True)
+        return raw(name)
 
-    return Weights(get, lambda name: name in names, cfg, rope)
+    # a copy, always: nothing the model keeps may be backed by the file (rewritten later)
+    ahead = ReadAhead(read, pinned=device.type == "cuda")
+
+    def get(name: str) -> torch.Tensor:
+        host = ahead.take(name)
+        if host is None:  # not planned: read here; for a GPU the copy to the device is the copy
+            t = read(name)
+            return t.to(device=device if device.type == "cuda" else "cpu",
+                        dtype=dtype if t.is_floating_point() else t.dtype, copy=True)
+        if device.type == "cuda":
+            host = host.to(device, non_blocking=True)  # from pinned memory: a DMA the build overlaps
+        return host.to(dtype) if host.is_floating_point() else host
+
+    return Weights(get, lambda name: name in names, cfg, rope, read_ahead=ahead)
 
 
 def _config_and_rope(folder: Path, drop_quantization: bool = False):

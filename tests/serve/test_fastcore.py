@@ -7,6 +7,7 @@ bench/decode.py on a GPU; here every code path they share is checked for exact t
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -465,6 +466,56 @@ def test_the_pool_leaves_room_for_the_largest_prompt_forward():
     gate_up_fp16 = 2 * 14336 * 4096 * 2
     assert reserve(2048, **eight_b) > 2**30 + 256 * 10**6 + gate_up_fp16
     assert reserve(8192, **eight_b) > reserve(2048, **eight_b) > reserve(2048, **one_b)
+
+
+def test_a_checkpoint_read_ahead_gives_the_tensors_a_direct_read_gives(default_model):
+    """The build's tensors read ahead on threads equal those read one by one; a model built
+    through the read-ahead has the weights of one built without it."""
+    from quantserve.server.fastcore.model import ModelArgs
+    from quantserve.server.fastcore.weights import _checkpoint_tensors, _names_in_order, build_transformer
+    from quantserve.server.fastcore.architectures import ARCHITECTURES
+
+    cpu = torch.device("cpu")
+    direct, ahead = (_checkpoint_tensors(default_model, torch.float32, cpu) for _ in range(2))
+    a = ModelArgs.from_hf(direct.config)
+    names = _names_in_order(ARCHITECTURES[direct.config.model_type], direct, a)
+    assert names[0] == "model.embed_tokens.weight" and names[-1] == "lm_head.weight"
+    assert all(direct.has(n) or n == "lm_head.weight" for n in names)
+    ahead.read_ahead.start(names)
+    for name in names:
+        got = ahead.get(name)
+        assert got.dtype == torch.float32 and torch.equal(got, direct.get(name)), name
+    ahead.read_ahead.close()
+
+    src = _checkpoint_tensors(default_model, torch.float32, cpu)
+    built = [build_transformer(s, a, cpu, torch.float32, "none", "torch", 128) for s in (src, src._replace(read_ahead=None))]
+    pairs = list(zip(built[0].state_dict().items(), built[1].state_dict().items()))
+    assert pairs and all(n1 == n2 and torch.equal(t1, t2) for (n1, t1), (n2, t2) in pairs)
+
+
+def test_read_ahead_stays_a_window_ahead_and_raises_where_the_build_asks():
+    from quantserve.server.fastcore.read_ahead import ReadAhead
+
+    reads = []
+
+    def read(name):
+        reads.append(name)
+        if name == "bad":
+            raise KeyError(name)
+        return torch.full((4,), float(len(name)))
+
+    ahead = ReadAhead(read, pinned=False, threads=2, depth=3)
+    ahead.start(["a", "bb", "ccc", "dddd", "bad", "eeeee"])
+    assert torch.equal(ahead.take("a"), torch.full((4,), 1.0))
+    assert ahead.take("not planned") is None
+    time.sleep(0.2)  # time for a runaway reader to read past its window
+    assert "eeeee" not in reads and "bad" not in reads  # three ahead at most: bb, ccc, dddd
+    for name in ("bb", "ccc", "dddd"):
+        assert ahead.take(name)[0] == len(name)
+    with pytest.raises(KeyError):
+        ahead.take("bad")
+    ahead.close()
+    assert ahead.take("eeeee") is None  # closed: nothing more is read
 
 
 def test_a_checkpoint_is_read_tensor_by_tensor_and_copied(default_model, tmp_path):
