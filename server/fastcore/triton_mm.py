@@ -242,7 +242,8 @@ def _precompile(tuned, call: tuple, kwargs: dict) -> None:
     mode = getattr(triton, "AsyncCompileMode", None)
     if mode is None or _compile_threads() < 2:
         return
-    with mode(_compile_pool()):
+    # a config that fails to compile is left to the autotuner, which compiles it again and skips it
+    with mode(_compile_pool(), ignore_errors=True):
         tuned.warmup(*call, grid=(1,), **kwargs)
 
 
