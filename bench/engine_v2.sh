@@ -81,8 +81,9 @@ start_llama() {  # LABEL GGUF
   wait_ready 8001 $PID "$1"
 }
 stop() { kill -TERM "$PID" 2>/dev/null; wait "$PID" 2>/dev/null || true; }
-engine_ttft() {  # LABEL PORT: the time-to-first-token histograms' sums and counts (ours), for differences
-  curl -s "http://127.0.0.1:$2/metrics" | grep -E "^quantserve:(request_queue_time|request_prefill_time|time_to_first_token)_seconds_(sum|count)" \
+engine_ttft() {  # LABEL PORT: the time-to-first-token histograms' sums and counts (ours), with the
+                 # preemption and prefix-cache counters, for differences
+  curl -s "http://127.0.0.1:$2/metrics" | grep -E "^quantserve:((request_queue_time|request_prefill_time|time_to_first_token)_seconds_(sum|count)|num_preemptions|prefix_cache_(queries|hits))" \
       | sed "s/^/$1 /" >> "$out/engine-ttft.txt"
 }
 shared_split() {  # LABEL: the shared load with the server's own split of its time to first token around it
