@@ -22,6 +22,7 @@ those first calls before any request arrives.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -234,17 +235,23 @@ def _tune(tuned, block_m: int, M: int, N: int, K: int, x: torch.Tensor, args: tu
 
 def _precompile(tuned, call: tuple, kwargs: dict) -> None:
     """Compile every config the autotuner is about to time, on threads, before it times them one
-    by one.  A Triton compile takes ~0.2-3 s, most of it in LLVM and ptxas, which run outside the
-    GIL (8 configs of the int8 kernel for sm_90: 6.6 s one by one, 3.5 s on 2 threads); a cold
-    start compiles dozens.  Configs found in Triton's disk cache load in milliseconds either way.
-    Where Triton cannot compile ahead (no AsyncCompileMode before 3.4), the autotuner compiles
-    as it always did."""
+    by one (see _compiling_ahead)."""
+    with _compiling_ahead():
+        tuned.warmup(*call, grid=(1,), **kwargs)
+
+
+def _compiling_ahead():
+    """A context in which Triton kernels asked for with `.warmup` compile on threads, all of them
+    done when it exits.  A Triton compile takes ~0.2-3 s, most of it in LLVM and ptxas, which run
+    outside the GIL (8 configs of the int8 kernel for sm_90: 6.6 s one by one, 3.5 s on 2 threads);
+    a cold start compiles dozens (an 8B cold start's tuning: 23 s before, 14 s with this).  Kernels
+    found in Triton's disk cache load in milliseconds either way.  A config that fails to compile
+    is left to its first real call, which compiles it again and reports (or skips) it as before.
+    Where Triton cannot compile ahead (no AsyncCompileMode before 3.4), nothing happens here."""
     mode = getattr(triton, "AsyncCompileMode", None)
     if mode is None or _compile_threads() < 2:
-        return
-    # a config that fails to compile is left to the autotuner, which compiles it again and skips it
-    with mode(_compile_pool(), ignore_errors=True):
-        tuned.warmup(*call, grid=(1,), **kwargs)
+        return contextlib.nullcontext()
+    return mode(_compile_pool(), ignore_errors=True)
 
 
 @functools.cache
@@ -264,6 +271,9 @@ def _fastest(choices: list[tuple], M: int, N: int, K: int, x: torch.Tensor, args
     takes least GPU time, timed with the L2 cache flushed between calls as a decode step sees it."""
     if len(choices) == 1:
         return choices[0]
+    with _compiling_ahead():  # the batch-1 kernels' variants (BIT_DEQUANT) are new compiles
+        for c in choices:
+            _run(*c[:3], M, N, K, x, args, {**extra, **c[3]}, warmup=True)
     times = [quick_bench(lambda c=c: _run(*c[:3], M, N, K, x, args, {**extra, **c[3]})) for c in choices]
     return choices[times.index(min(times))]
 
@@ -353,9 +363,11 @@ def load_choices(path) -> int:
     return taken
 
 
-def _run(fn, config, block_m: int, M: int, N: int, K: int, x: torch.Tensor, args: tuple, extra: dict):
+def _run(fn, config, block_m: int, M: int, N: int, K: int, x: torch.Tensor, args: tuple, extra: dict,
+         warmup: bool = False):
+    """One call of a choice; `warmup`: compile its Triton kernel without launching it."""
     if config is None:  # dequantize + cuBLAS
-        return fn(*args, *([extra["GROUP"]] if "GROUP" in extra else []))
+        return None if warmup else fn(*args, *([extra["GROUP"]] if "GROUP" in extra else []))
     # Without split-K the kernel writes x's dtype into an uninitialised tensor: no zero-fill and
     # no cast, two kernels fewer per linear layer, which a decode step of small matmuls pays for.
     meta = config.kwargs
@@ -365,8 +377,11 @@ def _run(fn, config, block_m: int, M: int, N: int, K: int, x: torch.Tensor, args
     else:
         out = torch.zeros((M, N), device=x.device, dtype=torch.float32)
     grid = (-(-N // meta["BLOCK_N"]), split, -(-M // block_m))
-    fn[grid](*args, out, M, N, K, _block_m(M), x.stride(0), out.stride(0), BLOCK_M=block_m, **meta, **extra,
-             num_warps=config.num_warps, num_stages=config.num_stages)
+    call = (*args, out, M, N, K, _block_m(M), x.stride(0), out.stride(0))
+    options = dict(BLOCK_M=block_m, **meta, **extra, num_warps=config.num_warps, num_stages=config.num_stages)
+    if warmup:
+        return fn.warmup(*call, grid=grid, **options)
+    fn[grid](*call, **options)
     return out if split == 1 else out.to(x.dtype)
 
 
