@@ -493,6 +493,31 @@ def test_a_checkpoint_read_ahead_gives_the_tensors_a_direct_read_gives(default_m
     assert pairs and all(n1 == n2 and torch.equal(t1, t2) for (n1, t1), (n2, t2) in pairs)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned read-ahead and its DMA copies need a CUDA GPU")
+def test_a_checkpoint_read_ahead_onto_a_gpu_gives_the_files_tensors(default_model):
+    """Through pinned host memory and asynchronous copies, every tensor the build takes arrives on
+    the GPU as the file holds it (cast to fp16), in the build's order and out of it."""
+    from safetensors.torch import load_file
+
+    from quantserve.server.fastcore.architectures import ARCHITECTURES
+    from quantserve.server.fastcore.model import ModelArgs
+    from quantserve.server.fastcore.weights import _checkpoint_tensors, _names_in_order
+
+    (file,) = default_model.glob("*.safetensors")
+    want = load_file(file)
+    src = _checkpoint_tensors(default_model, torch.float16, torch.device("cuda"))
+    names = _names_in_order(ARCHITECTURES[src.config.model_type], src, ModelArgs.from_hf(src.config))
+    src.read_ahead.start(names)
+    got = {name: src.get(name) for name in reversed(names[len(names) // 2:])}  # the tail first: waits, none lost
+    got.update({name: src.get(name) for name in names[:len(names) // 2]})
+    src.read_ahead.close()
+    torch.cuda.synchronize()
+    for name in names:
+        ref = want.get(name, want["model.embed_tokens.weight"] if name == "lm_head.weight" else None)
+        assert got[name].is_cuda and got[name].dtype == torch.float16
+        assert torch.equal(got[name].cpu(), ref.to(torch.float16)), name
+
+
 def test_read_ahead_stays_a_window_ahead_and_raises_where_the_build_asks():
     from quantserve.server.fastcore.read_ahead import ReadAhead
 
