@@ -74,7 +74,7 @@ class ReadAhead:
     def _fill(self) -> None:
         while self._queue and len(self._pending) < self._depth:
             name = self._queue.popleft()
-            if name not in self._pending:  # a name planned twice (tied embeddings) is read once
+            if name not in self._pending:  # planned twice while its read is pending: the second take reads it itself
                 self._pending[name] = self._pool.submit(self._copy, name)
 
     def _copy(self, name: str) -> torch.Tensor:

@@ -228,16 +228,10 @@ def _tune(tuned, block_m: int, M: int, N: int, K: int, x: torch.Tensor, args: tu
         return (-(-N // meta["BLOCK_N"]), meta["SPLIT_K"], -(-M // block_m))
     # M_BUCKET is the autotuners' key: a prompt bucket (a power of two past 64) tunes its own tiles
     call = (*args, out, M, N, K, _m_bucket(M), x.stride(0), out.stride(0))
-    _precompile(tuned, call, dict(BLOCK_M=block_m, **extra))
+    with _compiling_ahead():  # every config the autotuner is about to time, before it times them one by one
+        tuned.warmup(*call, grid=(1,), BLOCK_M=block_m, **extra)
     tuned[grid](*call, BLOCK_M=block_m, **extra)
     return (tuned.fn, tuned.best_config, block_m, {})
-
-
-def _precompile(tuned, call: tuple, kwargs: dict) -> None:
-    """Compile every config the autotuner is about to time, on threads, before it times them one
-    by one (see _compiling_ahead)."""
-    with _compiling_ahead():
-        tuned.warmup(*call, grid=(1,), **kwargs)
 
 
 def _compiling_ahead():

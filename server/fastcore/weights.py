@@ -54,13 +54,13 @@ def build_transformer(src: Weights, a: ModelArgs, device: torch.device, dtype: t
     """model.py's Transformer with the source's weights, on `device`, linear layers in `mode`
     ("none", "int8", "int4") through `kernel` (quant.make_linear)."""
     arch = ARCHITECTURES[src.config.model_type]
-    if src.read_ahead is None:
-        return _build(src, a, arch, device, dtype, mode, kernel, group_size)
-    src.read_ahead.start(_names_in_order(arch, src, a))
+    if src.read_ahead is not None:
+        src.read_ahead.start(_names_in_order(arch, src, a))
     try:
         return _build(src, a, arch, device, dtype, mode, kernel, group_size)
     finally:
-        src.read_ahead.close()
+        if src.read_ahead is not None:
+            src.read_ahead.close()
 
 
 def _build(src: Weights, a: ModelArgs, arch, device, dtype, mode: str, kernel: str, group_size: int) -> Transformer:
@@ -81,12 +81,10 @@ def _build(src: Weights, a: ModelArgs, arch, device, dtype, mode: str, kernel: s
                                     "none" if packed else mode, dtype, kernel, group_size)
     for i, layer in enumerate(m.layers):
         p = f"model.layers.{i}."
-        for ours, theirs in arch.linears.items():
-            parts = [w(p + name + ".weight") for name in theirs]
+        for ours, weights, biases in _linears(arch, src, a, p):
+            parts = [w(name) for name in weights]
             weight = parts[0] if len(parts) == 1 else cat_rows(parts)
-            bias = None
-            if ours == "attention.wqkv" and a.qkv_bias and src.has(p + theirs[0] + ".bias"):
-                bias = torch.cat([w(p + name + ".bias") for name in theirs])
+            bias = torch.cat([w(name) for name in biases]) if biases else None
             parent, _, attr = ours.rpartition(".")
             setattr(layer.get_submodule(parent), attr, lin(weight, bias))
             del parts, weight
@@ -99,15 +97,23 @@ def _build(src: Weights, a: ModelArgs, arch, device, dtype, mode: str, kernel: s
     return m.eval()
 
 
+def _linears(arch, src: Weights, a: ModelArgs, p: str) -> list[tuple[str, list[str], list[str]]]:
+    """One layer's linear layers (prefix `p`): (our name, its weights' HF names, its biases')."""
+    out = []
+    for ours, theirs in arch.linears.items():
+        biased = ours == "attention.wqkv" and a.qkv_bias and src.has(p + theirs[0] + ".bias")
+        out.append((ours, [p + name + ".weight" for name in theirs],
+                    [p + name + ".bias" for name in theirs] if biased else []))
+    return out
+
+
 def _names_in_order(arch, src: Weights, a: ModelArgs) -> list[str]:
-    """The tensors build_transformer asks the source for, in its order."""
+    """The tensors _build asks the source for, in its order."""
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     for i in range(a.n_layers):
         p = f"model.layers.{i}."
-        for ours, theirs in arch.linears.items():
-            names += [p + name + ".weight" for name in theirs]
-            if ours == "attention.wqkv" and a.qkv_bias and src.has(p + theirs[0] + ".bias"):
-                names += [p + name + ".bias" for name in theirs]
+        for _, weights, biases in _linears(arch, src, a, p):
+            names += weights + biases
         names += [p + theirs + ".weight" for theirs in arch.norms.values()]
     return names + ["lm_head.weight"]
 
