@@ -7,6 +7,7 @@ bench/decode.py on a GPU; here every code path they share is checked for exact t
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -516,6 +517,55 @@ def test_a_checkpoint_read_ahead_onto_a_gpu_gives_the_files_tensors(default_mode
         ref = want.get(name, want["model.embed_tokens.weight"] if name == "lm_head.weight" else None)
         assert got[name].is_cuda and got[name].dtype == torch.float16
         assert torch.equal(got[name].cpu(), ref.to(torch.float16)), name
+
+
+ROPE_PROBE = """
+import sys, torch
+from pathlib import Path
+from quantserve.server.fastcore.weights import _config_and_rope
+cfg, rope = _config_and_rope(Path(sys.argv[1]))
+torch.save(rope, sys.argv[2])
+print("imported model classes" if "transformers.modeling_utils" in sys.modules else "no model classes")
+"""
+
+
+@pytest.mark.parametrize("arch", ["default", "gemma3", "phi3"])
+def test_rotary_tables_come_from_the_cache_on_a_second_start(arch, default_model, tmp_path):
+    """A checkpoint's rotary frequencies are built once from the model class (Gemma 3: its sliding
+    layers' own too) and read from the cache on the next start, equal, without importing the model
+    classes; a torn cache file is rebuilt."""
+    import subprocess
+    import sys
+
+    from quantserve.modeling import load_tokenizer
+    from quantserve.server.fastcore.weights import _rope_of
+    from tests.support.families import family_checkpoint
+
+    folder = default_model
+    if arch != "default":
+        folder = tmp_path / arch
+        family_checkpoint(arch, load_tokenizer(default_model), folder)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(folder)
+    want = _rope_of(AutoModelForCausalLM.from_config(cfg).model.rotary_emb)
+    env = {**os.environ, "QUANTSERVE_HOME": str(tmp_path / "home")}
+
+    def start(n):
+        proc = subprocess.run([sys.executable, "-c", ROPE_PROBE, str(folder), str(tmp_path / f"rope{n}.pt")],
+                              capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout.strip(), torch.load(tmp_path / f"rope{n}.pt", weights_only=True)
+
+    for n, expected in enumerate(["imported model classes", "no model classes"]):
+        said, rope = start(n)
+        assert said == expected
+        assert rope.keys() == want.keys() == ({"full", "sliding"} if arch == "gemma3" else {"full"})
+        for kind, (inv_freq, scale) in want.items():
+            assert torch.equal(rope[kind][0], inv_freq) and rope[kind][1] == scale
+    (cached,) = (tmp_path / "home" / "rope").glob("*.pt")
+    cached.write_bytes(b"torn")
+    assert start(2)[0] == "imported model classes" and torch.load(cached, weights_only=True).keys() == want.keys()
 
 
 def test_read_ahead_stays_a_window_ahead_and_raises_where_the_build_asks():
