@@ -38,6 +38,9 @@ class TrainConfig:
     global_batch: Optional[int] = None  # None: micro_batch x world size (no accumulation)
     seq_len: Optional[int] = None  # None: the model's limit, capped at 2048
     packing: bool = False
+    # A batch whose examples differ in length runs padding-free (one row, positions restarting per
+    # example) where that computes less than padding; the loss is the same (data.Collator).
+    padding_free: bool = True
     dtype: str = "auto"  # auto picks what capabilities.detect() says: bf16 > fp16 > fp32 on CPU
     gpu_profile: Optional[str] = None
     plan: Optional[str] = None  # "auto": let `training.plan` pick zero/offload/ckpt/micro-batch

@@ -206,7 +206,7 @@ def train(cfg: TrainConfig) -> Path:
         f"{res.device} {res.dtype}, attention {res.attention}, Liger {res.liger_reason}, "
         f"checkpointing {'on' if cfg.grad_ckpt else 'off'}")
     log(f"data: {len(records)} records -> {len(dataset)} examples, {dataset.tokens():,} tokens "
-        f"(seq-len {seq_len}{', packed' if cfg.packing else ''})")
+        f"(seq-len {seq_len}{', packed' if cfg.packing else ', padding-free where cheaper' if cfg.padding_free else ''})")
     for note in res.notes:
         log(f"note: {note}")
 
@@ -223,7 +223,9 @@ def train(cfg: TrainConfig) -> Path:
     trainable, total = trainable_summary(model)
     log(f"model: {total / 1e6:.2f} M parameters, {trainable / 1e6:.3f} M trainable")
 
-    collator = data_mod.Collator(tok.pad_token_id, seq_len)
+    collator = data_mod.Collator(tok.pad_token_id, seq_len, padding_free=cfg.padding_free and not cfg.packing,
+                                 hidden_size=getattr(model_config, "hidden_size", 0),
+                                 varlen_attention=res.attention == "flash_attention_2")
     if cfg.audit_data:
         collator.seen = []
     memory = MemoryCallback()
