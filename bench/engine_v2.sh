@@ -39,6 +39,10 @@
 #                              on this tree's cold start; random prompts at 1, 8, 32 and the shared load with
 #                              and without the prefix cache (.devwheels/tools carries py-spy's wheel; a
 #                              carried .rayw/ray is copied to /tmp/qs-ray for bench/replicas_wheels.sh's run)
+#   bench/engine_v2.sh OUT 13  a fresh machine, ours alone, 8B: cold start; the shared load with py-spy on
+#                              the server through its first wave (every thread, idle ones too, 200 Hz,
+#                              8 s) and the engine's split around it; warm starts with the rotary tables'
+#                              cache removed, then kept (the difference is their import)
 # Run from the repo root with .devwheels carried (the wheels the GPU image lacks).
 set -uo pipefail
 out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
@@ -169,6 +173,24 @@ if [ "$phase" = 12 ]; then
   start_ours ours-8b-nocache /tmp/ck-llama-3.1-8b "${ours[@]}" --no-prefix-cache && { shared_split ours-8b-nocache; stop; }
   start_ours ours-8b-warm /tmp/ck-llama-3.1-8b "${ours[@]}" && stop
   PYTHONPATH=/tmp/site-base start_ours ours-8b-base-warm /tmp/ck-llama-3.1-8b "${ours[@]}" && stop
+  finish
+fi
+
+if [ "$phase" = 13 ]; then
+  install
+  python3 -m pip install -q --no-index --no-deps --target /tmp/tools .devwheels/tools/*.whl
+  machine
+  (cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape llama-3.1-8b --out /tmp/ck-llama-3.1-8b \
+      --context 8192 > /tmp/checkpoints.log 2>&1) || { log "no checkpoint"; exit 1; }
+  rm -rf "$QUANTSERVE_HOME/compile" "$QUANTSERVE_HOME/rope"
+  if start_ours ours-8b-cold /tmp/ck-llama-3.1-8b "${ours[@]}"; then
+    /tmp/tools/bin/py-spy record -p "$PID" -d 8 -r 200 --idle --threads -f raw -o "$out/pyspy-8b-shared.txt" \
+        > /dev/null 2>&1 &
+    shared_split ours-8b; load ours-8b 8000 random; stop
+  fi
+  rm -rf "$QUANTSERVE_HOME/rope"
+  start_ours ours-8b-warm-norope /tmp/ck-llama-3.1-8b "${ours[@]}" && stop
+  start_ours ours-8b-warm /tmp/ck-llama-3.1-8b "${ours[@]}" && stop
   finish
 fi
 
