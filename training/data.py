@@ -168,9 +168,10 @@ class Collator:
     """
 
     def __init__(self, pad_id: int, max_len: int, multiple_of: int = 8, padding_free: bool = False,
-                 hidden_size: int = 0, varlen_attention: bool = False):
+                 hidden_size: int = 0, attention: str = "sdpa"):
+        """attention: the model's implementation (transformers' name), which `flat_is_cheaper` weighs."""
         self.pad_id, self.max_len, self.multiple_of = pad_id, max_len, multiple_of
-        self.padding_free, self.hidden_size, self.varlen_attention = padding_free, hidden_size, varlen_attention
+        self.padding_free, self.hidden_size, self.attention = padding_free, hidden_size, attention
         self.seen: list[int] | None = None  # example indices, when auditing the data sharding
         self._flatten = None
 
@@ -180,7 +181,7 @@ class Collator:
         if "position_ids" in batch[0]:
             return self._packed(batch)
         lengths = [len(e["input_ids"]) for e in batch]
-        if self.padding_free and flat_is_cheaper(lengths, self.hidden_size, self.varlen_attention):
+        if self.padding_free and flat_is_cheaper(lengths, self.hidden_size, self.attention):
             return self._flat(batch)
         return self._padded(batch)
 
@@ -202,7 +203,7 @@ class Collator:
 
         out = {key: torch.tensor([e[key] for e in batch], dtype=torch.long)
                for key in ("input_ids", "labels", "position_ids")}
-        if self.varlen_attention:
+        if self.attention == VARLEN_ATTENTION:
             out = {key: t.reshape(1, -1) for key, t in out.items()}
         return {**out, "use_cache": False}
 
@@ -225,24 +226,28 @@ class Collator:
 # A flat row's mask is dense (rows x rows): past this many tokens it costs more memory than a batch
 # is worth, so such a batch is padded instead.
 MAX_FLAT_TOKENS = 8192
+VARLEN_ATTENTION = "flash_attention_2"  # takes rows of several sequences without a mask
 
 
-def flat_is_cheaper(lengths: list[int], hidden_size: int, varlen_attention: bool = False) -> bool:
+def flat_is_cheaper(lengths: list[int], hidden_size: int, attention: str = "sdpa") -> bool:
     """Whether a batch of these example lengths costs fewer FLOPs flat than padded.
 
     Per layer, the linear layers cost ~24 h^2 per token computed (q/k/v/o and a 4h MLP, forward),
     and attention ~4 h per query-key pair it scores. Padded scores B x L^2 pairs on B x L tokens;
-    flat scores T^2 pairs (a dense mask) on T = sum(lengths) tokens, unless the attention kernel
-    takes variable-length rows (flash-attention), which scores only each example's own pairs.
+    flat scores T^2 pairs (a dense mask) on T = sum(lengths) tokens, except with flash-attention's
+    variable-length rows, which score only each example's own pairs. Eager attention keeps every
+    score in memory, so there a flat row may not score more pairs than the padded batch.
     """
     n, longest = sum(lengths), max(lengths)
-    if len(lengths) < 2 or (n > MAX_FLAT_TOKENS and not varlen_attention):
+    varlen = attention == VARLEN_ATTENTION
+    if len(lengths) < 2 or (n > MAX_FLAT_TOKENS and not varlen):
         return False  # one example has no padding to save; a long flat row's dense mask is too big
+    padded_pairs = len(lengths) * longest * longest
+    flat_pairs = sum(k * k for k in lengths) if varlen else n * n
+    if attention == "eager" and flat_pairs > padded_pairs:
+        return False
     linear, pair = 24 * hidden_size**2, 4 * hidden_size
-    flat_pairs = sum(k * k for k in lengths) if varlen_attention else n * n
-    flat = n * linear + flat_pairs * pair
-    padded = len(lengths) * longest * (linear + longest * pair)
-    return flat < padded
+    return n * linear + flat_pairs * pair < len(lengths) * longest * linear + padded_pairs * pair
 
 
 class TokenDataset:

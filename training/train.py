@@ -225,7 +225,7 @@ def train(cfg: TrainConfig) -> Path:
 
     collator = data_mod.Collator(tok.pad_token_id, seq_len, padding_free=cfg.padding_free and not cfg.packing,
                                  hidden_size=getattr(model_config, "hidden_size", 0),
-                                 varlen_attention=res.attention == "flash_attention_2")
+                                 attention=res.attention)
     if cfg.audit_data:
         collator.seen = []
     memory = MemoryCallback()

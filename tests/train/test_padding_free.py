@@ -28,7 +28,10 @@ def test_uneven_short_examples_go_flat_and_even_or_single_ones_stay_padded():
     assert not D.flat_is_cheaper([64, 64, 64, 64], h)  # nothing to save; the dense mask costs more
     assert not D.flat_is_cheaper([150], h)
     assert not D.flat_is_cheaper([4096, 100, 100, 4096, 100], 4096)  # > MAX_FLAT_TOKENS: its mask
-    assert D.flat_is_cheaper([4096, 100, 100, 4096, 100], 4096, varlen_attention=True)
+    assert D.flat_is_cheaper([4096, 100, 100, 4096, 100], 4096, attention="flash_attention_2")
+    # eager attention keeps every score: a flat row may not score more pairs than padding does
+    assert D.flat_is_cheaper([512, 300, 200, 1024] * 2, 4096)
+    assert not D.flat_is_cheaper([512, 300, 200, 1024] * 2, 4096, attention="eager")
     # long sequences on a small model: attention dominates, so the dense T^2 mask loses
     assert not D.flat_is_cheaper([2000, 1000, 1000, 1000], 64)
     assert not D.flat_is_cheaper([20, 24, 150, 30], 0)  # no hidden size known: padded
@@ -87,7 +90,7 @@ def test_packed_blocks_restart_positions_at_each_example_and_never_predict_acros
     assert blocks[0]["labels"][0] == blocks[0]["labels"][5] == D.IGNORE  # examples' first tokens
     batch = D.Collator(0, max_len=8)(blocks)
     assert batch["position_ids"].shape == (2, 8) and "attention_mask" not in batch and batch["use_cache"] is False
-    flat = D.Collator(0, max_len=8, varlen_attention=True)(blocks)  # flash-attention: one row
+    flat = D.Collator(0, max_len=8, attention="flash_attention_2")(blocks)  # flash-attention: one row
     assert flat["position_ids"].shape == (1, 16)
 
 
