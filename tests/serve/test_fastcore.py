@@ -529,7 +529,7 @@ print("imported model classes" if "transformers.modeling_utils" in sys.modules e
 """
 
 
-@pytest.mark.parametrize("arch", ["default", "gemma3", "phi3"])
+@pytest.mark.parametrize("arch", ["default", "gemma3"])
 def test_rotary_tables_come_from_the_cache_on_a_second_start(arch, default_model, tmp_path):
     """A checkpoint's rotary frequencies are built once from the model class (Gemma 3: its sliding
     layers' own too) and read from the cache on the next start, equal, without importing the model
