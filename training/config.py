@@ -23,6 +23,30 @@ ATTN_IMPL = {"flash2": "flash_attention_2", "sdpa": "sdpa", "eager": "eager"}
 SCHEDULES = {"cosine": "cosine", "constant": "constant_with_warmup", "linear": "linear"}
 
 
+_JSON_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", Path: "a path (a string)"}
+
+
+def _check_type(path: Path, name: str, value, annotation) -> None:
+    """A config file's value against its field's type: JSON gives bools, numbers and strings, and a
+    "yes" where a bool belongs would otherwise be taken as true."""
+    import typing
+
+    allowed = [t for t in typing.get_args(annotation) if t is not type(None)] or [annotation]
+    if value is None and type(None) in typing.get_args(annotation):
+        return
+    for t in allowed:
+        if t is bool and isinstance(value, bool):
+            return
+        if t is int and isinstance(value, int) and not isinstance(value, bool):
+            return
+        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return
+        if t in (str, Path) and isinstance(value, str):
+            return
+    want = " or ".join(_JSON_NAMES.get(t, t.__name__) for t in allowed)
+    raise UserError(f"{path}: \"{name}\" must be {want}, not {json.dumps(value)}")
+
+
 @dataclass
 class TrainConfig:
     data: Path
@@ -101,6 +125,8 @@ class TrainConfig:
         unknown = sorted(set(raw) - cls.field_names())
         if unknown:
             raise UserError(f"{path}: unknown config keys {unknown}")
+        for name, value in raw.items():
+            _check_type(path, name, value, cls._types()[name])
         merged = {**raw, **overrides}
         for name in ("data", "out"):
             if merged.get(name) is None:
@@ -109,6 +135,12 @@ class TrainConfig:
             return cls(**merged)
         except TypeError as e:
             raise UserError(f"{path}: {e}") from None
+
+    @classmethod
+    def _types(cls) -> dict:
+        import typing
+
+        return typing.get_type_hints(cls)
 
     def as_dict(self) -> dict:
         return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()}

@@ -53,6 +53,30 @@ def test_impossible_setup_via_cli(good, tmp_path):
                    "QLoRA does not combine with ZeRO-3")
 
 
+@pytest.mark.parametrize("setting, said", [
+    ({"padding_free": "yes"}, '"padding_free" must be true or false, not "yes"'),
+    ({"micro_batch": 2.5}, '"micro_batch" must be an integer, not 2.5'),
+    ({"micro_batch": True}, '"micro_batch" must be an integer, not true'),
+    ({"lr": "1e-3"}, '"lr" must be a number, not "1e-3"'),
+    ({"zero": "2"}, '"zero" must be an integer, not "2"'),
+    ({"eval_data": 3}, '"eval_data" must be a path (a string), not 3'),
+])
+def test_a_config_files_value_of_the_wrong_type_is_refused(setting, said, good, tmp_path):
+    """JSON has its own types: a "yes" where a bool belongs must not be taken as true."""
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"data": str(good), "out": str(tmp_path / "o"), **setting}))
+    with pytest.raises(UserError) as e:
+        TrainConfig.from_file(path)
+    assert str(e.value) == f"{path}: {said}"
+
+
+def test_a_config_file_may_give_null_for_an_optional_setting_and_an_integer_for_a_number(good, tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"data": str(good), "out": "o", "zero": None, "lr": 1, "padding_free": False}))
+    cfg = TrainConfig.from_file(path)
+    assert cfg.zero is None and cfg.lr == 1 and cfg.padding_free is False
+
+
 def train_error(cfg: TrainConfig) -> str:
     """train() must refuse `cfg` with a UserError before creating the output folder."""
     from quantserve.training.train import train
