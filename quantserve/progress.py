@@ -36,6 +36,13 @@ class Progress:
         if time.monotonic() - self.t_said >= self.every_s:
             self._say()
 
+    def set_total(self, total: int) -> None:
+        """The work turned out to end elsewhere (a training run's gate stops it early)."""
+        self.total = total
+        if self.bar is not None:
+            self.bar.total = total
+            self.bar.refresh()
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()

@@ -2,6 +2,9 @@
 
 - bitsandbytes logs "MatMul8bitLt: inputs will be cast ..." on every int8 matmul of an fp32 input
   (thousands of lines for a few requests): shown once per process, then dropped.
+- bitsandbytes, on CPUs with AVX-512 BF16, tries to download a faster 4-bit CPU kernel from the
+  Hugging Face Hub (the `kernels` package) and logs a warning when it cannot; it then uses its own
+  kernel, which is what runs offline anyway: that warning is dropped.
 - transformers' and the hub's progress bars, off when stderr is not a terminal.
 - DeepSpeed, imported by transformers whenever it is installed, prints "Setting accelerator to
   CPU" on *stdout* (inside tables other programs read) on every machine without a GPU: telling it
@@ -19,6 +22,17 @@ import glob
 import logging
 import os
 import warnings
+
+
+class DropMessages(logging.Filter):
+    """Drop the messages that start with one of `prefixes`."""
+
+    def __init__(self, prefixes: tuple[str, ...]):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
 
 
 class OncePerMessage(logging.Filter):
@@ -70,6 +84,7 @@ def quiet_libraries() -> None:
     if not has_gpu_device():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     logging.getLogger("bitsandbytes.autograd._functions").addFilter(OncePerMessage(("MatMul8bitLt:",)))
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(DropMessages(("Failed to load CPU gemm_4bit_forward",)))
     # DeepSpeed's ZeRO calls torch collectives that torch has renamed: a FutureWarning per call
     # (dozens per step), about DeepSpeed's code, not the user's.  A filter does not hold (they are
     # printed even under PYTHONWARNINGS=ignore), so the printer itself shows each message once.

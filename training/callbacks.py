@@ -16,10 +16,14 @@ from transformers import TrainerCallback
 
 
 class ProgressCallback(TrainerCallback):
-    """One line per step on rank 0: step/total, loss, tokens/s (all ranks) and ETA."""
+    """One line per step on rank 0: step/total, loss, tokens/s (all ranks) and ETA.
 
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
+    With an eval gate (eval_gate.ExactMatchGate) the step bound is only an upper bound: the ETA
+    says so ("ETA <= ..."), and once the gate has set the step the run ends at, the bar counts to
+    that step."""
+
+    def __init__(self, enabled: bool = True, gate=None):
+        self.enabled, self.gate = enabled, gate
         self.bar = None
         self.t0 = None
         self.tokens0 = 0
@@ -44,9 +48,15 @@ class ProgressCallback(TrainerCallback):
         dt = max(time.time() - self.t0, 1e-9)
         tok_s = (state.num_input_tokens_seen - self.tokens0) / dt
         done = state.global_step - self.step0
-        eta = (state.max_steps - state.global_step) * dt / max(done, 1)
+        end = state.max_steps
+        if self.gate is not None and self.gate.stop_at is not None:
+            end = self.gate.stop_at
+            if self.bar.total != end:
+                self.bar.set_total(end)
+        at_most = "<= " if self.gate is not None and self.gate.stop_at is None and self.gate.target else ""
+        eta = (end - state.global_step) * dt / max(done, 1)
         loss = f"{self.last_loss:.4f}" if self.last_loss is not None else "-"
-        self.bar.update(state.global_step, f"loss {loss}  {tok_s:,.0f} tok/s  ETA {_fmt(eta)}")
+        self.bar.update(state.global_step, f"loss {loss}  {tok_s:,.0f} tok/s  ETA {at_most}{_fmt(eta)}")
 
     def on_train_end(self, args, state, control, **kw):
         if self.bar is not None:

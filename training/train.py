@@ -229,12 +229,12 @@ def train(cfg: TrainConfig) -> Path:
     if cfg.audit_data:
         collator.seen = []
     memory = MemoryCallback()
-    callbacks = [StepLogCallback(), ProgressCallback(cfg.progress), memory]
+    gate = None
     if cfg.eval_data is not None:
         from quantserve.training.eval_gate import ExactMatchGate
 
-        callbacks.append(ExactMatchGate(eval_items, tok, cfg.eval_steps, cfg.stop_at_exact_match,
-                                        cfg.gate_cooldown))
+        gate = ExactMatchGate(eval_items, tok, cfg.eval_steps, cfg.stop_at_exact_match, cfg.gate_cooldown)
+    callbacks = [StepLogCallback(), ProgressCallback(cfg.progress, gate), memory] + ([gate] if gate else [])
     trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
                       processing_class=tok, callbacks=callbacks)
     trainer.remove_callback(PrinterCallback)  # our ProgressCallback replaces its dict printing

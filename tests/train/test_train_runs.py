@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,10 +32,10 @@ def small_data(tmp_path_factory, default_model) -> Path:
     return path
 
 
-def run_train(*args, timeout=600) -> subprocess.CompletedProcess:
+def run_train(*args, timeout=600, quiet=True) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-m", "quantserve", "train", "--quiet", *args], capture_output=True,
-                       text=True, env=env, timeout=timeout)
+    r = subprocess.run([sys.executable, "-m", "quantserve", "train", *(["--quiet"] if quiet else []), *args],
+                       capture_output=True, text=True, env=env, timeout=timeout)
     assert r.returncode == 0, r.stderr[-3000:]
     return r
 
@@ -193,9 +194,13 @@ def test_eval_gate_stops_the_run_once_the_target_is_reached(small_data, tmp_path
     cooled = tmp_path / "cooled"
     r = run_train("--data", str(small_data), "--out", str(cooled), "--max-steps", "24", "--eval-data", str(eval_file),
                   "--eval-steps", "12", "--lr", "3e-3", "--save-steps", "0", "--stop-at-exact-match", str(first),
-                  "--gate-cooldown", "0.5")
+                  "--gate-cooldown", "0.5", quiet=False)
     log = json.loads((cooled / "train_log.json").read_text())
     assert log["global_step"] == 18 and "cooling the learning rate down to 0 over 6 steps" in r.stderr
+    # the progress (piped: a status line) counts to where the gate ends the run, not to --max-steps
+    assert re.search(r"^train: 18/18 steps, loss [0-9.]+ .*ETA 0:00", r.stderr, re.M), r.stderr[-1500:]
+    # bitsandbytes' notice (AVX-512 BF16 CPUs) that it could not download a kernel it never needs
+    assert "kernels-community" not in r.stderr
     rates = [s["learning_rate"] for s in log["steps"] if s["step"] >= 12]
     assert all(a > b for a, b in zip(rates, rates[1:])) and rates[-1] < rates[0] / 5, rates  # the last step at 1/6
     assert_reload_matches(cooled)
