@@ -43,6 +43,8 @@
 #                              the server through its first wave (every thread, idle ones too, 200 Hz,
 #                              8 s) and the engine's split around it; warm starts with the rotary tables'
 #                              cache removed, then kept (the difference is their import)
+#   bench/engine_v2.sh OUT 14  ours alone, 8B (a machine phase 13 left warm, or a fresh one): the shared load
+#                              on a fresh server with the prefix cache, then without, twice over
 # Run from the repo root with .devwheels carried (the wheels the GPU image lacks).
 set -uo pipefail
 out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
@@ -191,6 +193,18 @@ if [ "$phase" = 13 ]; then
   rm -rf "$QUANTSERVE_HOME/rope"
   start_ours ours-8b-warm-norope /tmp/ck-llama-3.1-8b "${ours[@]}" && stop
   start_ours ours-8b-warm /tmp/ck-llama-3.1-8b "${ours[@]}" && stop
+  finish
+fi
+
+if [ "$phase" = 14 ]; then
+  install
+  machine
+  [ -f /tmp/checkpoints.log ] || (cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape llama-3.1-8b \
+      --out /tmp/ck-llama-3.1-8b --context 8192 > /tmp/checkpoints.log 2>&1) || { log "no checkpoint"; exit 1; }
+  for i in 1 2; do
+    start_ours ours-8b-cache$i /tmp/ck-llama-3.1-8b "${ours[@]}" && { shared_split ours-8b-cache$i; stop; }
+    start_ours ours-8b-nocache$i /tmp/ck-llama-3.1-8b "${ours[@]}" --no-prefix-cache && { shared_split ours-8b-nocache$i; stop; }
+  done
   finish
 fi
 
