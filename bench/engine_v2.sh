@@ -45,6 +45,8 @@
 #                              cache removed, then kept (the difference is their import)
 #   bench/engine_v2.sh OUT 14  ours alone, 8B (a machine phase 13 left warm, or a fresh one): the shared load
 #                              on a fresh server with the prefix cache, then without, twice over
+#   bench/engine_v2.sh OUT 15  a fresh machine, 8B, one call: llama.cpp's build detached (carry .devllama too);
+#                              ours cold, the shared load; then llama-server on the Q8_0 GGUF, the shared load twice
 # Run from the repo root with .devwheels carried (the wheels the GPU image lacks).
 set -uo pipefail
 out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
@@ -205,6 +207,22 @@ if [ "$phase" = 14 ]; then
     start_ours ours-8b-cache$i /tmp/ck-llama-3.1-8b "${ours[@]}" && { shared_split ours-8b-cache$i; stop; }
     start_ours ours-8b-nocache$i /tmp/ck-llama-3.1-8b "${ours[@]}" --no-prefix-cache && { shared_split ours-8b-nocache$i; stop; }
   done
+  finish
+fi
+
+if [ "$phase" = 15 ]; then
+  install
+  machine
+  setsid nohup nice -n 19 bash .devwheels/device-llama-cpp.sh .devllama/llama_cpp_python-0.3.36.tar.gz \
+      /tmp/llama-cpp 90 > /tmp/llama-build.out 2>&1 < /dev/null &
+  (cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape llama-3.1-8b --out /tmp/ck-llama-3.1-8b \
+      --context 8192 > /tmp/checkpoints.log 2>&1) || { log "no checkpoint"; exit 1; }
+  start_ours ours-8b-cold /tmp/ck-llama-3.1-8b "${ours[@]}" && { shared_split ours-8b; stop; }
+  (cd /tmp && python3 -m quantserve convert /tmp/ck-llama-3.1-8b -f gguf-q8_0 -o /tmp/gguf-llama-3.1-8b -q) \
+      >> /tmp/checkpoints.log 2>&1 || log "no GGUF"
+  for i in $(seq 600); do [ -x /tmp/llama-cpp/bin/llama-server ] && break; sleep 1; done
+  log "llama.cpp's build: $([ -x /tmp/llama-cpp/bin/llama-server ] && echo ready || echo 'not ready')"
+  start_llama llama-8b /tmp/gguf-llama-3.1-8b/*.gguf && { load llama-8b 8001 shared; load llama-8b-2 8001 shared; stop; }
   finish
 fi
 
