@@ -125,8 +125,11 @@ class TrainConfig:
         unknown = sorted(set(raw) - cls.field_names())
         if unknown:
             raise UserError(f"{path}: unknown config keys {unknown}")
+        import typing
+
+        types = typing.get_type_hints(cls)
         for name, value in raw.items():
-            _check_type(path, name, value, cls._types()[name])
+            _check_type(path, name, value, types[name])
         merged = {**raw, **overrides}
         for name in ("data", "out"):
             if merged.get(name) is None:
@@ -135,12 +138,6 @@ class TrainConfig:
             return cls(**merged)
         except TypeError as e:
             raise UserError(f"{path}: {e}") from None
-
-    @classmethod
-    def _types(cls) -> dict:
-        import typing
-
-        return typing.get_type_hints(cls)
 
     def as_dict(self) -> dict:
         return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()}

@@ -218,9 +218,10 @@ def _config_and_rope(folder: Path, drop_quantization: bool = False):
     """The folder's HF config and rotary frequencies, from the model class's own rotary embedding
     (built from the config on a skeleton with no weights).
 
-    The frequencies are kept in the cache, keyed by the config's bytes and the library versions:
-    importing the model classes for them took ~4 s of a warm 8B start on the H200 machine (1 s on a
-    2-core CPU), and nothing else in a checkpoint's start needs those classes."""
+    The frequencies are kept in the cache, keyed by the config's bytes and the library versions,
+    so a later start imports no model classes (nothing else in a checkpoint's start needs them):
+    0.6 s of a warm start on a 2-core CPU; no difference measured on the H200 machine, whose file
+    cache held the classes (bench/RESULTS.md, 2026-12-05)."""
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(str(folder))
@@ -258,21 +259,17 @@ def _rope_cache_file(folder: Path) -> Path | None:
 
 
 def _save_atomically(rope: dict, path: Path) -> None:
-    """Write `rope` at `path` whole or not at all; a cache that cannot be written is no error."""
+    """Write `rope` at `path` whole or not at all (as triton_mm.save_choices does; the pid keeps two
+    servers starting at once apart); a cache that cannot be written is no error."""
     import os
-    import tempfile
 
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        torch.save(rope, tmp)
+        tmp.replace(path)
     except OSError:
-        return
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(rope, f)
-        os.replace(tmp, path)
-    except OSError:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
 
 
 def _prequantized(folder: Path):
