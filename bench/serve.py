@@ -76,6 +76,7 @@ class ServeOptions:
 class Record:
     """One request as seen by the client: wall-clock times in seconds from its start."""
     ok: bool = False  # the stream completed (HTTP 200 through [DONE])
+    sent: float = 0.0  # when it was sent, in seconds from the start of its concurrency level
     prompt_tokens: int | None = None
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when sent
     output_tokens: int = 0
@@ -133,8 +134,8 @@ CLIENTS = tuple(_LINES)
 
 
 async def one_request(session, client: str, url: str, body: dict, chat: bool) -> Record:
-    rec = Record()
     t0 = time.perf_counter()
+    rec = Record(sent=t0)
     try:
         # closed as soon as the stream is read, so its connection goes back to the pool at once
         async with contextlib.aclosing(_LINES[client](session, url, body)) as lines:
@@ -277,6 +278,8 @@ async def run_level(base_url: str, model: str, prompts: list[str], concurrency: 
 
         t0 = time.perf_counter()
         records = await asyncio.gather(*(guarded(p) for p in prompts))
+        for r in records:
+            r.sent -= t0
         return list(records), time.perf_counter() - t0
 
 

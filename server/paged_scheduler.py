@@ -14,6 +14,10 @@ context (prompt and tokens so far) is computed again, mostly found in the prefix
 fails for want of memory, and the oldest request always progresses.  A request that could not
 fit the whole pool alone is refused before it is queued (serving.py).
 
+Requests that arrive together with one prefix (a system prompt) do not all compute it: a prompt
+whose next block an older sequence's piece completes in this iteration waits one iteration and
+takes that block from the cache (SGLang's in-batch prefix caching).
+
 Decode steps run one ahead of the host ("async scheduling", as vLLM's and SGLang's overlap
 schedulers do): while every running sequence is decoding greedily with nothing else to compute,
 step k + 1 is launched, fed step k's tokens on the GPU, before the host reads step k's tokens;
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 
 from quantserve.server.config import EngineOptions
 from quantserve.server.engine import EngineError, OutOfMemoryError
+from quantserve.server.prefix_cache import BLOCK
 from quantserve.server.scheduler import Scheduler, _Running
 
 log = logging.getLogger("quantserve.server")
@@ -150,14 +155,22 @@ class PagedScheduler(Scheduler):
         queue = sorted((s for s in self._running.values() if s.stream.request.params.embed is None),
                        key=lambda s: s.arrival)
         decodes, pieces, i = [], [], 0
+        computing: set[int] = set()  # keys of the blocks this step's prompt pieces complete
         while i < len(queue) and budget > 0:
             seq = queue[i]
+            keys = None
             if not seq.decoding and not seq.scoring:
                 # more of the prompt may be cached now: a sequence admitted with this one computed it
                 have = self.backend.reuse(seq.slot, seq.context(), seq.prefilled)
                 if seq.generated == 0:
                     seq.cached += have - seq.prefilled
                 seq.prefilled = have
+                if self.pool.enabled:
+                    upto = min(seq.context_len(), seq.prefilled + budget) // BLOCK + 1
+                    keys = self.pool.keys(seq.slot, seq.context(), upto)
+                    if self._computed_by_another(seq, keys, computing):
+                        i += 1
+                        continue
             want = 1 if seq.decoding else min(seq.context_len() - seq.prefilled, budget)
             while not self.pool.can_grow(seq.slot, seq.prefilled + want):
                 room = self.pool.room(seq.slot) - seq.prefilled
@@ -176,9 +189,20 @@ class PagedScheduler(Scheduler):
                     decodes.append(seq)
                 else:
                     pieces.append((seq, seq.context()[seq.prefilled:seq.prefilled + want]))
+                    if keys is not None:
+                        computing.update(keys[seq.prefilled // BLOCK:(seq.prefilled + want) // BLOCK])
                 budget -= want
             i += 1
         return decodes, pieces
+
+    @staticmethod
+    def _computed_by_another(seq: _Running, keys: list[int], computing: set[int]) -> bool:
+        """Is the block `seq` would compute next being computed in this step by an older sequence's
+        piece?  Then `seq` sits this step out and takes that block from the cache in the next one
+        (SGLang's in-batch prefix caching): 32 clients arriving at once with one system prompt
+        otherwise computed it several times over in the first step, one budget-full each."""
+        block = seq.prefilled // BLOCK
+        return seq.prefilled % BLOCK == 0 and block < len(keys) and keys[block] in computing
 
     def _preempt(self, seq: _Running) -> None:
         """Send `seq` back to wait: its blocks return to the pool (the full ones stay cached).  A

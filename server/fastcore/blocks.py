@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from quantserve.server.prefix_cache import BLOCK
+from quantserve.server.prefix_cache import BLOCK, chain_hashes
 
 
 class BlockPool:
@@ -105,6 +105,11 @@ class BlockPool:
         n = self._match(seq, prompt, have // BLOCK)
         self.hit_tokens += n - have
         return n
+
+    def keys(self, seq: int, tokens: list[int], n_blocks: int) -> list[int]:
+        """The keys of the first n_blocks full blocks of `tokens`, which continue what `seq` holds
+        (its own keys are reused; at most the blocks `tokens` fills)."""
+        return chain_hashes(tokens, min(n_blocks, len(tokens) // BLOCK), list(self._hashes[seq]))
 
     def reserve(self, seq: int, n_tokens: int) -> bool:
         """Blocks for the first n_tokens positions of `seq`; False (and nothing taken) when the

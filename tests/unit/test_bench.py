@@ -82,6 +82,10 @@ def test_serve_against_llama_cpp_server(serve_result):
             if rec["output_tokens"]:
                 assert 0 < rec["ttft"] <= rec["chunk_times"][-1] <= rec["latency"]
         assert run["output_throughput"] > 0 and run["ttft_ms"]["p99"] >= run["ttft_ms"]["median"]
+        assert all(0 <= rec["sent"] <= run["duration_s"] for rec in run["records"])
+    one_at_a_time = sorted(serve_result["runs"][0]["records"], key=lambda r: r["sent"])
+    for before, after in zip(one_at_a_time, one_at_a_time[1:]):  # concurrency 1: each sent after the last ended
+        assert after["sent"] >= before["sent"] + before["latency"]
 
 
 def test_metrics_recomputed_from_recorded_timings(serve_result):
