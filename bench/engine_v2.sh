@@ -46,7 +46,10 @@
 #   bench/engine_v2.sh OUT 14  ours alone, 8B (a machine phase 13 left warm, or a fresh one): the shared load
 #                              on a fresh server with the prefix cache, then without, twice over
 #   bench/engine_v2.sh OUT 15  a fresh machine, 8B, one call: llama.cpp's build detached (carry .devllama too);
-#                              ours cold, the shared load; then llama-server on the Q8_0 GGUF, the shared load twice
+#                              ours cold (shared, random), warm --no-prefix-cache (shared); then llama-server on
+#                              the Q8_0 GGUF (shared, random)
+#   bench/engine_v2.sh OUT 16  phase 15's machine kept warm, 1B: ours cold (random, shared), warm --no-prefix-cache
+#                              (shared); llama-server (random, shared)
 # Run from the repo root with .devwheels carried (the wheels the GPU image lacks).
 set -uo pipefail
 out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
@@ -68,7 +71,7 @@ load() {  # LABEL PORT KIND: random ~690-token prompts at 1, 8, 32; or the share
   local label=$1 port=$2 kind=$3 args
   case $kind in
     random) args=(--concurrency 1,8,32 --input-len 225) ;;
-    shared) args=(--concurrency 32 --num-prompts 128 --shared-prefix-len 490 --input-len 8) ;;
+    shared) args=(--concurrency 32 --num-prompts 128 --shared-prefix-len 490 --input-len 8 --save-records) ;;
   esac
   (cd /tmp && timeout 240 ${PIN:+taskset -c $PIN} python3 -m quantserve.bench.serve --base-url "http://127.0.0.1:$port/v1" "${args[@]}" \
       --output-len 128 --ignore-eos --label "$label" --out "$out/$label-$kind.json" ${SERVE_EXTRA:-}) \
@@ -213,16 +216,33 @@ fi
 if [ "$phase" = 15 ]; then
   install
   machine
-  setsid nohup nice -n 19 bash .devwheels/device-llama-cpp.sh .devllama/llama_cpp_python-0.3.36.tar.gz \
+  setsid nohup nice -n 19 taskset -c 8-15 bash .devwheels/device-llama-cpp.sh .devllama/llama_cpp_python-0.3.36.tar.gz \
       /tmp/llama-cpp 90 > /tmp/llama-build.out 2>&1 < /dev/null &
   (cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape llama-3.1-8b --out /tmp/ck-llama-3.1-8b \
       --context 8192 > /tmp/checkpoints.log 2>&1) || { log "no checkpoint"; exit 1; }
-  start_ours ours-8b-cold /tmp/ck-llama-3.1-8b "${ours[@]}" && { shared_split ours-8b; stop; }
+  rm -rf "$QUANTSERVE_HOME/compile"
+  start_ours ours-8b-cold /tmp/ck-llama-3.1-8b "${ours[@]}" && { shared_split ours-8b; load ours-8b 8000 random; stop; }
+  start_ours ours-8b-nocache /tmp/ck-llama-3.1-8b "${ours[@]}" --no-prefix-cache && { shared_split ours-8b-nocache; stop; }
   (cd /tmp && python3 -m quantserve convert /tmp/ck-llama-3.1-8b -f gguf-q8_0 -o /tmp/gguf-llama-3.1-8b -q) \
       >> /tmp/checkpoints.log 2>&1 || log "no GGUF"
-  for i in $(seq 600); do [ -x /tmp/llama-cpp/bin/llama-server ] && break; sleep 1; done
+  for i in $(seq 400); do [ -x /tmp/llama-cpp/bin/llama-server ] && break; sleep 1; done
   log "llama.cpp's build: $([ -x /tmp/llama-cpp/bin/llama-server ] && echo ready || echo 'not ready')"
-  start_llama llama-8b /tmp/gguf-llama-3.1-8b/*.gguf && { load llama-8b 8001 shared; load llama-8b-2 8001 shared; stop; }
+  start_llama llama-8b /tmp/gguf-llama-3.1-8b/*.gguf && { load llama-8b 8001 shared; load llama-8b 8001 random; stop; }
+  finish
+fi
+
+if [ "$phase" = 16 ]; then  # phase 15's machine kept warm (llama.cpp built): the 1B shape, both servers
+  [ -x /tmp/llama-cpp/bin/llama-server ] || { log "phase 16 needs phase 15's llama.cpp build in /tmp"; exit 3; }
+  install
+  machine
+  (cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape llama-3.2-1b --out /tmp/ck-llama-3.2-1b \
+      --context 8192 > /tmp/checkpoints-1b.log 2>&1) || { log "no checkpoint"; exit 1; }
+  setsid nohup bash -c "cd /tmp && python3 -m quantserve convert /tmp/ck-llama-3.2-1b -f gguf-q8_0 \
+      -o /tmp/gguf-llama-3.2-1b -q && touch /tmp/gguf-1b.done" >> /tmp/checkpoints-1b.log 2>&1 < /dev/null &
+  start_ours ours-1b-cold /tmp/ck-llama-3.2-1b "${ours[@]}" && { load ours-1b 8000 random; shared_split ours-1b; stop; }
+  start_ours ours-1b-nocache /tmp/ck-llama-3.2-1b "${ours[@]}" --no-prefix-cache && { shared_split ours-1b-nocache; stop; }
+  for i in $(seq 120); do [ -f /tmp/gguf-1b.done ] && break; sleep 1; done
+  start_llama llama-1b /tmp/gguf-llama-3.2-1b/*.gguf && { load llama-1b 8001 random; load llama-1b 8001 shared; stop; }
   finish
 fi
 
