@@ -46,8 +46,8 @@
 #   bench/engine_v2.sh OUT 14  ours alone, 8B (a machine phase 13 left warm, or a fresh one): the shared load
 #                              on a fresh server with the prefix cache, then without, twice over
 #   bench/engine_v2.sh OUT 15  a fresh machine, 8B, one call: llama.cpp's build detached (carry .devllama too);
-#                              ours cold (shared, random), warm --no-prefix-cache (shared); then llama-server on
-#                              the Q8_0 GGUF (shared, random)
+#                              ours cold (shared, random), warm --no-prefix-cache (shared), warm (shared); then
+#                              llama-server on the Q8_0 GGUF (shared, random)
 #   bench/engine_v2.sh OUT 16  phase 15's machine kept warm, 1B: ours cold (random, shared), warm --no-prefix-cache
 #                              (shared); llama-server (random, shared)
 # Run from the repo root with .devwheels carried (the wheels the GPU image lacks).
@@ -225,6 +225,8 @@ if [ "$phase" = 15 ]; then
   start_ours ours-8b-nocache /tmp/ck-llama-3.1-8b "${ours[@]}" --no-prefix-cache && { shared_split ours-8b-nocache; stop; }
   (cd /tmp && python3 -m quantserve convert /tmp/ck-llama-3.1-8b -f gguf-q8_0 -o /tmp/gguf-llama-3.1-8b -q) \
       >> /tmp/checkpoints.log 2>&1 || log "no GGUF"
+  # while llama.cpp compiles: the cached run again, on a warm start (a second sample)
+  start_ours ours-8b-warm /tmp/ck-llama-3.1-8b "${ours[@]}" && { shared_split ours-8b-warm; stop; }
   for i in $(seq 400); do [ -x /tmp/llama-cpp/bin/llama-server ] && break; sleep 1; done
   log "llama.cpp's build: $([ -x /tmp/llama-cpp/bin/llama-server ] && echo ready || echo 'not ready')"
   start_llama llama-8b /tmp/gguf-llama-3.1-8b/*.gguf && { load llama-8b 8001 shared; load llama-8b 8001 random; stop; }

@@ -137,9 +137,18 @@ async def one_request(session, client: str, url: str, body: dict, chat: bool) ->
     t0 = time.perf_counter()
     rec = Record(sent=t0)
     try:
-        # closed as soon as the stream is read, so its connection goes back to the pool at once
-        async with contextlib.aclosing(_LINES[client](session, url, body)) as lines:
-            done = await _read_stream(rec, lines, chat, t0)
+        for attempt in (1, 2):
+            try:
+                # closed as soon as the stream is read, so its connection goes back to the pool at once
+                async with contextlib.aclosing(_LINES[client](session, url, body)) as lines:
+                    done = await _read_stream(rec, lines, chat, t0)
+                break
+            except Exception as e:
+                # a kept-alive connection the server had closed while it sat in the pool (llama.cpp's
+                # server closes them; httpx drops such a connection before using it, aiohttp finds
+                # out on the next request): once, on a new connection, if nothing came back
+                if attempt == 2 or type(e).__name__ != "ServerDisconnectedError" or rec.ttft is not None:
+                    raise
         if rec.error:
             return rec
         if not done:  # the server closed the stream early (llama.cpp's does on a too-long prompt)

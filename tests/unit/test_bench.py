@@ -267,3 +267,38 @@ def test_both_http_clients_read_the_same_streams(llama_server):
         assert all(r.ok for r in records), [r.error for r in records]
         seen[client] = [(r.output_tokens, r.prompt_tokens, len(r.chunk_times)) for r in records]
     assert seen["aiohttp"] == seen["httpx"]
+
+
+def test_a_kept_alive_connection_the_server_closed_is_retried_once():
+    """A server that answers keep-alive but closes each connection after its answer (as
+    llama.cpp's server did under 32 streams): every request still completes, on a new connection,
+    with the aiohttp client; a server that drops every request still fails them."""
+    import asyncio
+
+    answer = (b'data: {"choices":[{"index":0,"text":"a"}]}\n\ndata: {"choices":[],"usage":{"prompt_tokens":3,'
+              b'"completion_tokens":1}}\n\ndata: [DONE]\n\n')
+
+    async def run(drop_all: bool) -> list:
+        async def handle(reader, writer):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
+            await reader.readexactly(length)
+            if not drop_all:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: keep-alive\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(answer), answer))
+                await writer.drain()
+                await asyncio.sleep(0.05)  # the client has put the connection back in its pool by now
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            records, _ = await bs.run_level(f"http://127.0.0.1:{port}/v1", "m", ["x"] * 6, 2, 4, chat=False,
+                                            ignore_eos=True, api_key=None, timeout=10, client="aiohttp")
+        return records
+
+    pytest.importorskip("aiohttp")
+    records = asyncio.run(run(drop_all=False))
+    assert [r.ok for r in records] == [True] * 6, [r.error for r in records]
+    dropped = asyncio.run(run(drop_all=True))
+    assert not any(r.ok for r in dropped) and all("ServerDisconnected" in r.error for r in dropped)
