@@ -48,8 +48,8 @@
 #   bench/engine_v2.sh OUT 15  a fresh machine, 8B, one call: llama.cpp's build detached (carry .devllama too);
 #                              ours cold (shared, random), warm --no-prefix-cache (shared), warm (shared); then
 #                              llama-server on the Q8_0 GGUF (shared, random)
-#   bench/engine_v2.sh OUT 16  phase 15's machine kept warm, 1B: ours cold (random, shared), warm --no-prefix-cache
-#                              (shared); llama-server (random, shared)
+#   bench/engine_v2.sh OUT 16  phase 15's machine kept warm, 1B: llama-server (shared, random; httpx client), ours
+#                              first start (shared, random), warm --no-prefix-cache (shared)
 # Run from the repo root with .devwheels carried (the wheels the GPU image lacks).
 set -uo pipefail
 out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
@@ -238,13 +238,13 @@ if [ "$phase" = 16 ]; then  # phase 15's machine kept warm (llama.cpp built): th
   install
   machine
   (cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape llama-3.2-1b --out /tmp/ck-llama-3.2-1b \
-      --context 8192 > /tmp/checkpoints-1b.log 2>&1) || { log "no checkpoint"; exit 1; }
-  setsid nohup bash -c "cd /tmp && python3 -m quantserve convert /tmp/ck-llama-3.2-1b -f gguf-q8_0 \
-      -o /tmp/gguf-llama-3.2-1b -q && touch /tmp/gguf-1b.done" >> /tmp/checkpoints-1b.log 2>&1 < /dev/null &
-  start_ours ours-1b-cold /tmp/ck-llama-3.2-1b "${ours[@]}" && { load ours-1b 8000 random; shared_split ours-1b; stop; }
+      --context 8192 && python3 -m quantserve convert /tmp/ck-llama-3.2-1b -f gguf-q8_0 -o /tmp/gguf-llama-3.2-1b -q) \
+      > /tmp/checkpoints-1b.log 2>&1 || { log "no checkpoint"; exit 1; }
+  # httpx for llama-server: under aiohttp it dropped a few kept-alive connections (phase 15)
+  start_llama llama-1b /tmp/gguf-llama-3.2-1b/*.gguf && {
+    SERVE_EXTRA="--client httpx" load llama-1b 8001 shared; SERVE_EXTRA="--client httpx" load llama-1b 8001 random; stop; }
+  start_ours ours-1b-cold /tmp/ck-llama-3.2-1b "${ours[@]}" && { shared_split ours-1b; load ours-1b 8000 random; stop; }
   start_ours ours-1b-nocache /tmp/ck-llama-3.2-1b "${ours[@]}" --no-prefix-cache && { shared_split ours-1b-nocache; stop; }
-  for i in $(seq 120); do [ -f /tmp/gguf-1b.done ] && break; sleep 1; done
-  start_llama llama-1b /tmp/gguf-llama-3.2-1b/*.gguf && { load llama-1b 8001 random; load llama-1b 8001 shared; stop; }
   finish
 fi
 

@@ -113,6 +113,18 @@ def _warm_up(backend) -> None:
     backend.forget_prefixes()  # the warm-up's token is no prefix anyone asked for
 
 
+def _freeze_start_up_objects() -> None:
+    """Move everything alive after start-up (the model, the tokenizer, dynamo's and inductor's
+    graphs: ~0.5 million objects) out of the garbage collector's reach, as vLLM and SGLang do after
+    their warm-up.  Otherwise, once serving has made enough long-lived objects, a full collection
+    walks them all with the GIL held, stalling the scheduler and the event loop together: in the
+    default model's server on the CI CPU, 290 ms over 386,000 objects; 38 ms after the freeze)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def _scheduler(backend, eos_token_ids: set[int], o: EngineOptions):
     """The paged scheduler (one forward per iteration, preemption) for a backend with a KV pool;
     the row scheduler (a prompt chunk, then a decode step) for the others."""
@@ -197,6 +209,7 @@ class ScheduledEngine:
 
         vocab = backend.vocab_size
         self.grammars = GrammarCompiler(lambda: self.tokenizer.grammar_tokenizer(vocab))
+        _freeze_start_up_objects()
         self.info = info  # set last: is_ready() turns true only when everything is in place
         info.extra["engine_choice"] = self.why
         info.extra["prefix_cache"] = o.prefix_cache
@@ -235,5 +248,8 @@ class ScheduledEngine:
     def shutdown(self, grace_s: float) -> None:
         if self._scheduler is not None:
             self._scheduler.shutdown(grace_s)
+            import gc
+
+            gc.unfreeze()  # an engine started in a process that goes on (tests): its objects collectable again
         if self._converted is not None:
             self._converted.cleanup()

@@ -176,3 +176,41 @@ def test_paged_settings_are_refused_where_they_do_not_apply(default_model):
     assert_one_line_error(cli("serve", str(default_model), "--engine", "fast", "--max-batch", "64",
                               "--max-num-batched-tokens", "32"), 1,
                           "--max-num-batched-tokens 32 must hold a token for each of max_batch (64)")
+
+
+GC_SCRIPT = """
+import gc, json, sys, time
+from pathlib import Path
+from starlette.testclient import TestClient
+from quantserve.server.api_server import create_app
+from quantserve.server.engines import EngineOptions, ScheduledEngine
+
+engine = ScheduledEngine(Path(sys.argv[1]), EngineOptions(engine="fast", max_batch=2))
+with TestClient(create_app(engine, "m")) as client:
+    while client.get("/health").status_code != 200:
+        time.sleep(0.1)
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "Sort: c b a", "max_tokens": 4})
+    t0 = time.perf_counter()
+    gc.collect()
+    serving = {"status": r.status_code, "frozen": gc.get_freeze_count(), "tracked": len(gc.get_objects()),
+               "collect_ms": (time.perf_counter() - t0) * 1e3}
+print(json.dumps({**serving, "frozen_after_shutdown": gc.get_freeze_count()}))
+"""
+
+
+def test_the_start_ups_objects_are_out_of_the_collectors_reach_while_serving(default_model):
+    """After start-up the engine freezes the heap (gc.freeze, as vLLM and SGLang do): a full
+    collection while serving walks what serving made, not the ~386,000 objects of the model and
+    its libraries (290 ms with the GIL held on the CI CPU; 38 ms frozen); shutdown makes them
+    collectable again."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", GC_SCRIPT, str(default_model)], capture_output=True, text=True,
+                         timeout=300, cwd="/tmp")
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["status"] == 200 and result["frozen"] > 100_000, result
+    assert result["tracked"] < result["frozen"] / 10, result
+    assert result["frozen_after_shutdown"] == 0, result
