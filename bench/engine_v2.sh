@@ -48,6 +48,7 @@
 #   bench/engine_v2.sh OUT 15  a fresh machine, 8B, one call: llama.cpp's build detached (carry .devllama too);
 #                              ours cold (shared, random), warm --no-prefix-cache (shared), warm (shared); then
 #                              llama-server on the Q8_0 GGUF (shared, random)
+#   bench/engine_v2.sh OUT 17  a fresh machine, ours alone, 1B: the shared load on a first start
 #   bench/engine_v2.sh OUT 16  phase 15's machine kept warm, 1B: llama-server (shared, random; httpx client), ours
 #                              first start (shared, random), warm --no-prefix-cache (shared)
 # Run from the repo root with .devwheels carried (the wheels the GPU image lacks).
@@ -245,6 +246,15 @@ if [ "$phase" = 16 ]; then  # phase 15's machine kept warm (llama.cpp built): th
     SERVE_EXTRA="--client httpx" load llama-1b 8001 shared; SERVE_EXTRA="--client httpx" load llama-1b 8001 random; stop; }
   start_ours ours-1b-cold /tmp/ck-llama-3.2-1b "${ours[@]}" && { shared_split ours-1b; load ours-1b 8000 random; stop; }
   start_ours ours-1b-nocache /tmp/ck-llama-3.2-1b "${ours[@]}" --no-prefix-cache && { shared_split ours-1b-nocache; stop; }
+  finish
+fi
+
+if [ "$phase" = 17 ]; then  # a fresh machine, ours alone, 1B: the shared load on a first start (gc frozen)
+  install
+  machine
+  (cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape llama-3.2-1b --out /tmp/ck-llama-3.2-1b \
+      --context 8192 > /tmp/checkpoints-1b.log 2>&1) || { log "no checkpoint"; exit 1; }
+  start_ours ours-1b-cold /tmp/ck-llama-3.2-1b "${ours[@]}" && { shared_split ours-1b; stop; }
   finish
 fi
 
