@@ -127,10 +127,12 @@ def plot(
     results: list[str] = typer.Argument(..., parser=existing_file, help="`bench serve` JSON files"),
     out: str = typer.Option("serve.png", "-o", "--out", help="PNG file to write"),
     labels: Optional[str] = typer.Option(None, help="comma list, one per file (default: each file's label)"),
+    ttft_cdf: bool = typer.Option(False, "--ttft-cdf", help="every request's time to first token, sorted "
+                                  "(files from bench serve --save-records)"),
 ) -> None:
     """Plot throughput and p99 TPOT vs concurrency for several bench serve JSONs."""
     try:
-        print(bp.plot(results, out, labels.split(",") if labels else None))
+        print((bp.ttft_cdf if ttft_cdf else bp.plot)(results, out, labels.split(",") if labels else None))
     except ValueError as e:  # a file that is not a `bench serve` result
         raise UserError(str(e)) from None
 

@@ -1,7 +1,9 @@
 """Plot serving results: output throughput, median time to first token and p99 TPOT against
-concurrency, one line per JSON.
+concurrency, one line per JSON; or (`--ttft-cdf`) every request's time to first token, sorted, for
+runs saved with `bench serve --save-records` (a shared-prefix load: how many requests waited how long).
 
     quantserve bench plot bench/results/serve-ours.json bench/results/serve-llamacpp.json -o serve.png
+    quantserve bench plot ours-shared.json ours-nocache-shared.json --ttft-cdf -o shared.png
 """
 
 from __future__ import annotations
@@ -45,6 +47,35 @@ def plot(paths: list[str], out: str, labels: list[str] | None = None) -> str:
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def ttft_cdf(paths: list[str], out: str, labels: list[str] | None = None) -> str:
+    """Each file's requests (its first run's), their time to first token sorted: the share of
+    requests (y) that had their first token within x ms; the median where a line crosses 0.5."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, p in enumerate(paths):
+        res = load_result(p)
+        records = res["runs"][0].get("records")
+        if not records:
+            raise ValueError(f"{p}: no per-request records (run `bench serve` with --save-records)")
+        ttft = sorted(r["ttft"] * 1e3 for r in records if r.get("ttft") is not None)
+        label = labels[i] if labels and i < len(labels) else res.get("label") or Path(p).stem
+        ax.step(ttft, [(k + 1) / len(ttft) for k in range(len(ttft))], where="post", label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first token, ms (log)")
+    ax.set_ylabel("share of requests")
+    ax.axhline(0.5, color="grey", lw=0.6, ls=":")
+    ax.grid(alpha=0.3)
+    ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

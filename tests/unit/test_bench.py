@@ -136,6 +136,20 @@ def test_plot(serve_result, tmp_path):
     assert Image.open(png).size[0] > 500
 
 
+def test_ttft_cdf_plot_needs_the_records(serve_result, tmp_path):
+    from PIL import Image
+
+    from quantserve.bench.plot import ttft_cdf
+
+    a, bare = tmp_path / "a.json", tmp_path / "bare.json"
+    a.write_text(json.dumps(serve_result))
+    bare.write_text(json.dumps({**serve_result, "runs": [{k: v for k, v in r.items() if k != "records"}
+                                                         for r in serve_result["runs"]]}))
+    assert Image.open(ttft_cdf([str(a)], str(tmp_path / "c.png"))).size[0] > 500
+    with pytest.raises(ValueError, match="--save-records"):
+        ttft_cdf([str(a), str(bare)], str(tmp_path / "d.png"))
+
+
 def test_decode_quick(tmp_path):
     from quantserve.bench.decode import main
 
