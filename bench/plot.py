@@ -25,16 +25,12 @@ def load_result(path: str) -> dict:
 
 
 def plot(paths: list[str], out: str, labels: list[str] | None = None) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, (thr, ttft, tpot) = plt.subplots(1, 3, figsize=(14, 4))
     for i, p in enumerate(paths):
         res = load_result(p)
         runs = sorted(res["runs"], key=lambda r: r["concurrency"])
-        label = labels[i] if labels and i < len(labels) else res.get("label") or Path(p).stem
+        label = _label(res, p, labels, i)
         conc = [r["concurrency"] for r in runs]
         thr.plot(conc, [r["output_throughput"] or 0 for r in runs], marker="o", label=label)
         ttft.plot(conc, [_ms(r["ttft_ms"]["median"]) for r in runs], marker="o", label=label)
@@ -47,20 +43,13 @@ def plot(paths: list[str], out: str, labels: list[str] | None = None) -> str:
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, out)
 
 
 def ttft_cdf(paths: list[str], out: str, labels: list[str] | None = None) -> str:
     """Each file's requests (its first run's), their time to first token sorted: the share of
     requests (y) that had their first token within x ms; the median where a line crosses 0.5."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, p in enumerate(paths):
         res = load_result(p)
@@ -68,14 +57,31 @@ def ttft_cdf(paths: list[str], out: str, labels: list[str] | None = None) -> str
         if not records:
             raise ValueError(f"{p}: no per-request records (run `bench serve` with --save-records)")
         ttft = sorted(r["ttft"] * 1e3 for r in records if r.get("ttft") is not None)
-        label = labels[i] if labels and i < len(labels) else res.get("label") or Path(p).stem
-        ax.step(ttft, [(k + 1) / len(ttft) for k in range(len(ttft))], where="post", label=label)
+        ax.step(ttft, [(k + 1) / len(ttft) for k in range(len(ttft))], where="post", label=_label(res, p, labels, i))
     ax.set_xscale("log")
     ax.set_xlabel("time to first token, ms (log)")
     ax.set_ylabel("share of requests")
     ax.axhline(0.5, color="grey", lw=0.6, ls=":")
     ax.grid(alpha=0.3)
     ax.legend()
+    return _save(plt, fig, out)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _label(res: dict, path: str, labels: list[str] | None, i: int) -> str:
+    """The i-th of `labels` if given, else the run's own label, else the file's name."""
+    return labels[i] if labels and i < len(labels) else res.get("label") or Path(path).stem
+
+
+def _save(plt, fig, out: str) -> str:
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
