@@ -129,6 +129,7 @@ async def _lines_aiohttp(client, url: str, body: dict):
             yield 200, None, pending.decode()
 
 
+RETRIES = 3  # sends again of a request whose kept-alive connection turned out closed (one_request)
 _LINES = {"aiohttp": _lines_aiohttp, "httpx": _lines_httpx}  # each client's reader of an answer's lines
 CLIENTS = tuple(_LINES)
 
@@ -137,18 +138,20 @@ async def one_request(session, client: str, url: str, body: dict, chat: bool) ->
     t0 = time.perf_counter()
     rec = Record(sent=t0)
     try:
-        for attempt in (1, 2):
+        for attempt in range(1, RETRIES + 2):
             try:
                 # closed as soon as the stream is read, so its connection goes back to the pool at once
                 async with contextlib.aclosing(_LINES[client](session, url, body)) as lines:
                     done = await _read_stream(rec, lines, chat, t0)
                 break
             except Exception as e:
-                # a kept-alive connection the server had closed while it sat in the pool (llama.cpp's
-                # server closes them; httpx drops such a connection before using it, aiohttp finds
-                # out on the next request): once, on a new connection, if nothing came back
-                if attempt == 2 or type(e).__name__ != "ServerDisconnectedError" or rec.ttft is not None:
+                # a kept-alive connection the server closed just after its last answer (llama.cpp's
+                # server does; httpx drops such a connection before using it, aiohttp finds out on
+                # the next request): again if nothing came back, after a pause that lets the event
+                # loop see the other connections closed with it (32 answers end together)
+                if attempt > RETRIES or type(e).__name__ != "ServerDisconnectedError" or rec.ttft is not None:
                     raise
+                await asyncio.sleep(0.005 * attempt)
         if rec.error:
             return rec
         if not done:  # the server closed the stream early (llama.cpp's does on a too-long prompt)

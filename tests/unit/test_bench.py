@@ -301,18 +301,18 @@ def test_a_kept_alive_connection_the_server_closed_is_retried_once():
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: keep-alive\r\n"
                              b"Content-Length: %d\r\n\r\n%s" % (len(answer), answer))
                 await writer.drain()
-                await asyncio.sleep(0.05)  # the client has put the connection back in its pool by now
+                await asyncio.sleep(0.02)  # the client has put the connection back in its pool by now
             writer.close()
 
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         async with server:
-            records, _ = await bs.run_level(f"http://127.0.0.1:{port}/v1", "m", ["x"] * 6, 2, 4, chat=False,
+            records, _ = await bs.run_level(f"http://127.0.0.1:{port}/v1", "m", ["x"] * 24, 8, 4, chat=False,
                                             ignore_eos=True, api_key=None, timeout=10, client="aiohttp")
         return records
 
     pytest.importorskip("aiohttp")
     records = asyncio.run(run(drop_all=False))
-    assert [r.ok for r in records] == [True] * 6, [r.error for r in records]
+    assert [r.ok for r in records] == [True] * 24, [r.error for r in records]
     dropped = asyncio.run(run(drop_all=True))
     assert not any(r.ok for r in dropped) and all("ServerDisconnected" in r.error for r in dropped)
