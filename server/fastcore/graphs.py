@@ -39,7 +39,10 @@ from quantserve.server.fastcore.batch import (StepBatch, batch_of, build_batch, 
                                               padded_inputs, prompt_tile)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-TOKEN_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)  # a mixed step's tokens (padded)
+# a mixed step's tokens, padded: the powers of two and the midpoints between them (vLLM captures
+# graphs at fine steps too), so a step computes ~17 % padding on average instead of ~33 % (a
+# 690-token prompt alone ran as 1,024 tokens; now 768)
+TOKEN_BUCKETS = (32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 
 
 class Steps:

@@ -324,27 +324,33 @@ def test_a_step_padded_for_a_graph_gives_the_unpadded_logits(default_model):
     """A mixed step padded to a token bucket (graphs.py: what a recorded graph replays) gives each
     sequence the logits and K/V of the unpadded step: the padding tokens are one more sequence on
     the block table's trash row, and touch nothing else."""
-    from quantserve.server.fastcore.batch import batch_of, padded_inputs
+    import bisect
+
+    from quantserve.server.fastcore.batch import batch_of, padded_inputs, prompt_tile
     from quantserve.server.fastcore.blocks import BLOCK
 
     plain = FastCore(default_model, max_slots=4, max_seq=512, device="cpu", compile=False)
     padded = FastCore(default_model, max_slots=4, max_seq=512, device="cpu", compile=False)
     torch.manual_seed(0)
     ids = lambda n: torch.randint(0, plain.args.vocab_size, (n,)).tolist()  # noqa: E731
-    batches = [[(0, ids(30))], [(0, ids(1)), (1, ids(50))], [(3, ids(2)), (2, ids(7)), (1, ids(1)), (0, ids(1))]]
-    seqs, steps = padded.steps.seq_pad, padded.steps
+    batches = [[(0, ids(30))], [(0, ids(1)), (1, ids(40))], [(3, ids(2)), (2, ids(7)), (1, ids(1)), (0, ids(1))],
+               [(1, ids(1)), (2, ids(80))]]
+    seqs, steps, padded_to = padded.steps.seq_pad, padded.steps, []
     for items in batches:
         want = plain.step(items)
         entries = padded._reserve(items)
         n = sum(len(i) for _, i, _ in entries)
-        tokens = steps.token_buckets[0] if n < steps.token_buckets[0] else 64
-        flat, tiles = padded_inputs(entries, tokens, seqs, 64, padded.groups, steps.trash_row)
+        tokens = steps.token_buckets[bisect.bisect_right(steps.token_buckets, n)]  # what run_mixed pads to
+        n_tiles = tokens // prompt_tile(padded.groups) + seqs
+        flat, tiles = padded_inputs(entries, tokens, seqs, n_tiles, padded.groups, steps.trash_row)
         longest = max([len(i) for _, i, _ in entries] + [tokens - n])
         blocks = max(2, -(-max(start + len(i) for _, i, start in entries) // BLOCK))
         got = padded.model(batch_of(flat, tiles, tokens, seqs, torch.arange(longest), torch.arange(blocks)))
         for slot, i, _ in entries:
             padded.pool.written(slot, list(i))
         torch.testing.assert_close(got[:len(items)], want, atol=1e-5, rtol=1e-5)
+        padded_to.append(tokens)
+    assert padded_to == [32, 48, 32, 96]  # the midpoints between powers of two are buckets too
     for a, b in zip(padded.model.layers, plain.model.layers):
         for name in ("k_cache", "v_cache"):
             for slot in range(4):
