@@ -130,6 +130,7 @@ async def _lines_aiohttp(client, url: str, body: dict):
 
 
 RETRIES = 3  # sends again of a request whose kept-alive connection turned out closed (one_request)
+STALE_CONNECTION = ("ServerDisconnectedError", "ClientOSError")  # aiohttp's errors for one
 _LINES = {"aiohttp": _lines_aiohttp, "httpx": _lines_httpx}  # each client's reader of an answer's lines
 CLIENTS = tuple(_LINES)
 
@@ -147,9 +148,10 @@ async def one_request(session, client: str, url: str, body: dict, chat: bool) ->
             except Exception as e:
                 # a kept-alive connection the server closed just after its last answer (llama.cpp's
                 # server does; httpx drops such a connection before using it, aiohttp finds out on
-                # the next request): again if nothing came back, after a pause that lets the event
-                # loop see the other connections closed with it (32 answers end together)
-                if attempt > RETRIES or type(e).__name__ != "ServerDisconnectedError" or rec.ttft is not None:
+                # the next request, reading or writing): again if nothing came back, after a pause
+                # that lets the event loop see the other connections closed with it (32 answers end
+                # together)
+                if attempt > RETRIES or type(e).__name__ not in STALE_CONNECTION or rec.ttft is not None:
                     raise
                 await asyncio.sleep(0.005 * attempt)
         if rec.error:
