@@ -199,8 +199,8 @@ class PagedScheduler(Scheduler):
     def _computed_by_another(seq: _Running, keys: list[int], computing: set[int]) -> bool:
         """Is the block `seq` would compute next being computed in this step by an older sequence's
         piece?  Then `seq` sits this step out and takes that block from the cache in the next one
-        (SGLang's in-batch prefix caching): 32 clients arriving at once with one system prompt
-        otherwise computed it several times over in the first step, one budget-full each."""
+        (SGLang's in-batch prefix caching).  Otherwise clients arriving at once with one system
+        prompt each computed as much of it as the step's budget reached."""
         block = seq.prefilled // BLOCK
         return seq.prefilled % BLOCK == 0 and block < len(keys) and keys[block] in computing
 
