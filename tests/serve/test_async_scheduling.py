@@ -10,24 +10,7 @@ import time
 
 import pytest
 
-
-def _stream(ids: list[int], max_tokens: int, ignore_eos: bool = True):
-    """A greedy request's TokenStream that keeps its tokens instead of handing them to an event loop."""
-    from quantserve.server.engine import EngineRequest, TokenStream
-    from quantserve.server.sampling import SamplingParams
-
-    class Recording(TokenStream):
-        def deliver(self, event) -> None:  # on the scheduler thread
-            if event.token_id is not None:
-                self.tokens.append(event.token_id)
-            if event.finish_reason:
-                self.finish = event.finish_reason
-                self.done.set()
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
-    stream = Recording(EngineRequest(list(ids), params), loop=None, engine=None)
-    stream.tokens, stream.finish, stream.done = [], None, threading.Event()
-    return stream
+from tests.support.streams import recording_stream
 
 
 def _scheduler(default_model, async_scheduling: bool, kv_blocks: int | None = None):
@@ -54,11 +37,11 @@ def _busy_run(default_model, async_scheduling: bool):
     from quantserve.modeling import chat_prompt
 
     chat = lambda q: tok.encode(chat_prompt(tok, q))  # noqa: E731  (answers of a few tokens, then end-of-text)
-    streams = {"a": _stream(chat("Sort: c b a"), 40, ignore_eos=False),
-               "b": _stream(tok.encode("Reverse: x y z w"), 90),
-               "c": _stream(chat("Repeat: p q r s"), 60, ignore_eos=False),
-               "d": _stream(tok.encode("Repeat: x y z"), 200),
-               "e": _stream(tok.encode("Count the letters: a b c d e f"), 25)}
+    streams = {"a": recording_stream(chat("Sort: c b a"), 40, ignore_eos=False),
+               "b": recording_stream(tok.encode("Reverse: x y z w"), 90),
+               "c": recording_stream(chat("Repeat: p q r s"), 60, ignore_eos=False),
+               "d": recording_stream(tok.encode("Repeat: x y z"), 200),
+               "e": recording_stream(tok.encode("Count the letters: a b c d e f"), 25)}
     try:
         for label in "abc":
             sched.submit(streams[label])
@@ -97,7 +80,7 @@ def test_steps_launched_ahead_survive_preemption(default_model):
     answers = {}
     for async_scheduling in (True, False):
         sched, backend, tok, launches = _scheduler(default_model, async_scheduling, kv_blocks=8)
-        streams = [_stream(tok.encode(t), 70) for t in ("Sort: c b a", "Reverse: x y z w", "Repeat: p q r s")]
+        streams = [recording_stream(tok.encode(t), 70) for t in ("Sort: c b a", "Reverse: x y z w", "Repeat: p q r s")]
         try:
             for s in streams:
                 sched.submit(s)

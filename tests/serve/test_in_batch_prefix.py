@@ -6,7 +6,7 @@ eagerly, the same code."""
 
 from __future__ import annotations
 
-from tests.serve.test_async_scheduling import _stream
+from tests.support.streams import recording_stream
 
 SHARED = ("You are a careful assistant. Answer in one short line, without any preamble. "
           "Sort letters, reverse words and count items exactly as asked. ") * 2
@@ -27,7 +27,7 @@ def _together(default_model, prefix_cache: bool, budget: int):
     backend.step = lambda items: computed.extend(len(ids) for _, ids in items if len(ids) > 1) or real(items)
     sched = PagedScheduler(backend, set(tok.all_special_ids), max_batch=4, max_queue=8,
                            max_batched_tokens=budget, async_scheduling=False)
-    streams = [_stream(tok.encode(SHARED + q), 6) for q in QUESTIONS]
+    streams = [recording_stream(tok.encode(SHARED + q), 6) for q in QUESTIONS]
     try:
         with sched._cond:  # all four waiting before the scheduler's first iteration (the lock is reentrant)
             for s in streams:
