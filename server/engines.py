@@ -5,6 +5,7 @@ the shared continuous-batching scheduler over that engine's `DecodeBackend`."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from pathlib import Path
 
@@ -119,8 +120,6 @@ def _freeze_start_up_objects() -> None:
     their warm-up.  Otherwise, once serving has made enough long-lived objects, a full collection
     walks them all with the GIL held, stalling the scheduler and the event loop together: in the
     default model's server on the CI CPU, 290 ms over 386,000 objects; 38 ms after the freeze)."""
-    import gc
-
     gc.collect()
     gc.freeze()
 
@@ -248,8 +247,6 @@ class ScheduledEngine:
     def shutdown(self, grace_s: float) -> None:
         if self._scheduler is not None:
             self._scheduler.shutdown(grace_s)
-            import gc
-
             gc.unfreeze()  # an engine started in a process that goes on (tests): its objects collectable again
         if self._converted is not None:
             self._converted.cleanup()

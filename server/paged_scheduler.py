@@ -159,15 +159,16 @@ class PagedScheduler(Scheduler):
         while i < len(queue) and budget > 0:
             seq = queue[i]
             keys = None
-            if not seq.decoding and not seq.scoring:
+            context = None if seq.decoding else seq.context()  # one copy for reuse, keys and the piece
+            if context is not None and not seq.scoring:
                 # more of the prompt may be cached now: a sequence admitted with this one computed it
-                have = self.backend.reuse(seq.slot, seq.context(), seq.prefilled)
+                have = self.backend.reuse(seq.slot, context, seq.prefilled)
                 if seq.generated == 0:
                     seq.cached += have - seq.prefilled
                 seq.prefilled = have
                 if self.pool.enabled:
                     upto = min(seq.context_len(), seq.prefilled + budget) // BLOCK + 1
-                    keys = self.pool.keys(seq.slot, seq.context(), upto)
+                    keys = self.pool.keys(seq.slot, context, upto)
                     if self._computed_by_another(seq, keys, computing):
                         i += 1
                         continue
@@ -188,7 +189,7 @@ class PagedScheduler(Scheduler):
                 if seq.decoding:
                     decodes.append(seq)
                 else:
-                    pieces.append((seq, seq.context()[seq.prefilled:seq.prefilled + want]))
+                    pieces.append((seq, context[seq.prefilled:seq.prefilled + want]))
                     if keys is not None:
                         computing.update(keys[seq.prefilled // BLOCK:(seq.prefilled + want) // BLOCK])
                 budget -= want
