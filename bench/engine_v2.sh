@@ -49,6 +49,11 @@
 #                              ours cold (shared, random), warm --no-prefix-cache (shared), warm (shared); then
 #                              llama-server on the Q8_0 GGUF (shared, random)
 #   bench/engine_v2.sh OUT 17  a fresh machine, ours alone, 1B: the shared load on a first start
+#   bench/engine_v2.sh OUT 18  a fresh machine, ours alone, 8B: cold start, random and shared loads; a warm start
+#                              under py-spy from launch; then this tree against a base (.devwheels/base: the
+#                              token buckets of powers of two only, no gc freeze), each warm: idle prompts and
+#                              the shared load; 1B: the shared load on a first start, and on the base; every
+#                              server with bench/gcwatch on its path (full collections into its log)
 #   bench/engine_v2.sh OUT 16  phase 15's machine kept warm, 1B: llama-server (shared, random; httpx client), ours
 #                              first start (shared, random), warm --no-prefix-cache (shared)
 # Run from the repo root with .devwheels carried (the wheels the GPU image lacks).
@@ -72,6 +77,7 @@ load() {  # LABEL PORT KIND: random ~690-token prompts at 1, 8, 32; or the share
   local label=$1 port=$2 kind=$3 args
   case $kind in
     random) args=(--concurrency 1,8,32 --input-len 225) ;;
+    idle) args=(--concurrency 1 --num-prompts 24 --input-len 225) ;;
     shared) args=(--concurrency 32 --num-prompts 128 --shared-prefix-len 490 --input-len 8 --save-records) ;;
   esac
   (cd /tmp && timeout 240 ${PIN:+taskset -c $PIN} python3 -m quantserve.bench.serve --base-url "http://127.0.0.1:$port/v1" "${args[@]}" \
@@ -255,6 +261,36 @@ if [ "$phase" = 17 ]; then  # a fresh machine, ours alone, 1B: the shared load o
   (cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape llama-3.2-1b --out /tmp/ck-llama-3.2-1b \
       --context 8192 > /tmp/checkpoints-1b.log 2>&1) || { log "no checkpoint"; exit 1; }
   start_ours ours-1b-cold /tmp/ck-llama-3.2-1b "${ours[@]}" && { shared_split ours-1b; stop; }
+  finish
+fi
+
+if [ "$phase" = 18 ]; then
+  install
+  python3 -m pip install -q --no-index --no-deps --target /tmp/tools .devwheels/tools/*.whl
+  rm -rf /tmp/site-base && cp -r "$site" /tmp/site-base && cp -r .devwheels/base/. /tmp/site-base/
+  machine
+  export PYTHONPATH=$repo/bench/gcwatch:$site
+  (cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape llama-3.1-8b --out /tmp/ck-llama-3.1-8b \
+      --context 8192 > /tmp/checkpoints.log 2>&1) || { log "no checkpoint"; exit 1; }
+  rm -rf "$QUANTSERVE_HOME/compile"
+  start_ours ours-8b-cold /tmp/ck-llama-3.1-8b "${ours[@]}" && { load ours-8b 8000 random; shared_split ours-8b; stop; }
+  # a warm start under py-spy from launch (every thread, idle ones too), stopped once ready
+  (cd /tmp && exec /tmp/tools/bin/py-spy record -r 100 --idle --threads -f raw -o "$out/pyspy-8b-warm.txt" -- \
+      python3 -m quantserve serve /tmp/ck-llama-3.1-8b --port 8000 "${ours[@]}") > "$out/ours-8b-warm-pyspy.log" 2>&1 &
+  PID=$!
+  wait_ready 8000 $PID ours-8b-warm-pyspy; kill -TERM $(pgrep -P $PID) 2>/dev/null; wait $PID 2>/dev/null
+  start_ours ours-8b-warm /tmp/ck-llama-3.1-8b "${ours[@]}" && { load ours-8b-warm 8000 idle; shared_split ours-8b-warm; stop; }
+  PYTHONPATH=$repo/bench/gcwatch:/tmp/site-base start_ours ours-8b-base /tmp/ck-llama-3.1-8b "${ours[@]}" \
+      && { load ours-8b-base 8000 idle; shared_split ours-8b-base; stop; }
+  (cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape llama-3.2-1b --out /tmp/ck-llama-3.2-1b \
+      --context 8192 > /tmp/checkpoints-1b.log 2>&1) || { log "no checkpoint"; exit 1; }
+  start_ours ours-1b-first /tmp/ck-llama-3.2-1b "${ours[@]}" && { shared_split ours-1b-first; load ours-1b 8000 idle; stop; }
+  PYTHONPATH=$repo/bench/gcwatch:/tmp/site-base start_ours ours-1b-base /tmp/ck-llama-3.2-1b "${ours[@]}" \
+      && { shared_split ours-1b-base; load ours-1b-base 8000 idle; stop; }
+  # collections of 20 ms or more, and how many of each log's were full ones
+  grep -H "gcwatch" "$out"/ours-*.log | awk '{for (i = 1; i <= NF; i++) if ($i == "took") ms = $(i + 1); if (ms + 0 >= 20) print}' \
+      | tail -n 60 >> "$out/bench.txt"
+  grep -c "gcwatch: generation 2" "$out"/ours-*.log >> "$out/bench.txt"
   finish
 fi
 
