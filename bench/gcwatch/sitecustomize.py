@@ -15,8 +15,8 @@ def _watch(phase: str, info: dict) -> None:
         return
     ms = (time.perf_counter() - _started[0]) * 1e3
     if info["generation"] == 2 or ms > 5:
-        print(f"gcwatch: generation {info['generation']} took {ms:.1f} ms ({info['collected']} collected, "
-              f"{len(gc.get_objects(info['generation']))} left in it)", file=sys.stderr, flush=True)
+        print(f"gcwatch: generation {info['generation']} took {ms:.1f} ms ({info['collected']} collected)",
+              file=sys.stderr, flush=True)
 
 
 gc.callbacks.append(_watch)
