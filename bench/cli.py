@@ -44,6 +44,9 @@ def decode(
     attention: str = typer.Option(_text(D.attention), parser=choice_list(*bd.ATTENTIONS), metavar=LIST,
                                   help=f"decode attention, comma list of {', '.join(bd.ATTENTIONS)} "
                                   "(the first is the one other rows compare to)"),
+    fusion: str = typer.Option(_text(D.fusion), parser=choice_list(*bd.FUSIONS), metavar=LIST,
+                               help="batch 1 with the norms, gate and residual adds inside the int8/int4 weight "
+                               "kernels ('on'), or as separate kernels ('off'); comma list to compare"),
     batches: str = typer.Option(_text(D.batches), parser=int_list(), metavar=LIST,
                                 help="comma list of batch sizes (sequences decoded together)"),
     prompt_len: int = typer.Option(D.prompt_len, min=1, help="tokens of each prompt before decoding"),
@@ -63,7 +66,7 @@ def decode(
 ) -> None:
     """Decode tok/s of the fast core vs plain generate, with roofline % (GPU; --quick: tiny, on a CPU)."""
     bd.run(bd.DecodeOptions(
-        models=models, quants=quants, kernels=kernels, attention=attention, batches=batches,
+        models=models, quants=quants, kernels=kernels, attention=attention, fusion=fusion, batches=batches,
         prompt_len=prompt_len, new_tokens=new_tokens, generate_tokens=generate_tokens,
         generate_batches=generate_batches, gpu_profile=gpu_profile, no_compile=no_compile,
         no_fit_check=no_fit_check, profile_steps=profile_steps, quick=quick, out=out))

@@ -48,6 +48,7 @@ SHAPES = {  # name: (config.json model_type, the real model's layout); weights a
 QUANTS = ("none", "int8", "int4")
 KERNELS = ("auto", "triton", "gemlite", "torch", "tinygemm")
 ATTENTIONS = ("auto", "triton", "sdpa")
+FUSIONS = ("on", "off")  # fastcore/fused.py: a one-token step's element-wise work inside the weight kernels
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class DecodeOptions:
     quants: tuple[str, ...] = QUANTS
     kernels: tuple[str, ...] = ("auto",)  # int8/int4 kernels, of KERNELS
     attention: tuple[str, ...] = ("auto",)  # of ATTENTIONS; the first is the one other rows compare to
+    fusion: tuple[str, ...] = ("on",)  # of FUSIONS; "off" rows are named "...-unfused"
     batches: tuple[int, ...] = (1, 8, 32)
     prompt_len: int = 128
     new_tokens: int = 128
@@ -196,9 +198,11 @@ def step_profile(step, device, steps: int = 16, top: int = 12) -> dict:
 
 
 def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], prompt_len: int,
-               new_tokens: int, compile: bool, profile_steps: int = 0, attention: str = "auto"):
+               new_tokens: int, compile: bool, profile_steps: int = 0, attention: str = "auto",
+               fusion: bool = True):
     """FastCore decode at each batch size: prefill `prompt_len` tokens per slot, then time
     `new_tokens` steps feeding the argmax back on the device (no host sync inside the loop).
+    fusion off: batch 1 runs its norms, gate and residual adds as separate kernels (fused.py).
     Yields one row per batch size as it is measured, so a run cut short keeps the rows it finished."""
     import torch
 
@@ -210,6 +214,10 @@ def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], p
                     weight_quant=quant, quant_kernel=kernel, compile=compile, profile=caps.profile,
                     attention=attention)
     build_s = time.perf_counter() - t0
+    if not fusion:
+        for m in core.model.modules():
+            if getattr(m, "fusable", False):
+                m.fusable = False
     # Prompts eagerly: this measures decode, and the compiled prompt path (torch.compile with
     # dynamic shapes over the whole model) is a minute or more of compile on the 8B shape before
     # the first step, which ran two GPU calls' rows out of their time (bench/RESULTS.md).
@@ -341,18 +349,23 @@ def run(o: DecodeOptions) -> None:
             add(row)
         for quant in o.quants:
             kernels = [k for k in o.kernels if quant == "int4" or k != "tinygemm"] if quant != "none" else ["-"]
-            for kernel, attention in [(k, a) for k in kernels for a in o.attention]:
+            for kernel, attention, fusion in [(k, a, f) for k in kernels for a in o.attention for f in o.fusion]:
                 capped = quant != "none" or fp16_fits
                 engine = "fastcore-" + {"none": "fp16" if dtype == torch.float16 else "fp32"}.get(quant, quant)
                 if quant != "none" and kernel != "auto":
                     engine += f"-{kernel}"
                 if attention != "auto":
                     engine += f"-{attention}"
+                if fusion == "off":
+                    if quant == "none":
+                        continue  # fp16 layers have nothing fused: one row is enough
+                    engine += "-unfused"
                 done = set()
                 try:
                     cap.set(capped)
                     for r in bench_core(cfg, device, caps, quant, kernel if kernel != "-" else "auto", batches,
-                                        o.prompt_len, o.new_tokens, compile, o.profile_steps, attention):
+                                        o.prompt_len, o.new_tokens, compile, o.profile_steps, attention,
+                                        fusion == "on"):
                         add({"model": shape, "engine": engine, "quant": quant, "capped": cap.active and capped, **r})
                         done.add(r["batch"])
                 except Exception as e:  # the engine failed to build: every batch size not measured says why

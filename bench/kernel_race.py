@@ -63,7 +63,7 @@ def _old_layer(kind: str, layer, old):
             tuned[lambda meta: (-(-N // meta["BLOCK_N"]), meta["SPLIT_K"], 1)](
                 *args, out, M, N, K, 16, x.stride(0), out.stride(0), BLOCK_M=1, **extra)
             state["config"] = tuned.best_config
-        return triton_mm._run(tuned.fn, state["config"], 1, M, N, K, x, args, extra)
+        return triton_mm.run_choice(tuned.fn, state["config"], 1, M, N, K, x, args, extra)
     call.state = state
     return call
 
@@ -111,7 +111,7 @@ def _tile_layer(layer):
             state["choice"] = triton_mm._tune(tuned, triton_mm.PROMPT_BLOCK_M, M, N, K, x, (x, *args), extra)
             state["config"] = state["choice"][1]
         fn, config, block_m, _ = state["choice"]
-        return triton_mm._run(fn, config, block_m, M, N, K, x, (x, *args), extra)
+        return triton_mm.run_choice(fn, config, block_m, M, N, K, x, (x, *args), extra)
     call.state = state
     return call
 

@@ -22,10 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from quantserve.server.fastcore import attention
+from quantserve.server.fastcore import attention, fused
 from quantserve.server.fastcore.architectures import ARCHITECTURES
 from quantserve.server.fastcore.blocks import BLOCK
 
@@ -134,13 +133,15 @@ class Attention(nn.Module):
         self.register_buffer("v_scale", None, persistent=False)
         self.attend = attention.attend_torch  # attention.py; the Triton kernel on a GPU (use_attention)
 
-    def forward(self, x, cos, sin, at, batch, table):
-        """x [T, dim]; cos/sin [T, D]; at: ([T] blocks, [T] offsets) where each new token's K/V
-        go; batch: the StepBatch (which sequence each token is of); table: the block table."""
+    def forward(self, qkv, cos, sin, at, batch, table):
+        """qkv: wqkv's output [T, (heads + 2 kv heads) * head_dim] (Block applies wqkv, with the
+        norm before it); cos/sin [T, D]; at: ([T] blocks, [T] offsets) where each new token's K/V
+        go; batch: the StepBatch (which sequence each token is of); table: the block table.
+        Returns the attention's output before wo, [T, heads * head_dim] (Block applies wo, with
+        the residual add after it)."""
         a = self.a
-        T = x.shape[0]
-        q, k, v = self.wqkv(x).split([a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim,
-                                      a.n_kv_heads * a.head_dim], dim=-1)
+        T = qkv.shape[0]
+        q, k, v = qkv.split([a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim], dim=-1)
         q = q.view(T, a.n_heads, a.head_dim)
         k = k.view(T, a.n_kv_heads, a.head_dim)
         v = v.view(T, a.n_kv_heads, a.head_dim)
@@ -162,20 +163,18 @@ class Attention(nn.Module):
             self.k_scale[blk, off] = ks.squeeze(-1).to(self.k_scale.dtype)
             self.v_scale[blk, off] = vs.squeeze(-1).to(self.v_scale.dtype)
         y = self.attend(q, self, batch, table)  # [T, n_heads, head_dim]
-        return self.wo(y.reshape(T, a.n_heads * a.head_dim))
+        return y.reshape(T, a.n_heads * a.head_dim)
 
 
 class FeedForward(nn.Module):
+    """The gated MLP's weights: w2(act(gate) * up), gate and up from one matmul (Block runs it,
+    through fused.py)."""
+
     def __init__(self, a: ModelArgs):
         super().__init__()
-        self.ffn_dim, self.gelu = a.ffn_dim, a.gelu
+        self.gelu = a.gelu
         self.w13 = nn.Linear(a.dim, 2 * a.ffn_dim, bias=False)  # gate and up fused
         self.w2 = nn.Linear(a.ffn_dim, a.dim, bias=False)
-
-    def forward(self, x):
-        gate, up = self.w13(x).split(self.ffn_dim, dim=-1)
-        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.w2(act * up)
 
 
 class Block(nn.Module):
@@ -190,10 +189,13 @@ class Block(nn.Module):
         self.post_ffn_norm = RMSNorm(a.dim, a.norm_eps, a.norm_offset) if a.sandwich_norms else None
 
     def forward(self, x, cos, sin, at, batch, table):
-        y = self.attention(self.attention_norm(x), cos, sin, at, batch, table)
-        h = x + (self.post_attention_norm(y) if self.post_attention_norm is not None else y)
-        y = self.feed_forward(self.ffn_norm(h))
-        return h + (self.post_ffn_norm(y) if self.post_ffn_norm is not None else y)
+        # norm -> qkv, wo -> residual add, norm -> gate-up, gate -> w2 -> residual add: each pair
+        # one kernel for a single token where the weights' kernel can take it (fused.py)
+        att, ff = self.attention, self.feed_forward
+        y = att(fused.norm_linear(self.attention_norm, att.wqkv, x), cos, sin, at, batch, table)
+        h = fused.linear_add(att.wo, y, x, self.post_attention_norm)
+        gate_up = fused.norm_linear(self.ffn_norm, ff.w13, h)
+        return fused.gated_linear_add(ff.w2, gate_up, ff.gelu, h, self.post_ffn_norm)
 
 
 class Transformer(nn.Module):
@@ -259,10 +261,9 @@ class Transformer(nn.Module):
             x = layer(x, c, s, at, batch, self.block_table)
         if not all_positions:  # only the last token of each sequence: the vocab matmul is big
             x = x[batch.last]
-        x = self.norm(x)
         if hidden:  # the final hidden states (embeddings)
-            return x
-        logits = self.output(x)
+            return self.norm(x)
+        logits = fused.norm_linear(self.norm, self.output, x)
         if self.a.final_softcap:  # Gemma 2
             logits = torch.tanh(logits / self.a.final_softcap) * self.a.final_softcap
         return logits

@@ -112,6 +112,15 @@ def triton_ops():
 
 
 @functools.cache
+def fused_ops():
+    """The batch-1 fused kernels module (triton_fused.py), or None where the Triton kernels cannot run."""
+    if triton_ops() is None:
+        return None
+    from quantserve.server.fastcore import triton_fused
+    return triton_fused
+
+
+@functools.cache
 def gemlite_available() -> bool:
     """GemLite imports (it reads the GPU's name at import, so only where CUDA runs)."""
     if not torch.cuda.is_available():
@@ -162,6 +171,14 @@ def default_kernel(device: torch.device, weights: str = "int8") -> str:
     return "gemlite" if GEMLITE_BY_DEFAULT and weights == "int4" and gemlite_available() else "triton"
 
 
+def _fusable(kernel: str, bias, q: torch.Tensor, weights: str, K: int) -> bool:
+    """Whether a layer's `fused` can take a norm, a gate or a residual into its batch-1 kernel
+    (fused.py asks, while tracing: so a plain attribute, decided here): our Triton kernel on a
+    GPU, no bias, and a matrix-vector config that covers K."""
+    return kernel == "triton" and bias is None and q.is_cuda and fused_ops() is not None \
+        and fused_ops().fits(weights, K)
+
+
 def int8_linear_torch(x, weight, scales):
     """x @ (weight * scales).T in plain torch ops (inductor fuses the dequantization into the
     matmul at batch 1).  The scales go on the weight, not on the output: unscaled int8 weights
@@ -184,6 +201,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
         # not a submodule: its buffers are views of ours, and state_dict() should stay ours
         self._gemlite = (_gemlite_int8(q, self.scales, dtype),) if self.kernel == "gemlite" else None
+        self.fusable = _fusable(self.kernel, bias, q, "int8", q.shape[1])
 
     def forward(self, x):
         if self.kernel == "gemlite" and x.is_cuda:
@@ -197,6 +215,11 @@ class Int8Linear(nn.Module):
         else:
             y = int8_linear_torch(x, self.weight, self.scales)
         return y if self.bias is None else y + self.bias
+
+    def fused(self, x, norm=None, eps: float = 0.0, residual=None, gated: bool = False):
+        """One token: residual + prologue(x) @ W.T in one kernel (triton_fused.py; only where
+        `fusable`)."""
+        return torch.ops.quantserve.int8_gemv_fused(x, self.weight, self.scales, norm, eps, residual, gated)
 
     def weight_bytes(self) -> int:
         return self.weight.numel() + self.scales.numel() * self.scales.element_size()
@@ -248,6 +271,7 @@ class Int4Linear(nn.Module):
         else:
             raise ValueError(f"unknown int4 kernel {kernel!r} (triton, gemlite, tinygemm or torch)")
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
+        self.fusable = _fusable(kernel, bias, q, "int4", K)
 
     def dequantize(self, dtype) -> torch.Tensor:
         N = self.out_features
@@ -270,6 +294,12 @@ class Int4Linear(nn.Module):
         else:
             y = F.linear(x, self.dequantize(x.dtype))
         return y if self.bias is None else y + self.bias
+
+    def fused(self, x, norm=None, eps: float = 0.0, residual=None, gated: bool = False):
+        """One token: residual + prologue(x) @ W.T in one kernel (triton_fused.py; only where
+        `fusable`)."""
+        return torch.ops.quantserve.int4_gemv_fused(x, self.weight, self.scales, self.mins, self.group_size, norm,
+                                                    eps, residual, gated)
 
     def weight_bytes(self) -> int:
         if self.kernel == "gemlite":

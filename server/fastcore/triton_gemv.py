@@ -21,6 +21,15 @@ int4 (group g): w = q * s + m with one (s, m) per row and group; a word's 8 colu
 group, so x . w = s * (x . q) + m * sum(x) per word.  Packing as in triton_mm: column 2j in the high
 nibble of byte j, 2j + 1 in the low one.
 
+At batch 1 the element-wise work around a layer costs more in launches than in bytes (a decode
+step of the 8B shape ran ~190 inductor kernels of ~1.5 us beside its 129 weight kernels), so the
+kernels can take it in (`quant.*.fused`, model.py's blocks through fused.py):
+- NORM: x is RMS-normalized and scaled by the norm's weight on the way in: each program walks all
+  of K anyway, so it sums x^2 beside the products and scales its rows' sums by rsqrt(mean + eps)
+  once at the end (the qkv and gate-up layers, so no norm kernels);
+- GATED: x holds [gate, up] (2K wide) and the layer takes silu(gate) * up (the down layer);
+- RESIDUAL: the output row is added to `res` before the store (the o and down layers).
+
 The signatures match the tiled kernels' (BLOCK_M is accepted and ignored; SPLIT_K > 1 adds
 atomically, for a caller that asks for it: the configs here keep 1), so one launcher serves both.
 `triton_mm._launch` times these against the tiled kernels per layer shape at start-up and keeps
@@ -74,6 +83,32 @@ def _store_row(out_ptr, acc, rn, N, SPLIT_K: tl.constexpr):
 
 
 @triton.jit
+def _activation(x_ptr, norm_ptr, cols, K, NORM: tl.constexpr, GATED: tl.constexpr):
+    """x's columns `cols` as the layer takes them, in fp32 (GATED: silu(gate) * up, from x's two
+    halves; NORM: times the norm's weight), and their squares before that weight (the norm's
+    statistics; unused without NORM, so compiled away)."""
+    x = tl.load(x_ptr + cols).to(tl.float32)
+    if GATED:
+        x = x * tl.sigmoid(x) * tl.load(x_ptr + K + cols).to(tl.float32)
+    sq = x * x
+    if NORM:
+        x = x * tl.load(norm_ptr + cols).to(tl.float32)
+    return x, sq
+
+
+@triton.jit
+def _finish_row(out_ptr, y, rn, N, K, sq, eps, res_ptr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+                SPLIT_K: tl.constexpr):
+    """The rows' sums y (fp32, [BLOCK_N]) scaled by the norm's rsqrt(mean(x^2) + eps) and added to
+    the residual as the flags say, then stored."""
+    if NORM:
+        y = y * tl.rsqrt(tl.sum(sq) / K + eps)
+    if RESIDUAL:
+        y += tl.load(res_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+    _store_row(out_ptr, y, rn, N, SPLIT_K)
+
+
+@triton.jit
 def _int8_quad(words):
     """int32 words of 4 int8 (columns 4w..4w+3, byte i = column 4w + i) -> 4 fp32 of 1152 + b.
 
@@ -103,7 +138,8 @@ def _int8_quad(words):
 @triton.jit(do_not_specialize_on_alignment=["K"])
 def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, stride_om,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                      BIT_DEQUANT: tl.constexpr = True):
+                      BIT_DEQUANT: tl.constexpr = True, norm_ptr=None, res_ptr=None, eps=0.0,
+                      NORM: tl.constexpr = False, GATED: tl.constexpr = False, RESIDUAL: tl.constexpr = False):
     # The int8 weights are read as int32 words of 4 columns, one word per thread and row (K is
     # not specialised on 16, so the loads stay one word wide); column c of x for each word is a
     # strided load of its own, one per thread, shared by the thread's rows, in the words' layout.
@@ -121,13 +157,16 @@ def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm
     k0 = tl.multiple_of(tl.program_id(1) * k_len, BLOCK_K) if SPLIT_K > 1 else 0
     acc = tl.zeros((BLOCK_N, W), dtype=tl.float32)
     xacc = tl.zeros((W,), dtype=tl.float32)
+    sq = tl.zeros((W,), dtype=tl.float32)
     for k in range(k0, k0 + k_len, BLOCK_K):
         k = tl.multiple_of(k, BLOCK_K)
         words = tl.load(w_ptrs + k // 4, eviction_policy="evict_first")  # [BN, W] int32
-        x0 = tl.load(x_ptr + k + 4 * rw).to(tl.float32)
-        x1 = tl.load(x_ptr + k + 4 * rw + 1).to(tl.float32)
-        x2 = tl.load(x_ptr + k + 4 * rw + 2).to(tl.float32)
-        x3 = tl.load(x_ptr + k + 4 * rw + 3).to(tl.float32)
+        x0, sq0 = _activation(x_ptr, norm_ptr, k + 4 * rw, K, NORM, GATED)
+        x1, sq1 = _activation(x_ptr, norm_ptr, k + 4 * rw + 1, K, NORM, GATED)
+        x2, sq2 = _activation(x_ptr, norm_ptr, k + 4 * rw + 2, K, NORM, GATED)
+        x3, sq3 = _activation(x_ptr, norm_ptr, k + 4 * rw + 3, K, NORM, GATED)
+        if NORM:
+            sq += (sq0 + sq1) + (sq2 + sq3)
         if BIT_DEQUANT:
             w0, w1, w2, w3 = _int8_quad(words)
             xacc += (x0 + x1) + (x2 + x3)
@@ -143,7 +182,7 @@ def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm
     if BIT_DEQUANT:
         acc -= 1152.0 * xacc[None, :]
     scale = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-    _store_row(out_ptr, tl.sum(acc, axis=1) * scale, rn, N, SPLIT_K)
+    _finish_row(out_ptr, tl.sum(acc, axis=1) * scale, rn, N, K, sq, eps, res_ptr, NORM, RESIDUAL, SPLIT_K)
 
 
 @triton.jit
@@ -170,7 +209,9 @@ def _nibble_pair(words, SHIFT: tl.constexpr):
 @triton.jit(do_not_specialize_on_alignment=["K"])
 def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, stride_om,
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      SPLIT_K: tl.constexpr, BIT_DEQUANT: tl.constexpr = True):
+                      SPLIT_K: tl.constexpr, BIT_DEQUANT: tl.constexpr = True, norm_ptr=None, res_ptr=None,
+                      eps=0.0, NORM: tl.constexpr = False, GATED: tl.constexpr = False,
+                      RESIDUAL: tl.constexpr = False):
     # The packed bytes are read as int32 words of 8 columns, one word per thread and row: byte i
     # of a word holds columns 2i (high nibble) and 2i + 1 (low), so column j of the word sits at
     # bit 8 * (j // 2) + 4 * (1 - j % 2).  Column j of x for each word is a strided load of its
@@ -188,6 +229,7 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, st
     k_len = K // SPLIT_K
     k0 = tl.multiple_of(tl.program_id(1) * k_len, BLOCK_K) if SPLIT_K > 1 else 0
     acc = tl.zeros((W, BLOCK_N), dtype=tl.float32)
+    sq = tl.zeros((W,), dtype=tl.float32)
     for k in range(k0, k0 + k_len, BLOCK_K):
         k = tl.multiple_of(k, BLOCK_K)
         words = tl.load(w_ptrs + k // 8, eviction_policy="evict_first")  # [W, BN] int32
@@ -202,20 +244,24 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, st
             # 1024 sum x comes off with the offset below
             for p in tl.static_range(4):
                 # the columns of bits 4p and 16 + 4p: 2 (p // 2) + 1 - p % 2 and 4 more
-                x_lo = tl.load(x_ptr + k + 8 * rw + (2 * (p // 2) + 1 - p % 2)).to(tl.float32)
-                x_hi = tl.load(x_ptr + k + 8 * rw + (2 * (p // 2) + 5 - p % 2)).to(tl.float32)
+                x_lo, sq_lo = _activation(x_ptr, norm_ptr, k + 8 * rw + (2 * (p // 2) + 1 - p % 2), K, NORM, GATED)
+                x_hi, sq_hi = _activation(x_ptr, norm_ptr, k + 8 * rw + (2 * (p // 2) + 5 - p % 2), K, NORM, GATED)
                 q_lo, q_hi = _nibble_pair(words, 4 * p)
                 part += q_lo * x_lo[:, None]
                 part += q_hi * x_hi[:, None]
                 xsum += x_lo + x_hi
+                if NORM:
+                    sq += sq_lo + sq_hi
             z = z - 1024.0 * s
         else:
             for j in tl.static_range(8):
-                xj = tl.load(x_ptr + k + 8 * rw + j).to(tl.float32)
+                xj, sqj = _activation(x_ptr, norm_ptr, k + 8 * rw + j, K, NORM, GATED)
                 part += ((words >> (8 * (j // 2) + 4 * (1 - j % 2))) & 0xF).to(tl.float32) * xj[:, None]
                 xsum += xj
+                if NORM:
+                    sq += sqj
         acc += part * s + xsum[:, None] * z
-    _store_row(out_ptr, tl.sum(acc, axis=0), rn, N, SPLIT_K)
+    _finish_row(out_ptr, tl.sum(acc, axis=0), rn, N, K, sq, eps, res_ptr, NORM, RESIDUAL, SPLIT_K)
 
 
 def _tuned(kernel, shapes):

@@ -228,13 +228,13 @@ def _tune(tuned, block_m: int, M: int, N: int, K: int, x: torch.Tensor, args: tu
         return (-(-N // meta["BLOCK_N"]), meta["SPLIT_K"], -(-M // block_m))
     # M_BUCKET is the autotuners' key: a prompt bucket (a power of two past 64) tunes its own tiles
     call = (*args, out, M, N, K, _m_bucket(M), x.stride(0), out.stride(0))
-    with _compiling_ahead():  # every config the autotuner is about to time, before it times them one by one
+    with compiling_ahead():  # every config the autotuner is about to time, before it times them one by one
         tuned.warmup(*call, grid=(1,), BLOCK_M=block_m, **extra)
     tuned[grid](*call, BLOCK_M=block_m, **extra)
     return (tuned.fn, tuned.best_config, block_m, {})
 
 
-def _compiling_ahead():
+def compiling_ahead():
     """A context in which Triton kernels asked for with `.warmup` compile on threads, all of them
     done when it exits.  A Triton compile takes ~0.2-3 s, most of it in LLVM and ptxas, which run
     outside the GIL (8 configs of the int8 kernel for sm_90: 6.6 s one by one, 3.5 s on 2 threads);
@@ -265,10 +265,10 @@ def _fastest(choices: list[tuple], M: int, N: int, K: int, x: torch.Tensor, args
     takes least GPU time, timed with the L2 cache flushed between calls as a decode step sees it."""
     if len(choices) == 1:
         return choices[0]
-    with _compiling_ahead():  # the batch-1 kernels' variants (BIT_DEQUANT) are new compiles
+    with compiling_ahead():  # the batch-1 kernels' variants (BIT_DEQUANT) are new compiles
         for c in choices:
-            _run(*c[:3], M, N, K, x, args, {**extra, **c[3]}, warmup=True)
-    times = [quick_bench(lambda c=c: _run(*c[:3], M, N, K, x, args, {**extra, **c[3]})) for c in choices]
+            run_choice(*c[:3], M, N, K, x, args, {**extra, **c[3]}, warmup=True)
+    times = [quick_bench(lambda c=c: run_choice(*c[:3], M, N, K, x, args, {**extra, **c[3]})) for c in choices]
     return choices[times.index(min(times))]
 
 
@@ -296,12 +296,12 @@ def _launch(kernel, M: int, N: int, x: torch.Tensor, args: tuple, gemv=None, den
                 choices += [(fn, config, 1, {"BIT_DEQUANT": bits}) for bits in (True, False)]
         _chosen[key] = _fastest(choices, M, N, K, x, args, extra)
     fn, config, block_m, flags = _chosen[key]
-    return _run(fn, config, block_m, M, N, K, x, args, {**extra, **flags})
+    return run_choice(fn, config, block_m, M, N, K, x, args, {**extra, **flags})
 
 
 def chosen(weights: str, M: int, N: int, K: int) -> tuple | None:
     """(kernel function, config, BLOCK_M, flags) the launcher keeps for an "int8" / "int4" layer of
-    this shape, if it has launched one (config None: dequantize + cuBLAS); `_run` takes the first
+    this shape, if it has launched one (config None: dequantize + cuBLAS); `run_choice` takes the first
     three back, the flags merged into its keyword arguments."""
     for (name, bucket, batch1, n, k, *_), choice in _chosen.items():
         if name == f"_{weights}_kernel" and (bucket, batch1, n, k) == (_m_bucket(M), M == 1, N, K):
@@ -357,7 +357,7 @@ def load_choices(path) -> int:
     return taken
 
 
-def _run(fn, config, block_m: int, M: int, N: int, K: int, x: torch.Tensor, args: tuple, extra: dict,
+def run_choice(fn, config, block_m: int, M: int, N: int, K: int, x: torch.Tensor, args: tuple, extra: dict,
          warmup: bool = False):
     """One call of a choice; `warmup`: compile its Triton kernel without launching it."""
     if config is None:  # dequantize + cuBLAS

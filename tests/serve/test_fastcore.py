@@ -221,11 +221,11 @@ def test_every_batch1_matrix_vector_config_matches_torch_ops():
     q8, q4 = make_linear(w, None, "int8", torch.float16, "torch"), make_linear(w, None, "int4", torch.float16, "torch")
     for config in triton_gemv._configs():
         for bits in (True, False):  # the bit-pattern dequantization and Triton's plain conversion
-            y8 = triton_mm._run(triton_gemv.int8_gemv_kernel.fn, config, 1, 1, N, K, x, (x, q8.weight, q8.scales),
+            y8 = triton_mm.run_choice(triton_gemv.int8_gemv_kernel.fn, config, 1, 1, N, K, x, (x, q8.weight, q8.scales),
                                 {"BIT_DEQUANT": bits})
             torch.testing.assert_close(y8, q8(x), atol=2e-2, rtol=2e-2)
             if config.kwargs["BLOCK_K"] <= q4.group_size:
-                y4 = triton_mm._run(triton_gemv.int4_gemv_kernel.fn, config, 1, 1, N, K, x,
+                y4 = triton_mm.run_choice(triton_gemv.int4_gemv_kernel.fn, config, 1, 1, N, K, x,
                                     (x, q4.weight, q4.scales, q4.mins), {"GROUP": q4.group_size, "BIT_DEQUANT": bits})
                 torch.testing.assert_close(y4, q4(x), atol=2e-2, rtol=2e-2)
 

@@ -52,11 +52,11 @@ def test_every_matrix_vector_config():
     ref8, ref4 = _reference(q8, x), _reference(q4, x)
     for bits in (True, False):
         for config in triton_gemv.int8_gemv_kernel.configs:
-            y = triton_mm._run(triton_gemv.int8_gemv_kernel.fn, config, 1, 1, N, K, x, (x, q8.weight, q8.scales),
+            y = triton_mm.run_choice(triton_gemv.int8_gemv_kernel.fn, config, 1, 1, N, K, x, (x, q8.weight, q8.scales),
                                {"BIT_DEQUANT": bits})
             _check(y, ref8, f"int8 {config} bits={bits}")
         for config in triton_gemv.int4_gemv_kernel.configs:
-            y = triton_mm._run(triton_gemv.int4_gemv_kernel.fn, config, 1, 1, N, K, x,
+            y = triton_mm.run_choice(triton_gemv.int4_gemv_kernel.fn, config, 1, 1, N, K, x,
                                (x, q4.weight, q4.scales, q4.mins), {"GROUP": q4.group_size, "BIT_DEQUANT": bits})
             _check(y, ref4, f"int4 {config} bits={bits}")
 
@@ -73,9 +73,9 @@ def test_matrix_vector_with_large_activations():
     x = x + 2.0  # a mean far from zero: sum(x) large against the result
     for bits in (True, False):
         c8, c4 = triton_gemv.int8_gemv_kernel.configs[0], triton_gemv.int4_gemv_kernel.configs[0]
-        _check(triton_mm._run(triton_gemv.int8_gemv_kernel.fn, c8, 1, 1, N, K, x, (x, q8.weight, q8.scales),
+        _check(triton_mm.run_choice(triton_gemv.int8_gemv_kernel.fn, c8, 1, 1, N, K, x, (x, q8.weight, q8.scales),
                               {"BIT_DEQUANT": bits}), _reference(q8, x), f"int8 bits={bits}")
-        _check(triton_mm._run(triton_gemv.int4_gemv_kernel.fn, c4, 1, 1, N, K, x, (x, q4.weight, q4.scales, q4.mins),
+        _check(triton_mm.run_choice(triton_gemv.int4_gemv_kernel.fn, c4, 1, 1, N, K, x, (x, q4.weight, q4.scales, q4.mins),
                               {"GROUP": q4.group_size, "BIT_DEQUANT": bits}), _reference(q4, x), f"int4 bits={bits}")
 
 
@@ -87,10 +87,10 @@ def test_every_prompt_tile_config():
     x = torch.randn(M, K, device="cuda", dtype=torch.float16)
     ref8, ref4 = _reference(q8, x), _reference(q4, x)
     for config in triton_mm._prompt_configs():
-        y = triton_mm._run(triton_mm.int8_prompt_kernel.fn, config, triton_mm.PROMPT_BLOCK_M, M, N, K, x,
+        y = triton_mm.run_choice(triton_mm.int8_prompt_kernel.fn, config, triton_mm.PROMPT_BLOCK_M, M, N, K, x,
                            (x, q8.weight, q8.scales), {})
         _check(y, ref8, f"int8 prompt {config}")
-        y = triton_mm._run(triton_mm.int4_prompt_kernel.fn, config, triton_mm.PROMPT_BLOCK_M, M, N, K, x,
+        y = triton_mm.run_choice(triton_mm.int4_prompt_kernel.fn, config, triton_mm.PROMPT_BLOCK_M, M, N, K, x,
                            (x, q4.weight, q4.scales, q4.mins), {"GROUP": q4.group_size})
         _check(y, ref4, f"int4 prompt {config}")
 
@@ -110,10 +110,10 @@ def test_every_tile_config_at_decode_batches():
             if K % (config.kwargs["BLOCK_K"] * config.kwargs["SPLIT_K"]):
                 continue
             block_m = triton_mm._block_m(M)
-            _check(triton_mm._run(triton_mm.int8_kernel.fn, config, block_m, M, N, K, x, (x, q8.weight, q8.scales), {}),
+            _check(triton_mm.run_choice(triton_mm.int8_kernel.fn, config, block_m, M, N, K, x, (x, q8.weight, q8.scales), {}),
                    ref8, f"int8 M={M} {config}")
             for z_dot in (True, False):  # z * sum(x) on tl.dot (tensor cores) or summed in the loop (a T4)
-                _check(triton_mm._run(triton_mm.int4_kernel.fn, config, block_m, M, N, K, x,
+                _check(triton_mm.run_choice(triton_mm.int4_kernel.fn, config, block_m, M, N, K, x,
                                       (x, q4.weight, q4.scales, q4.mins), {"GROUP": q4.group_size, "Z_DOT": z_dot}),
                        ref4, f"int4 M={M} {config} z_dot={z_dot}")
 
@@ -170,3 +170,116 @@ def test_launcher_inside_a_cuda_graph():
         torch.cuda.synchronize()
         _check(y8, _reference(q8, x), "int8 graph")
         _check(y4, _reference(q4, x), "int4 graph")
+
+
+def _prologue_reference(x: torch.Tensor, K: int, form: str, norm: torch.Tensor, eps: float) -> torch.Tensor:
+    """What a fused kernel's layer takes in, in fp32: silu(gate) * up, the RMS-normalized x times
+    the norm's weight, or x."""
+    xf = x.float()
+    if form == "gated":
+        return torch.nn.functional.silu(xf[:, :K]) * xf[:, K:]
+    if form == "norm":
+        return norm.float() * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return xf
+
+
+def test_every_matrix_vector_config_with_its_neighbours_fused():
+    """The batch-1 kernels with the element-wise work around them taken in (triton_fused.py): the
+    RMSNorm before the layer, silu(gate) * up before it, the residual add after it; each config,
+    with and without the bit-pattern dequantization, against the separate ops in fp32."""
+    from quantserve.server.fastcore import triton_gemv, triton_mm
+
+    N, K, eps = 1000, 4096, 1e-5
+    q8, q4 = _layers(N, K, seed=6)
+    torch.manual_seed(6)
+    norm = torch.rand(K, device="cuda", dtype=torch.float16) + 0.5
+    residual = torch.randn(1, N, device="cuda", dtype=torch.float16)
+    wide = torch.randn(1, 2 * K, device="cuda", dtype=torch.float16) * 2 + 0.3  # gate and up, or x in its first half
+    forms = {"norm": {"NORM": True, "norm_ptr": norm}, "residual": {"RESIDUAL": True, "res_ptr": residual},
+             "gated": {"GATED": True, "RESIDUAL": True, "res_ptr": residual}}
+    for form, flags in forms.items():
+        x = wide if form == "gated" else wide[:, :K].contiguous()
+        y = _prologue_reference(x, K, form, norm, eps)
+        add = residual.float() if "res_ptr" in flags else 0.0
+        ref8, ref4 = _reference(q8, y) + add, _reference(q4, y) + add
+        for bits in (True, False):
+            for config in triton_gemv.int8_gemv_kernel.configs:
+                _check(triton_mm.run_choice(triton_gemv.int8_gemv_kernel.fn, config, 1, 1, N, K, x,
+                                            (x, q8.weight, q8.scales), {"BIT_DEQUANT": bits, "eps": eps, **flags}),
+                       ref8, f"int8 {form} {config} bits={bits}")
+            for config in triton_gemv.int4_gemv_kernel.configs:
+                _check(triton_mm.run_choice(triton_gemv.int4_gemv_kernel.fn, config, 1, 1, N, K, x,
+                                            (x, q4.weight, q4.scales, q4.mins),
+                                            {"GROUP": q4.group_size, "BIT_DEQUANT": bits, "eps": eps, **flags}),
+                       ref4, f"int4 {form} {config} bits={bits}")
+
+
+def test_fused_ops_match_the_separate_ops_before_and_after_the_choice():
+    """The fused ops run the separate ops until the launcher has chosen the shape's batch-1 kernel
+    (their first call tunes it), and the fused kernel after: the two agree, inside a CUDA graph too."""
+    from quantserve.server.fastcore import triton_fused, triton_mm
+
+    N, K, eps = 2048, 2048, 1e-6
+    q8, q4 = _layers(N, K, seed=7)
+    torch.manual_seed(7)
+    norm = torch.rand(K, device="cuda", dtype=torch.float16) + 0.5
+    residual = torch.randn(1, N, device="cuda", dtype=torch.float16)
+    x = torch.randn(1, 2 * K, device="cuda", dtype=torch.float16)
+    calls = {
+        "int8": lambda x, norm, res, gated: triton_fused.int8_gemv_fused(x, q8.weight, q8.scales, norm, eps, res, gated),
+        "int4": lambda x, norm, res, gated: triton_fused.int4_gemv_fused(x, q4.weight, q4.scales, q4.mins,
+                                                                          q4.group_size, norm, eps, res, gated),
+    }
+    for weights, call in calls.items():
+        layer = q8 if weights == "int8" else q4
+        for form, args in {"norm": (x[:, :K].contiguous(), norm, None, False),
+                           "residual": (x[:, :K].contiguous(), None, residual, False),
+                           "gated": (x, None, residual, True)}.items():
+            ref = _reference(layer, _prologue_reference(args[0], K, form, norm, eps)) \
+                + (residual.float() if args[2] is not None else 0.0)
+            first = call(*args)  # the separate ops (and the shape's tuning)
+            chosen = triton_mm.chosen(weights, 1, N, K)
+            assert chosen is not None and chosen[0].__name__ == f"_{weights}_gemv_kernel", chosen
+            _check(first, ref, f"{weights} {form} separate")
+            _check(call(*args), ref, f"{weights} {form} fused")
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                y = call(*args)
+            graph.replay()
+            torch.cuda.synchronize()
+            _check(y, ref, f"{weights} {form} fused, from a graph")
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_one_token_step_launches_fewer_kernels_fused(mode):
+    """A Llama block at batch 1 through fused.py: its norms, gate and residual adds run inside the
+    weight kernels (at least 3 kernels a layer fewer in an eager step, as torch.profiler counts
+    them), with the separate ops' logits and next token."""
+    from transformers import LlamaConfig
+
+    from quantserve.server.fastcore.core import FastCore
+
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)
+    core = FastCore(None, random_config=cfg, max_slots=2, max_seq=256, device="cuda", weight_quant=mode,
+                    quant_kernel="triton", compile=False)
+    fusable = [m for m in core.model.modules() if getattr(m, "fusable", False)]
+    assert len(fusable) == 4 * cfg.num_hidden_layers  # qkv, o, gate-up and down of every layer
+
+    def step(fused: bool):
+        """The logits of the same sequence's second decode step, and the CUDA kernels it launched."""
+        for m in fusable:
+            m.fusable = fused
+        slot = core.acquire()
+        core.step([(slot, list(range(1, 40)))])
+        core.step([(slot, [7])])  # the first one-token step tunes each shape (or compiles the fused forms)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            logits = core.step([(slot, [8])])
+            torch.cuda.synchronize()
+        core.release(slot)
+        return logits, sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+    (separate, n_separate), (fused, n_fused) = step(False), step(True)
+    assert n_fused <= n_separate - 3 * cfg.num_hidden_layers, (n_fused, n_separate)
+    assert (fused - separate).abs().max() <= 0.02 * separate.abs().max()
+    assert fused.argmax(-1).tolist() == separate.argmax(-1).tolist()

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Batch-1 decode with the norms, the gate and the residual adds inside the int8 / int4 weight
+# kernels (server/fastcore/fused.py) against the same build with them as separate kernels, in one
+# call on the lent GPU (~8 minutes on a fresh machine):
+#   the GPU tests of the fused kernels and ops (every matrix-vector config in each fused form, the
+#   ops before and after the launcher's choice, inside a CUDA graph, the kernel count of a one-token
+#   step) and the compiled, CUDA-graphed decode against eager; then bench decode at batch 1 under
+#   the T4 profile, --fusion on,off: 8B int8 (with a 16-step kernel profile), 8B int4, 8B fp16,
+#   1B int8.
+#   bench/fusion_gpu.sh OUT     (from the repo root, .devwheels carried; OUT gets results.tgz and bench.txt)
+set -uo pipefail
+dest=$(realpath -m "$1"); out=/tmp/fusion; mkdir -p "$out" "$dest"; repo=$PWD; site=/tmp/site
+export QUANTSERVE_HOME=/tmp/qs-home PYTHONUNBUFFERED=1
+source "$repo/bench/gpu_lib.sh"  # log, left, decode
+[ -d "$site/fastapi" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .devwheels/*.whl \
+    .devwheels/llama/gguf-*.whl .devwheels/llama/diskcache-*.whl
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target "$site" . 2>&1 | grep -v WARNING
+(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) > "$out/bench.txt"
+PYTHONPATH=$site python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$out/bench.txt" 2>&1
+log "installed"
+(cd /tmp && PYTHONPATH=$site timeout 200 python3 -m pytest --import-mode=append -q -p no:cacheprovider -rf \
+    "$repo/tests/serve/test_gpu_kernels.py" "$repo/tests/serve/test_fastcore.py" \
+    -k "fused or fewer_kernels or matrix_vector or (compiled_triton_decode and not gemlite)") \
+    > "$out/gpu-tests.log" 2>&1 || log "gpu tests: rc=$?"
+grep -E "^FAILED|passed|failed" "$out/gpu-tests.log" >> "$out/bench.txt"; log "tests done"
+decode $(left 330) 8b-int8 --models 8b --quants int8 --kernels triton --batches 1 --fusion on,off --profile-steps 16
+decode $(left 420) 8b-int4 --models 8b --quants int4 --kernels triton --batches 1 --fusion on,off
+decode $(left 480) 8b-fp16 --models 8b --quants none --batches 1
+decode $(left 570) 1b-int8 --models 1b --quants int8 --kernels triton --batches 1 --fusion on,off
+# the device returns at most 8 files: everything as one tarball, and the summary beside it
+tar czf "$dest/results.tgz" -C "$out" . && cp "$out/bench.txt" "$dest/"; cat "$out/bench.txt"

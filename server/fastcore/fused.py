@@ -1,0 +1,49 @@
+"""A block's linear layers with the element-wise work next to them: one kernel where it can be.
+
+model.py's Block calls these three instead of writing `linear(norm(x))`, `residual + linear(y)`
+and `residual + w2(silu(gate) * up)` out.  For one token on a CUDA GPU, through a layer whose
+batch-1 kernel is our Triton matrix-vector kernel (quant.Int8Linear / Int4Linear `fusable`), the
+norm, the gate and the residual add run inside that kernel (triton_fused.py): at batch 1 those
+element-wise kernels cost more in launches than in bytes.  Everything else (prompts, decode
+batches, the CPU, fp16 weights, Gemma's norm offset and sandwich norms, GELU) takes the separate
+ops, which inductor fuses among themselves.  Both compute the same function; the fused one in
+fp32 throughout instead of rounding to fp16 between the ops.
+
+Under torch.compile the choice is made while tracing: a size of 1 is specialized, so the graph of
+a one-token step and the graph of any other size each hold one branch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _one_token_fusable(linear, x: torch.Tensor) -> bool:
+    return x.shape[0] == 1 and x.is_cuda and getattr(linear, "fusable", False)
+
+
+def norm_linear(norm, linear, x: torch.Tensor) -> torch.Tensor:
+    """linear(norm(x)) for an RMSNorm `norm` (model.RMSNorm)."""
+    if norm.offset == 0 and _one_token_fusable(linear, x):
+        return linear.fused(x, norm=norm.weight, eps=norm.eps)
+    return linear(norm(x))
+
+
+def linear_add(linear, x: torch.Tensor, residual: torch.Tensor, post_norm=None) -> torch.Tensor:
+    """residual + linear(x), or residual + post_norm(linear(x)) (Gemma 2's sandwich)."""
+    if post_norm is None and _one_token_fusable(linear, x):
+        return linear.fused(x, residual=residual)
+    y = linear(x)
+    return residual + (y if post_norm is None else post_norm(y))
+
+
+def gated_linear_add(linear, gate_up: torch.Tensor, gelu: bool, residual: torch.Tensor,
+                     post_norm=None) -> torch.Tensor:
+    """residual + linear(act(gate) * up), gate and up the two halves of gate_up; act is silu, or
+    GELU (tanh) for Gemma; post_norm as in linear_add."""
+    if not gelu and post_norm is None and _one_token_fusable(linear, gate_up):
+        return linear.fused(gate_up, residual=residual, gated=True)
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
+    return linear_add(linear, act * up, residual, post_norm)
