@@ -2,7 +2,8 @@
 # Batch-1 decode with the norms, the gate and the residual adds inside the int8 / int4 weight
 # kernels (server/fastcore/fused.py) against the same build with them as separate kernels, in one
 # call on the lent GPU (~8 minutes on a fresh machine):
-#   the GPU tests of the fused kernels and ops (every matrix-vector config in each fused form, the
+#   the GPU tests of the fused kernels and ops (every matrix-vector config in each fused form: norm,
+#   norm + gate, residual; the
 #   ops before and after the launcher's choice, inside a CUDA graph, the kernel count of a one-token
 #   step) and the compiled, CUDA-graphed decode against eager; then bench decode at batch 1 under
 #   the T4 profile, --fusion on,off: 8B int8 (with a 16-step kernel profile), 8B int4, 8B fp16,

@@ -1,7 +1,7 @@
 """A block's linear layers with the element-wise work next to them: one kernel where it can be.
 
 model.py's Block calls these three instead of writing `linear(norm(x))`, `residual + linear(y)`
-and `residual + w2(silu(gate) * up)` out.  For one token on a CUDA GPU, through a layer whose
+and `silu(gate) * up` of `w13(norm(x))` out.  For one token on a CUDA GPU, through a layer whose
 batch-1 kernel is our Triton matrix-vector kernel (quant.Int8Linear / Int4Linear `fusable`), the
 norm, the gate and the residual add run inside that kernel (triton_fused.py): at batch 1 those
 element-wise kernels cost more in launches than in bytes.  Everything else (prompts, decode
@@ -38,12 +38,10 @@ def linear_add(linear, x: torch.Tensor, residual: torch.Tensor, post_norm=None) 
     return residual + (y if post_norm is None else post_norm(y))
 
 
-def gated_linear_add(linear, gate_up: torch.Tensor, gelu: bool, residual: torch.Tensor,
-                     post_norm=None) -> torch.Tensor:
-    """residual + linear(act(gate) * up), gate and up the two halves of gate_up; act is silu, or
-    GELU (tanh) for Gemma; post_norm as in linear_add."""
-    if not gelu and post_norm is None and _one_token_fusable(linear, gate_up):
-        return linear.fused(gate_up, residual=residual, gated=True)
-    gate, up = gate_up.chunk(2, dim=-1)
-    act = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
-    return linear_add(linear, act * up, residual, post_norm)
+def norm_gated_linear(norm, linear, x: torch.Tensor, gelu: bool) -> torch.Tensor:
+    """act(gate) * up, where gate and up are the two halves of linear(norm(x)) (the gated MLP's
+    gate-up layer); act is silu, or GELU (tanh) for Gemma."""
+    if not gelu and norm.offset == 0 and _one_token_fusable(linear, x):
+        return linear.fused(x, norm=norm.weight, eps=norm.eps, gated=True)
+    gate, up = linear(norm(x)).chunk(2, dim=-1)
+    return (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up

@@ -189,13 +189,13 @@ class Block(nn.Module):
         self.post_ffn_norm = RMSNorm(a.dim, a.norm_eps, a.norm_offset) if a.sandwich_norms else None
 
     def forward(self, x, cos, sin, at, batch, table):
-        # norm -> qkv, wo -> residual add, norm -> gate-up, gate -> w2 -> residual add: each pair
-        # one kernel for a single token where the weights' kernel can take it (fused.py)
+        # norm -> qkv, wo -> residual add, norm -> gate-up -> silu(gate) * up, w2 -> residual add:
+        # each one kernel for a single token where the weights' kernel can take it (fused.py)
         att, ff = self.attention, self.feed_forward
         y = att(fused.norm_linear(self.attention_norm, att.wqkv, x), cos, sin, at, batch, table)
         h = fused.linear_add(att.wo, y, x, self.post_attention_norm)
-        gate_up = fused.norm_linear(self.ffn_norm, ff.w13, h)
-        return fused.gated_linear_add(ff.w2, gate_up, ff.gelu, h, self.post_ffn_norm)
+        act = fused.norm_gated_linear(self.ffn_norm, ff.w13, h, ff.gelu)
+        return fused.linear_add(ff.w2, act, h, self.post_ffn_norm)
 
 
 class Transformer(nn.Module):

@@ -2,20 +2,20 @@
 
 At batch 1 a transformer block's four int8 / int4 matrix-vector kernels (triton_gemv.py) sat
 between inductor's element-wise kernels: the RMSNorm before q/k/v and before gate-up, silu(gate)
-* up before down, and the residual adds after o and down.  Each of those moves a few KB but costs
-a launch and its ramp (~1.5 us on an H200: ~190 of them in a decode step of the 8B shape, against
-129 weight kernels).  The matrix-vector kernels take them in (their NORM, GATED and RESIDUAL
-flags), so a Llama block at batch 1 is its four weight kernels, the rotary/cache-write kernels and
-the attention; the final norm goes into the vocabulary matmul the same way.
+* up after gate-up, and the residual adds after o and down.  Each of those moves a few KB but
+costs a launch and its ramp (~1.5 us on an H200: ~190 of them in a decode step of the 8B shape,
+against 129 weight kernels).  The matrix-vector kernels take them in (their NORM, GATED and
+RESIDUAL flags), so a Llama block at batch 1 is its four weight kernels, the rotary/cache-write
+kernels and the attention; the final norm goes into the vocabulary matmul the same way.
 
     y = int8_gemv_fused(x, weight, scales, norm, eps, residual, gated)
 
-computes `residual + prologue(x) @ dequant(weight).T`, where prologue is RMSNorm with the norm's
-weight (`norm` given), silu(gate) * up (`gated`: x holds gate and up side by side) or nothing.
-The layer's batch-1 kernel and config are the launcher's choice for its shape (triton_mm._launch);
-until that choice is made (the shape's first call, at warm-up), or where the choice is not a
-matrix-vector kernel, the same arithmetic runs as separate ops.  model.py reaches these through
-fused.py, only for one token on a CUDA GPU; everything else keeps the separate ops.
+computes, for one token, `rmsnorm(x) * norm` (or x, without `norm`) times dequant(weight).T, then
+silu(gate) * up of the result's two halves (`gated`: N / 2 wide), then + residual.  The layer's
+batch-1 kernel and config are the launcher's choice for its shape (triton_mm._launch); until that
+choice is made (the shape's first call, at warm-up), or where the choice is not a matrix-vector
+kernel, the same arithmetic runs as separate ops.  model.py reaches these through fused.py, only
+for one token on a CUDA GPU; everything else keeps the separate ops.
 """
 
 from __future__ import annotations
@@ -37,16 +37,17 @@ def fits(weights: str, K: int) -> bool:
     return gemv_fits(int8_gemv_kernel if weights == "int8" else int4_gemv_kernel, K)
 
 
-def _prologue(x: torch.Tensor, norm: Optional[torch.Tensor], eps: float, gated: bool) -> torch.Tensor:
-    """What the fused kernel computes on the way in, as separate ops (model.py's RMSNorm and
-    FeedForward do the same)."""
-    if gated:
-        gate, up = x.chunk(2, dim=-1)
-        x = F.silu(gate) * up
+def _separate(x: torch.Tensor, matmul, norm: Optional[torch.Tensor], eps: float, residual: Optional[torch.Tensor],
+              gated: bool) -> torch.Tensor:
+    """What the fused kernel computes, as separate ops (model.py's RMSNorm, fused.py's gate)."""
     if norm is not None:
         xf = x.float()
         x = norm * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return x
+    y = matmul(x)
+    if gated:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    return y if residual is None else y + residual
 
 
 def _fused(weights: str, N: int, K: int, x: torch.Tensor, args: tuple, extra: dict, norm, eps: float, residual,
@@ -72,8 +73,8 @@ def _compile_variants(fn, config, N: int, K: int, x: torch.Tensor, args: tuple, 
     if key in _compiled:
         return
     _compiled.add(key)
-    forms = ({"NORM": True, "norm_ptr": x}, {"RESIDUAL": True, "res_ptr": x},
-             {"GATED": True, "RESIDUAL": True, "res_ptr": x})  # x stands in for the fp16 vectors
+    forms = ({"NORM": True, "norm_ptr": x}, {"NORM": True, "GATED": True, "norm_ptr": x},
+             {"RESIDUAL": True, "res_ptr": x})  # x stands in for the fp16 vectors
     with triton_mm.compiling_ahead():
         for form in forms:
             triton_mm.run_choice(fn, config, 1, 1, N, K, x, args, {**extra, "eps": 0.0, **form}, warmup=True)
@@ -82,20 +83,19 @@ def _compile_variants(fn, config, N: int, K: int, x: torch.Tensor, args: tuple, 
 @torch.library.custom_op("quantserve::int8_gemv_fused", mutates_args=())
 def int8_gemv_fused(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, norm: Optional[torch.Tensor],
                     eps: float, residual: Optional[torch.Tensor], gated: bool) -> torch.Tensor:
-    """x [1, K] fp16 ([1, 2K] when gated), weight int8 [N, K], scales [N], norm [K] or None,
-    residual [1, N] or None -> [1, N] fp16."""
+    """x [1, K] fp16, weight int8 [N, K], scales [N], norm [K] or None, residual [1, N] (gated:
+    [1, N / 2]) or None -> [1, N] fp16 ([1, N / 2] gated)."""
     x = x.contiguous()
     N, K = weight.shape
     y = _fused("int8", N, K, x, (x, weight, scales), {}, norm, eps, residual, gated)
     if y is None:
-        y = triton_mm.int8_weight_mm(_prologue(x, norm, eps, gated), weight, scales)
-        y = y if residual is None else y + residual
+        y = _separate(x, lambda x: triton_mm.int8_weight_mm(x, weight, scales), norm, eps, residual, gated)
     return y
 
 
 @int8_gemv_fused.register_fake
 def _(x, weight, scales, norm, eps, residual, gated):
-    return x.new_empty((x.shape[0], weight.shape[0]))
+    return x.new_empty((x.shape[0], weight.shape[0] // (2 if gated else 1)))
 
 
 @torch.library.custom_op("quantserve::int4_gemv_fused", mutates_args=())
@@ -108,11 +108,11 @@ def int4_gemv_fused(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     y = _fused("int4", N, K, x, (x, packed, scales, mins), {"GROUP": group_size}, norm, eps, residual,
                gated)
     if y is None:
-        y = triton_mm.int4_weight_mm(_prologue(x, norm, eps, gated), packed, scales, mins, group_size)
-        y = y if residual is None else y + residual
+        y = _separate(x, lambda x: triton_mm.int4_weight_mm(x, packed, scales, mins, group_size), norm, eps,
+                      residual, gated)
     return y
 
 
 @int4_gemv_fused.register_fake
 def _(x, packed, scales, mins, group_size, norm, eps, residual, gated):
-    return x.new_empty((x.shape[0], packed.shape[0]))
+    return x.new_empty((x.shape[0], packed.shape[0] // (2 if gated else 1)))

@@ -358,8 +358,9 @@ def load_choices(path) -> int:
 
 
 def run_choice(fn, config, block_m: int, M: int, N: int, K: int, x: torch.Tensor, args: tuple, extra: dict,
-         warmup: bool = False):
-    """One call of a choice; `warmup`: compile its Triton kernel without launching it."""
+               warmup: bool = False):
+    """One call of a choice; `warmup`: compile its Triton kernel without launching it.  With the
+    GATED flag (triton_gemv.py) the output is N / 2 wide: silu(gate) * up of the two halves."""
     if config is None:  # dequantize + cuBLAS
         return None if warmup else fn(*args, *([extra["GROUP"]] if "GROUP" in extra else []))
     # Without split-K the kernel writes x's dtype into an uninitialised tensor: no zero-fill and
@@ -367,7 +368,7 @@ def run_choice(fn, config, block_m: int, M: int, N: int, K: int, x: torch.Tensor
     meta = config.kwargs
     split = meta["SPLIT_K"]
     if split == 1:
-        out = torch.empty((M, N), device=x.device, dtype=x.dtype)
+        out = torch.empty((M, N // 2 if extra.get("GATED") else N), device=x.device, dtype=x.dtype)
     else:
         out = torch.zeros((M, N), device=x.device, dtype=torch.float32)
     grid = (-(-N // meta["BLOCK_N"]), split, -(-M // block_m))

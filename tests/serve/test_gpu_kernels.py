@@ -172,45 +172,53 @@ def test_launcher_inside_a_cuda_graph():
         _check(y4, _reference(q4, x), "int4 graph")
 
 
-def _prologue_reference(x: torch.Tensor, K: int, form: str, norm: torch.Tensor, eps: float) -> torch.Tensor:
-    """What a fused kernel's layer takes in, in fp32: silu(gate) * up, the RMS-normalized x times
-    the norm's weight, or x."""
+def _fused_reference(layer, x: torch.Tensor, norm: torch.Tensor | None, eps: float, gated: bool,
+                     residual: torch.Tensor | None) -> torch.Tensor:
+    """What a fused kernel computes, in fp32 from the layer's own integers: x RMS-normalized and
+    times the norm's weight (norm given), the matmul, silu(gate) * up of its halves (gated), plus
+    the residual."""
     xf = x.float()
-    if form == "gated":
-        return torch.nn.functional.silu(xf[:, :K]) * xf[:, K:]
-    if form == "norm":
-        return norm.float() * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return xf
+    if norm is not None:
+        xf = norm.float() * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = _reference(layer, xf)
+    if gated:
+        gate, up = y.chunk(2, dim=-1)
+        y = torch.nn.functional.silu(gate) * up
+    return y if residual is None else y + residual.float()
+
+
+# the fused forms the model uses: norm -> qkv / vocabulary, norm -> gate-up -> silu(gate) * up,
+# o / down -> + residual
+FUSED_FORMS = {"norm": (True, False, False), "norm+gated": (True, True, False), "residual": (False, False, True)}
 
 
 def test_every_matrix_vector_config_with_its_neighbours_fused():
-    """The batch-1 kernels with the element-wise work around them taken in (triton_fused.py): the
-    RMSNorm before the layer, silu(gate) * up before it, the residual add after it; each config,
-    with and without the bit-pattern dequantization, against the separate ops in fp32."""
+    """The batch-1 kernels with the element-wise work around them taken in (triton_fused.py), in
+    each form the model uses: each config, with and without the bit-pattern dequantization, against
+    the separate ops in fp32.  N is not a multiple of any BLOCK_N (the clamped last rows, and for
+    the gate the last pairs)."""
     from quantserve.server.fastcore import triton_gemv, triton_mm
 
     N, K, eps = 1000, 4096, 1e-5
     q8, q4 = _layers(N, K, seed=6)
     torch.manual_seed(6)
     norm = torch.rand(K, device="cuda", dtype=torch.float16) + 0.5
-    residual = torch.randn(1, N, device="cuda", dtype=torch.float16)
-    wide = torch.randn(1, 2 * K, device="cuda", dtype=torch.float16) * 2 + 0.3  # gate and up, or x in its first half
-    forms = {"norm": {"NORM": True, "norm_ptr": norm}, "residual": {"RESIDUAL": True, "res_ptr": residual},
-             "gated": {"GATED": True, "RESIDUAL": True, "res_ptr": residual}}
-    for form, flags in forms.items():
-        x = wide if form == "gated" else wide[:, :K].contiguous()
-        y = _prologue_reference(x, K, form, norm, eps)
-        add = residual.float() if "res_ptr" in flags else 0.0
-        ref8, ref4 = _reference(q8, y) + add, _reference(q4, y) + add
+    x = torch.randn(1, K, device="cuda", dtype=torch.float16) * 2 + 0.3
+    for form, (normed, gated, added) in FUSED_FORMS.items():
+        residual = torch.randn(1, N // 2 if gated else N, device="cuda", dtype=torch.float16) if added else None
+        flags = {"eps": eps, "NORM": normed, "GATED": gated, "RESIDUAL": added,
+                 "norm_ptr": norm if normed else None, "res_ptr": residual}
+        ref8 = _fused_reference(q8, x, norm if normed else None, eps, gated, residual)
+        ref4 = _fused_reference(q4, x, norm if normed else None, eps, gated, residual)
         for bits in (True, False):
             for config in triton_gemv.int8_gemv_kernel.configs:
                 _check(triton_mm.run_choice(triton_gemv.int8_gemv_kernel.fn, config, 1, 1, N, K, x,
-                                            (x, q8.weight, q8.scales), {"BIT_DEQUANT": bits, "eps": eps, **flags}),
+                                            (x, q8.weight, q8.scales), {"BIT_DEQUANT": bits, **flags}),
                        ref8, f"int8 {form} {config} bits={bits}")
             for config in triton_gemv.int4_gemv_kernel.configs:
                 _check(triton_mm.run_choice(triton_gemv.int4_gemv_kernel.fn, config, 1, 1, N, K, x,
                                             (x, q4.weight, q4.scales, q4.mins),
-                                            {"GROUP": q4.group_size, "BIT_DEQUANT": bits, "eps": eps, **flags}),
+                                            {"GROUP": q4.group_size, "BIT_DEQUANT": bits, **flags}),
                        ref4, f"int4 {form} {config} bits={bits}")
 
 
@@ -223,28 +231,24 @@ def test_fused_ops_match_the_separate_ops_before_and_after_the_choice():
     q8, q4 = _layers(N, K, seed=7)
     torch.manual_seed(7)
     norm = torch.rand(K, device="cuda", dtype=torch.float16) + 0.5
-    residual = torch.randn(1, N, device="cuda", dtype=torch.float16)
-    x = torch.randn(1, 2 * K, device="cuda", dtype=torch.float16)
-    calls = {
-        "int8": lambda x, norm, res, gated: triton_fused.int8_gemv_fused(x, q8.weight, q8.scales, norm, eps, res, gated),
-        "int4": lambda x, norm, res, gated: triton_fused.int4_gemv_fused(x, q4.weight, q4.scales, q4.mins,
-                                                                          q4.group_size, norm, eps, res, gated),
-    }
-    for weights, call in calls.items():
-        layer = q8 if weights == "int8" else q4
-        for form, args in {"norm": (x[:, :K].contiguous(), norm, None, False),
-                           "residual": (x[:, :K].contiguous(), None, residual, False),
-                           "gated": (x, None, residual, True)}.items():
-            ref = _reference(layer, _prologue_reference(args[0], K, form, norm, eps)) \
-                + (residual.float() if args[2] is not None else 0.0)
-            first = call(*args)  # the separate ops (and the shape's tuning)
+    x = torch.randn(1, K, device="cuda", dtype=torch.float16)
+    for weights, layer in (("int8", q8), ("int4", q4)):
+        for form, (normed, gated, added) in FUSED_FORMS.items():
+            residual = torch.randn(1, N // 2 if gated else N, device="cuda", dtype=torch.float16) if added else None
+            n = norm if normed else None
+            if weights == "int8":
+                call = lambda: triton_fused.int8_gemv_fused(x, q8.weight, q8.scales, n, eps, residual, gated)  # noqa: E731
+            else:
+                call = lambda: triton_fused.int4_gemv_fused(x, q4.weight, q4.scales, q4.mins, q4.group_size,  # noqa: E731
+                                                            n, eps, residual, gated)
+            ref = _fused_reference(layer, x, n, eps, gated, residual)
+            _check(call(), ref, f"{weights} {form}: first call")
             chosen = triton_mm.chosen(weights, 1, N, K)
             assert chosen is not None and chosen[0].__name__ == f"_{weights}_gemv_kernel", chosen
-            _check(first, ref, f"{weights} {form} separate")
-            _check(call(*args), ref, f"{weights} {form} fused")
+            _check(call(), ref, f"{weights} {form} fused")
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                y = call(*args)
+                y = call()
             graph.replay()
             torch.cuda.synchronize()
             _check(y, ref, f"{weights} {form} fused, from a graph")
@@ -254,7 +258,7 @@ def test_fused_ops_match_the_separate_ops_before_and_after_the_choice():
 def test_a_one_token_step_launches_fewer_kernels_fused(mode):
     """A Llama block at batch 1 through fused.py: its norms, gate and residual adds run inside the
     weight kernels (at least 3 kernels a layer fewer in an eager step, as torch.profiler counts
-    them), with the separate ops' logits and next token."""
+    them), with the separate ops' logits and next token; the final norm too, with the vocabulary."""
     from transformers import LlamaConfig
 
     from quantserve.server.fastcore.core import FastCore
@@ -264,7 +268,7 @@ def test_a_one_token_step_launches_fewer_kernels_fused(mode):
     core = FastCore(None, random_config=cfg, max_slots=2, max_seq=256, device="cuda", weight_quant=mode,
                     quant_kernel="triton", compile=False)
     fusable = [m for m in core.model.modules() if getattr(m, "fusable", False)]
-    assert len(fusable) == 4 * cfg.num_hidden_layers  # qkv, o, gate-up and down of every layer
+    assert len(fusable) == 4 * cfg.num_hidden_layers + 1  # qkv, o, gate-up and down of every layer; lm_head
 
     def step(fused: bool):
         """The logits of the same sequence's second decode step, and the CUDA kernels it launched."""
