@@ -3,11 +3,10 @@
 # kernels (server/fastcore/fused.py) against the same build with them as separate kernels, in one
 # call on the lent GPU (~8 minutes on a fresh machine):
 #   the GPU tests of the fused kernels and ops (every matrix-vector config in each fused form: norm,
-#   norm + gate, residual; the
-#   ops before and after the launcher's choice, inside a CUDA graph, the kernel count of a one-token
-#   step) and the compiled, CUDA-graphed decode against eager; then bench decode at batch 1 under
-#   the T4 profile, --fusion on,off: 8B int8 (with a 16-step kernel profile), 8B int4, 8B fp16,
-#   1B int8.
+#   norm + gate, residual; the ops before and after the launcher's choice, inside a CUDA graph; the
+#   kernel count of a one-token step) and the compiled, CUDA-graphed decode against eager; then
+#   bench decode at batch 1 under the T4 profile, --fusion on,off: 8B int8 (with a 16-step kernel
+#   profile), 8B int4, 8B fp16, 1B int8.
 #   bench/fusion_gpu.sh OUT     (from the repo root, .devwheels carried; OUT gets results.tgz and bench.txt)
 set -uo pipefail
 dest=$(realpath -m "$1"); out=/tmp/fusion; mkdir -p "$out" "$dest"; repo=$PWD; site=/tmp/site
