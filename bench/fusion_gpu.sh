@@ -6,7 +6,8 @@
 #   norm + gate, residual; the ops before and after the launcher's choice, inside a CUDA graph; the
 #   kernel count of a one-token step) and the compiled, CUDA-graphed decode against eager; then
 #   bench decode at batch 1 under the T4 profile, --fusion on,off: 8B int8 (with a 16-step kernel
-#   profile), 8B int4, 8B fp16, 1B int8.
+#   profile), 8B int4; the per-layer race at batch 1 (8B: fp16, int8, int4 as the launcher chooses,
+#   and int4's matrix-vector kernel with fp32 and with packed fp16 products alone); 8B fp16, 1B int8.
 #   bench/fusion_gpu.sh OUT     (from the repo root, .devwheels carried; OUT gets results.tgz and bench.txt)
 set -uo pipefail
 dest=$(realpath -m "$1"); out=/tmp/fusion; mkdir -p "$out" "$dest"; repo=$PWD; site=/tmp/site
@@ -18,14 +19,18 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --
 (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) > "$out/bench.txt"
 PYTHONPATH=$site python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$out/bench.txt" 2>&1
 log "installed"
-(cd /tmp && PYTHONPATH=$site timeout 200 python3 -m pytest --import-mode=append -q -p no:cacheprovider -rf \
+(cd /tmp && PYTHONPATH=$site timeout 240 python3 -m pytest --import-mode=append -q -p no:cacheprovider -rf \
     "$repo/tests/serve/test_gpu_kernels.py" "$repo/tests/serve/test_fastcore.py" \
-    -k "fused or fewer_kernels or matrix_vector or (compiled_triton_decode and not gemlite)") \
+    -k "fused or fewer_kernels or matrix_vector or disagrees or launcher or (compiled_triton_decode and not gemlite)") \
     > "$out/gpu-tests.log" 2>&1 || log "gpu tests: rc=$?"
 grep -E "^FAILED|passed|failed" "$out/gpu-tests.log" >> "$out/bench.txt"; log "tests done"
 decode $(left 330) 8b-int8 --models 8b --quants int8 --kernels triton --batches 1 --fusion on,off --profile-steps 16
 decode $(left 420) 8b-int4 --models 8b --quants int4 --kernels triton --batches 1 --fusion on,off
-decode $(left 480) 8b-fp16 --models 8b --quants none --batches 1
+(cd /tmp && PYTHONPATH=$site timeout $(left 470) python3 -m quantserve.bench.kernel_race --shapes 8b --batches 1 \
+    --kinds fp16,int8,int8-gemv,int4,int4-gemv,int4-halfdot --out "$out/race-8b.json") > "$out/race-8b.log" 2>&1 \
+    || log "race: rc=$?"
+grep -E "^\| " "$out/race-8b.log" >> "$out/bench.txt"; log "race done"
+decode $(left 520) 8b-fp16 --models 8b --quants none --batches 1
 decode $(left 570) 1b-int8 --models 1b --quants int8 --kernels triton --batches 1 --fusion on,off
 # the device returns at most 8 files: everything as one tarball, and the summary beside it
 tar czf "$dest/results.tgz" -C "$out" . && cp "$out/bench.txt" "$dest/"; cat "$out/bench.txt"

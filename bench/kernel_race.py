@@ -11,7 +11,9 @@ MB) and the time per call is the graph's time over its calls, launch gaps betwee
 as in the decode step's own graph.  Kinds (as in bench/kernels.py): fp16 (cuBLAS), int8 / int4 ours
 (the launcher's own choice per shape, reported with it), int8-old / int4-old (the batch-1
 matrix-vector kernels of the file given by --old, at their autotuner's best config, split-K buffer
-and cast included), int8-gemlite / int4-gemlite, int8-dense / int4-dense and int8-tiles / int4-tiles (prompts
+and cast included), int8-gemv / int4-gemv / int4-halfdot (batch 1: this tree's matrix-vector
+kernel alone at its autotuner's config, with the bit-pattern dequantization; int4-halfdot with
+its products in packed fp16), int8-gemlite / int4-gemlite, int8-dense / int4-dense and int8-tiles / int4-tiles (prompts
 only: the dequantize-then-cuBLAS path alone, the 128-row tiles alone).  Every row also records the error against the
 fp32 product of the same integers dequantized.
 """
@@ -31,8 +33,9 @@ SHAPES = {
     "1b": ([("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192)], 16,
            ("lm_head", 128256, 2048)),
 }
-KINDS = ("fp16", "int8", "int8-old", "int8-gemlite", "int8-dense", "int8-tiles", "int4", "int4-old", "int4-gemlite",
-         "int4-dense", "int4-tiles")
+KINDS = ("fp16", "int8", "int8-old", "int8-gemv", "int8-gemlite", "int8-dense", "int8-tiles", "int4", "int4-old",
+         "int4-gemv", "int4-halfdot", "int4-gemlite", "int4-dense", "int4-tiles")
+BATCH1_ONLY = ("-old", "-gemv", "-halfdot", "-gemlite")  # kinds timed at M = 1 only
 
 
 def _old_module(path: str | None):
@@ -80,8 +83,32 @@ def build(kind: str, w, old):
     weights, _, library = kind.partition("-")
     layer = make_linear(w, None, weights, torch.float16, "gemlite" if library == "gemlite" else "triton")
     fn = {"old": lambda: _old_layer(kind, layer, old), "dense": lambda: _dense_layer(layer),
-          "tiles": lambda: _tile_layer(layer)}.get(library, lambda: layer)()
+          "tiles": lambda: _tile_layer(layer), "gemv": lambda: _gemv_layer(layer, {"BIT_DEQUANT": True}),
+          "halfdot": lambda: _gemv_layer(layer, {"BIT_DEQUANT": True, "HALF_DOT": True})}.get(library, lambda: layer)()
     return fn, linear_weight_bytes(layer), layer
+
+
+def _gemv_layer(layer, flags: dict):
+    """x -> y by this tree's batch-1 matrix-vector kernel alone with `flags`, at its autotuner's
+    best config for the shape (the launcher may keep another kind; this row shows the variant)."""
+    from quantserve.server.fastcore import triton_gemv, triton_mm
+
+    int4 = hasattr(layer, "mins")
+    tuned = triton_gemv.int4_gemv_kernel if int4 else triton_gemv.int8_gemv_kernel
+    args = (layer.weight, layer.scales) + ((layer.mins,) if int4 else ())
+    extra = {"GROUP": layer.group_size} if int4 else {}
+    state = {}
+
+    def call(x):
+        M, K = x.shape
+        N = layer.weight.shape[0]
+        if "choice" not in state:
+            state["choice"] = triton_mm._tune(tuned, 1, M, N, K, x, (x, *args), extra)
+            state["config"] = state["choice"][1]
+        fn, config, _, _ = state["choice"]
+        return triton_mm.run_choice(fn, config, 1, M, N, K, x, (x, *args), {**extra, **flags})
+    call.state = state
+    return call
 
 
 def _dense_layer(layer):
@@ -174,7 +201,7 @@ def describe_choice(kind: str, fn, N: int, K: int, M: int) -> str | None:
         f, config, block_m, flags = c
         name = getattr(f, "__name__", None) or getattr(getattr(f, "fn", None), "__name__", str(f))
         return f"{name} {config.kwargs if config is not None else 'dense'} w{getattr(config, 'num_warps', '-')} {flags}"
-    if kind.endswith(("-old", "-tiles")):
+    if kind.endswith(("-old", "-tiles", "-gemv", "-halfdot")):
         c = fn.state.get("config")
         return f"{kind.split('-')[1]} {c.kwargs} w{c.num_warps} s{c.num_stages}" if c is not None else None
     return None
@@ -211,8 +238,8 @@ def run(shapes, kinds, batches, out: str, old_path: str | None, budget_mb: int =
                 fns, nbytes = [b[0] for b in built], built[0][1]
                 ref_w = dequantized(ws[0])[kind.split("-")[0]]
                 for M in batches:
-                    if M > 1 and kind.endswith(("-old", "-gemlite")):
-                        continue  # batch-1 kernels (old) / GemLite's own per-M tuning: batch 1 only here
+                    if M > 1 and kind.endswith(BATCH1_ONLY):
+                        continue  # batch-1 kernels (ours alone, old) / GemLite's own per-M tuning: batch 1 only here
                     if M <= 64 and kind.endswith(("-dense", "-tiles")):
                         continue  # a prompt path
                     torch.manual_seed(M)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 
 import torch
 
@@ -262,14 +263,35 @@ def _compile_pool():
 
 def _fastest(choices: list[tuple], M: int, N: int, K: int, x: torch.Tensor, args: tuple, extra: dict) -> tuple:
     """The choice whose whole call (output allocation, zero-fill and cast where split-K needs them)
-    takes least GPU time, timed with the L2 cache flushed between calls as a decode step sees it."""
+    takes least GPU time, timed with the L2 cache flushed between calls as a decode step sees it,
+    among those whose result agrees with the first choice's (_agreeing)."""
     if len(choices) == 1:
         return choices[0]
-    with compiling_ahead():  # the batch-1 kernels' variants (BIT_DEQUANT) are new compiles
+    with compiling_ahead():  # the batch-1 kernels' variants (BIT_DEQUANT, HALF_DOT) are new compiles
         for c in choices:
             run_choice(*c[:3], M, N, K, x, args, {**extra, **c[3]}, warmup=True)
+    choices = _agreeing(choices, M, N, K, x, args, extra)
     times = [quick_bench(lambda c=c: run_choice(*c[:3], M, N, K, x, args, {**extra, **c[3]})) for c in choices]
     return choices[times.index(min(times))]
+
+
+def _agreeing(choices: list[tuple], M: int, N: int, K: int, x: torch.Tensor, args: tuple, extra: dict) -> list[tuple]:
+    """The choices whose output on this call's input agrees with the first's (the tiled kernel,
+    plain `tl.dot`) to 1 % of its largest value: the bit tricks in inline PTX are only tested on the
+    GPUs they ran on, and a variant that computes something else on another GPU must not win on
+    speed.  One that disagrees is left out, and said so on stderr."""
+    outs = [run_choice(*c[:3], M, N, K, x, args, {**extra, **c[3]}).float() for c in choices]
+    ref = outs[0]
+    bound = 1e-2 * ref.abs().max().item() + 1e-3
+    keep = []
+    for c, y in zip(choices, outs):
+        err = (y - ref).abs().max().item()
+        if err <= bound:  # NaN compares False: left out too
+            keep.append(c)
+        else:
+            print(f"warning: weight kernel {_kernel_name(c[0])} {c[3]} for {M}x{N}x{K} differs from the tiled "
+                  f"kernel by {err:.3g} (bound {bound:.3g}); not used", file=sys.stderr)
+    return keep
 
 
 def _launch(kernel, M: int, N: int, x: torch.Tensor, args: tuple, gemv=None, dense=None, prompt=None,
@@ -279,8 +301,8 @@ def _launch(kernel, M: int, N: int, x: torch.Tensor, args: tuple, gemv=None, den
 
     The first call for a shape tunes: each autotuner picks its best config, then the kinds'
     winners are timed against each other (at batch 1: tiled, matrix-vector with and without the
-    bit-pattern dequantization; for M > 64: tiled on 64 rows, 128-row tiles, dequantize-then-cuBLAS)
-    and the fastest is kept.  Later calls launch the choice directly."""
+    bit-pattern dequantization, and int4's packed fp16 products; for M > 64: tiled on 64 rows,
+    128-row tiles, dequantize-then-cuBLAS) and the fastest is kept.  Later calls launch the choice directly."""
     K = x.shape[1]
     key = (kernel.fn.__name__, _m_bucket(M), M == 1, N, K, x.dtype, extra.get("GROUP"))  # batch 1 has its own choice
     if key not in _chosen:
@@ -294,6 +316,8 @@ def _launch(kernel, M: int, N: int, x: torch.Tensor, args: tuple, gemv=None, den
             if gemv is not None and M == 1 and gemv_fits(gemv, K):
                 fn, config, block_m, _ = _tune(gemv, 1, M, N, K, x, args, extra)
                 choices += [(fn, config, 1, {"BIT_DEQUANT": bits}) for bits in (True, False)]
+                if gemv is int4_gemv_kernel:  # products in packed fp16 (triton_gemv._nibble_dot)
+                    choices.append((fn, config, 1, {"BIT_DEQUANT": True, "HALF_DOT": True}))
         _chosen[key] = _fastest(choices, M, N, K, x, args, extra)
     fn, config, block_m, flags = _chosen[key]
     return run_choice(fn, config, block_m, M, N, K, x, args, {**extra, **flags})
