@@ -41,14 +41,37 @@ def counts(cubin: bytes) -> dict[str, int]:
     return dict(collections.Counter(ops))
 
 
-def compile_for(src, arch: str, options: dict | None = None) -> dict[str, int]:
-    """Compile a Triton ASTSource for `arch` ("sm_75") and count its instructions."""
+def _sass(cubin: bytes) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([cuobjdump(), "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def loop_counts(cubin: bytes) -> dict[str, int]:
+    """Instruction mnemonic -> count in the cubin's longest loop body (the instructions between a
+    backward branch and its target): what one K step of a weight kernel costs a thread."""
+    lines = [line for line in _sass(cubin).splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
+    address = [int(re.search(r"/\*([0-9a-f]{4,})\*/", line).group(1), 16) for line in lines]
+    best: list[str] = []
+    for i, line in enumerate(lines):
+        target = re.search(r"BRA\s+0x([0-9a-f]+)", line)
+        if target and int(target.group(1), 16) < address[i]:
+            body = [x for x, a in zip(lines, address) if int(target.group(1), 16) <= a <= address[i]]
+            best = body if len(body) > len(best) else best
+    return dict(collections.Counter(re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)",
+                                               "\n".join(best))))
+
+
+def compile_for(src, arch: str, options: dict | None = None, loop: bool = False) -> dict[str, int]:
+    """Compile a Triton ASTSource for `arch` ("sm_75") and count its instructions (`loop`: in its
+    longest loop's body only)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     cc = int(arch.removeprefix("sm_"))
     kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=options or {})
-    return counts(kernel.asm["cubin"])
+    return loop_counts(kernel.asm["cubin"]) if loop else counts(kernel.asm["cubin"])
 
 
 def compiled_kernels():
@@ -107,6 +130,40 @@ def _ours(arch: str = "sm_75") -> dict[str, tuple]:
         const = {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1, "BIT_DEQUANT": True, **extra}
         out[name] = (ASTSource(fn=fn, signature={**sig, **{m: "constexpr" for m in meta + tuple(extra)}}, constexprs=const),
                      {"num_warps": 4})
+    return out
+
+
+def _gemv_forms() -> dict[str, tuple]:
+    """(ASTSource, options) of the batch-1 matrix-vector kernels in each form a decode step runs
+    (fastcore/fused.py: the norm, the gate, the residual; int4's packed fp16 products), at the
+    configs the 8B shape's layers take (int8: 16 rows x 512 columns, int4: 16 x 1024, 4 warps)."""
+    from triton.compiler import ASTSource
+
+    from quantserve.server.fastcore import triton_gemv
+
+    forms = {"plain": {}, "norm": {"NORM": True}, "norm + gate": {"NORM": True, "GATED": True},
+             "residual": {"RESIDUAL": True}, "packed fp16": {"HALF_DOT": True},
+             "packed fp16, norm": {"HALF_DOT": True, "NORM": True}}
+    out = {}
+    for kind, fn, block_k in (("int8", triton_gemv._int8_gemv_kernel, 512), ("int4", triton_gemv._int4_gemv_kernel, 1024)):
+        sig = {"x_ptr": "*fp16", "w_ptr": "*i8" if kind == "int8" else "*u8", "s_ptr": "*fp16"}
+        sig.update({"z_ptr": "*fp16"} if kind == "int4" else {})
+        sig.update({n: "i32" for n in ("M", "N", "K", "M_BUCKET", "stride_xm", "stride_om")}, out_ptr="*fp16")
+        sig = {n: sig[n] for n in fn.arg_names if n in sig}  # in the kernel's own order
+        for name, form in forms.items():
+            if kind == "int8" and form.get("HALF_DOT"):
+                continue
+            const = {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": block_k, "SPLIT_K": 1, "BIT_DEQUANT": True,
+                     **{flag: form.get(flag, False) for flag in ("NORM", "GATED", "RESIDUAL")}}
+            const.update({"GROUP": 128, "HALF_DOT": form.get("HALF_DOT", False)} if kind == "int4" else {})
+            full = dict(sig, eps="fp32", **{n: "constexpr" for n in const})
+            for ptr, flag in (("norm_ptr", "NORM"), ("res_ptr", "RESIDUAL")):
+                full[ptr] = "*fp16" if form.get(flag) else "constexpr"
+                if not form.get(flag):
+                    const[ptr] = None
+            full = {n: full[n] for n in fn.arg_names if n in full}
+            out[f"ours {kind} batch-1, {name}"] = (ASTSource(fn=fn, signature=full, constexprs=const),
+                                                   {"num_warps": 4, "num_stages": 1})
     return out
 
 
@@ -180,7 +237,16 @@ def main(argv=None) -> int:
     ap = Parser(prog="python -m bench.sass", description="Compile our weight kernels and GemLite's batch-1 4-bit kernel for GPU architectures "
                             "and count their SASS instructions (no GPU needed: Triton cross-compiles).")
     ap.add_argument("--arch", default="sm_75,sm_90", help="comma list, e.g. sm_75,sm_90")
+    ap.add_argument("--gemv-forms", action="store_true", help="instead: the batch-1 kernels' loop body (one K step) "
+                    "in each fused form and int4's packed fp16 variant")
     args = ap.parse_args(argv)
+    if args.gemv_forms:
+        for arch in [a.strip() for a in args.arch.split(",") if a.strip()]:
+            for name, (src, options) in _gemv_forms().items():
+                c = compile_for(src, arch, options, loop=True)
+                top = " ".join(f"{k} {n}" for k, n in sorted(c.items(), key=lambda kv: -kv[1])[:8])
+                print(f"{arch}  {name:36} {sum(c.values()):4d} instructions a K step: {top}")
+        return 0
     gemlite = {}
     try:
         _import_gemlite_without_a_gpu()

@@ -12,43 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.weight_kernels import FUSED_FORMS, INT4_VARIANTS, bound, check, fused_reference, layers, reference
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton weight kernels run on a CUDA GPU only")
-
-
-def _layers(N: int, K: int, seed: int = 0):
-    from quantserve.server.fastcore.quant import make_linear
-
-    torch.manual_seed(seed)
-    w = torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02
-    q8 = make_linear(w, None, "int8", torch.float16, "torch")
-    q4 = make_linear(w, None, "int4", torch.float16, "torch")
-    return q8, q4
-
-
-def _reference(layer, x: torch.Tensor) -> torch.Tensor:
-    """x @ dequant(W).T in fp32 from the layer's own integers and scales."""
-    if hasattr(layer, "mins"):
-        w = layer.dequantize(torch.float32)
-    else:
-        w = layer.weight.float() * layer.scales.float()[:, None]
-    return x.float() @ w.t()
-
-
-def _check(y: torch.Tensor, ref: torch.Tensor, what: str, rel: float = 2e-3) -> None:
-    assert y.shape == ref.shape and y.dtype == torch.float16, what
-    # fp16 output of an fp32 sum: compared against the outputs' own scale
-    err = (y.float() - ref).abs().max().item()
-    assert err <= rel * ref.abs().max().item() + 1e-3, (what, err, ref.abs().max().item())
-
-
-# int4's batch-1 variants: fp32 products of 1024 + q (the bit trick) or of q (Triton's conversion),
-# and packed fp16 products (HALF_DOT: each product and each lane's sum of 4 rounded to fp16, ~1e-3
-# of the output's scale in Triton's interpreter, so a looser bound)
-INT4_VARIANTS = ({"BIT_DEQUANT": True}, {"BIT_DEQUANT": False}, {"BIT_DEQUANT": True, "HALF_DOT": True})
-
-
-def _rel(flags: dict) -> float:
-    return 5e-3 if flags.get("HALF_DOT") else 2e-3
 
 
 def test_every_matrix_vector_config():
@@ -57,19 +23,19 @@ def test_every_matrix_vector_config():
     from quantserve.server.fastcore import triton_gemv, triton_mm
 
     N, K = 1000, 4096
-    q8, q4 = _layers(N, K)
+    q8, q4 = layers(N, K)
     x = torch.randn(1, K, device="cuda", dtype=torch.float16)
-    ref8, ref4 = _reference(q8, x), _reference(q4, x)
+    ref8, ref4 = reference(q8, x), reference(q4, x)
     for bits in (True, False):
         for config in triton_gemv.int8_gemv_kernel.configs:
             y = triton_mm.run_choice(triton_gemv.int8_gemv_kernel.fn, config, 1, 1, N, K, x, (x, q8.weight, q8.scales),
                                {"BIT_DEQUANT": bits})
-            _check(y, ref8, f"int8 {config} bits={bits}")
+            check(y, ref8, f"int8 {config} bits={bits}")
     for flags in INT4_VARIANTS:
         for config in triton_gemv.int4_gemv_kernel.configs:
             y = triton_mm.run_choice(triton_gemv.int4_gemv_kernel.fn, config, 1, 1, N, K, x,
                                      (x, q4.weight, q4.scales, q4.mins), {"GROUP": q4.group_size, **flags})
-            _check(y, ref4, f"int4 {config} {flags}", _rel(flags))
+            check(y, ref4, f"int4 {config} {flags}", bound(flags))
 
 
 def test_matrix_vector_with_large_activations():
@@ -79,33 +45,33 @@ def test_matrix_vector_with_large_activations():
     from quantserve.server.fastcore import triton_gemv, triton_mm
 
     N, K = 512, 14336
-    q8, q4 = _layers(N, K, seed=5)
+    q8, q4 = layers(N, K, seed=5)
     x = torch.randn(1, K, device="cuda", dtype=torch.float16)
     x[0, ::97] *= 300
     x = x + 2.0  # a mean far from zero: sum(x) large against the result
     c8, c4 = triton_gemv.int8_gemv_kernel.configs[0], triton_gemv.int4_gemv_kernel.configs[0]
     for bits in (True, False):
-        _check(triton_mm.run_choice(triton_gemv.int8_gemv_kernel.fn, c8, 1, 1, N, K, x, (x, q8.weight, q8.scales),
-                              {"BIT_DEQUANT": bits}), _reference(q8, x), f"int8 bits={bits}")
+        check(triton_mm.run_choice(triton_gemv.int8_gemv_kernel.fn, c8, 1, 1, N, K, x, (x, q8.weight, q8.scales),
+                              {"BIT_DEQUANT": bits}), reference(q8, x), f"int8 bits={bits}")
     for flags in INT4_VARIANTS:
-        _check(triton_mm.run_choice(triton_gemv.int4_gemv_kernel.fn, c4, 1, 1, N, K, x, (x, q4.weight, q4.scales, q4.mins),
-                                    {"GROUP": q4.group_size, **flags}), _reference(q4, x), f"int4 {flags}", _rel(flags))
+        check(triton_mm.run_choice(triton_gemv.int4_gemv_kernel.fn, c4, 1, 1, N, K, x, (x, q4.weight, q4.scales, q4.mins),
+                                    {"GROUP": q4.group_size, **flags}), reference(q4, x), f"int4 {flags}", bound(flags))
 
 
 def test_every_prompt_tile_config():
     from quantserve.server.fastcore import triton_mm
 
     N, K, M = 1000, 2048, 200
-    q8, q4 = _layers(N, K)
+    q8, q4 = layers(N, K)
     x = torch.randn(M, K, device="cuda", dtype=torch.float16)
-    ref8, ref4 = _reference(q8, x), _reference(q4, x)
+    ref8, ref4 = reference(q8, x), reference(q4, x)
     for config in triton_mm._prompt_configs():
         y = triton_mm.run_choice(triton_mm.int8_prompt_kernel.fn, config, triton_mm.PROMPT_BLOCK_M, M, N, K, x,
                            (x, q8.weight, q8.scales), {})
-        _check(y, ref8, f"int8 prompt {config}")
+        check(y, ref8, f"int8 prompt {config}")
         y = triton_mm.run_choice(triton_mm.int4_prompt_kernel.fn, config, triton_mm.PROMPT_BLOCK_M, M, N, K, x,
                            (x, q4.weight, q4.scales, q4.mins), {"GROUP": q4.group_size})
-        _check(y, ref4, f"int4 prompt {config}")
+        check(y, ref4, f"int4 prompt {config}")
 
 
 def test_every_tile_config_at_decode_batches():
@@ -115,18 +81,18 @@ def test_every_tile_config_at_decode_batches():
     from quantserve.server.fastcore import triton_mm
 
     N, K = 1000, 2048
-    q8, q4 = _layers(N, K, seed=3)
+    q8, q4 = layers(N, K, seed=3)
     for M in (8, 33, 64):
         x = torch.randn(M, K, device="cuda", dtype=torch.float16)
-        ref8, ref4 = _reference(q8, x), _reference(q4, x)
+        ref8, ref4 = reference(q8, x), reference(q4, x)
         for config in triton_mm._configs():
             if K % (config.kwargs["BLOCK_K"] * config.kwargs["SPLIT_K"]):
                 continue
             block_m = triton_mm._block_m(M)
-            _check(triton_mm.run_choice(triton_mm.int8_kernel.fn, config, block_m, M, N, K, x, (x, q8.weight, q8.scales), {}),
+            check(triton_mm.run_choice(triton_mm.int8_kernel.fn, config, block_m, M, N, K, x, (x, q8.weight, q8.scales), {}),
                    ref8, f"int8 M={M} {config}")
             for z_dot in (True, False):  # z * sum(x) on tl.dot (tensor cores) or summed in the loop (a T4)
-                _check(triton_mm.run_choice(triton_mm.int4_kernel.fn, config, block_m, M, N, K, x,
+                check(triton_mm.run_choice(triton_mm.int4_kernel.fn, config, block_m, M, N, K, x,
                                       (x, q4.weight, q4.scales, q4.mins), {"GROUP": q4.group_size, "Z_DOT": z_dot}),
                        ref4, f"int4 M={M} {config} z_dot={z_dot}")
 
@@ -136,7 +102,7 @@ def test_dense_dequantization_is_exact():
     once; int4: q * s + m rounded once), for N and K that are not whole blocks."""
     from quantserve.server.fastcore.triton_dequant import dequantize_int4, dequantize_int8
 
-    q8, q4 = _layers(1000, 17 * 128, seed=4)  # 1000 rows, 2176 columns: neither is whole blocks of 32 x 256
+    q8, q4 = layers(1000, 17 * 128, seed=4)  # 1000 rows, 2176 columns: neither is whole blocks of 32 x 256
     want8 = (q8.weight.float() * q8.scales.float()[:, None]).half()
     assert torch.equal(dequantize_int8(q8.weight, q8.scales, torch.float16), want8)
     got4 = dequantize_int4(q4.weight, q4.scales, q4.mins, q4.group_size, torch.float16)
@@ -149,11 +115,11 @@ def test_launcher_matches_dequantized_matmul(N, K):
     """What the layers call: the launcher's own choice per shape, decode batches and prompts."""
     from quantserve.server.fastcore import triton_mm
 
-    q8, q4 = _layers(N, K, seed=1)
+    q8, q4 = layers(N, K, seed=1)
     for M in (1, 8, 33, 64, 200, 512):
         x = torch.randn(M, K, device="cuda", dtype=torch.float16)
-        _check(triton_mm.int8_weight_mm(x, q8.weight, q8.scales), _reference(q8, x), f"int8 M={M}")
-        _check(triton_mm.int4_weight_mm(x, q4.weight, q4.scales, q4.mins, q4.group_size), _reference(q4, x),
+        check(triton_mm.int8_weight_mm(x, q8.weight, q8.scales), reference(q8, x), f"int8 M={M}")
+        check(triton_mm.int4_weight_mm(x, q4.weight, q4.scales, q4.mins, q4.group_size), reference(q4, x),
                f"int4 M={M}")
         assert triton_mm.chosen("int8", M, N, K) is not None and triton_mm.chosen("int4", M, N, K) is not None
 
@@ -164,7 +130,7 @@ def test_launcher_inside_a_cuda_graph():
     from quantserve.server.fastcore import triton_mm
 
     N, K = 3072, 2048
-    q8, q4 = _layers(N, K, seed=2)
+    q8, q4 = layers(N, K, seed=2)
     x = torch.randn(1, K, device="cuda", dtype=torch.float16)
     run = lambda: (triton_mm.int8_weight_mm(x, q8.weight, q8.scales),  # noqa: E731
                    triton_mm.int4_weight_mm(x, q4.weight, q4.scales, q4.mins, q4.group_size))
@@ -181,63 +147,8 @@ def test_launcher_inside_a_cuda_graph():
         x.copy_(torch.randn(1, K, device="cuda", dtype=torch.float16))
         graph.replay()
         torch.cuda.synchronize()
-        _check(y8, _reference(q8, x), "int8 graph")
-        _check(y4, _reference(q4, x), "int4 graph")
-
-
-def _fused_reference(layer, x: torch.Tensor, norm: torch.Tensor | None, eps: float, gated: bool,
-                     residual: torch.Tensor | None) -> torch.Tensor:
-    """What a fused kernel computes, in fp32 from the layer's own integers: x RMS-normalized and
-    times the norm's weight (norm given), the matmul, silu(gate) * up of its halves (gated), plus
-    the residual."""
-    xf = x.float()
-    if norm is not None:
-        xf = norm.float() * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    y = _reference(layer, xf)
-    if gated:
-        gate, up = y.chunk(2, dim=-1)
-        y = torch.nn.functional.silu(gate) * up
-    return y if residual is None else y + residual.float()
-
-
-# the fused forms the model uses: norm -> qkv / vocabulary, norm -> gate-up -> silu(gate) * up,
-# o / down -> + residual
-FUSED_FORMS = {"norm": (True, False, False), "norm+gated": (True, True, False), "residual": (False, False, True)}
-
-
-def test_every_matrix_vector_config_with_its_neighbours_fused():
-    """The batch-1 kernels with the element-wise work around them taken in (triton_fused.py), in
-    each form the model uses: each config, with and without the bit-pattern dequantization, against
-    the separate ops in fp32.  N is not a multiple of any BLOCK_N (the clamped last rows, and for
-    the gate the last pairs)."""
-    from quantserve.server.fastcore import triton_gemv, triton_mm
-
-    N, K, eps = 1000, 4096, 1e-5
-    q8, q4 = _layers(N, K, seed=6)
-    torch.manual_seed(6)
-    norm = torch.rand(K, device="cuda", dtype=torch.float16) + 0.5
-    x = torch.randn(1, K, device="cuda", dtype=torch.float16) * 2 + 0.3
-    cases = []  # (label, kernel, config, args, flags, reference, tolerance)
-    for form, (normed, gated, added) in FUSED_FORMS.items():
-        residual = torch.randn(1, N // 2 if gated else N, device="cuda", dtype=torch.float16) if added else None
-        flags = {"eps": eps, "NORM": normed, "GATED": gated, "RESIDUAL": added,
-                 "norm_ptr": norm if normed else None, "res_ptr": residual}
-        ref8 = _fused_reference(q8, x, norm if normed else None, eps, gated, residual)
-        ref4 = _fused_reference(q4, x, norm if normed else None, eps, gated, residual)
-        # every config in the default variant, every variant in the first config
-        for variant, configs in [({"BIT_DEQUANT": True}, triton_gemv.int8_gemv_kernel.configs),
-                                 ({"BIT_DEQUANT": False}, triton_gemv.int8_gemv_kernel.configs[:1])]:
-            cases += [(f"int8 {form} {c} {variant}", triton_gemv.int8_gemv_kernel.fn, c, (x, q8.weight, q8.scales),
-                       {**variant, **flags}, ref8, 2e-3) for c in configs]
-        for i, variant in enumerate(INT4_VARIANTS):
-            configs = triton_gemv.int4_gemv_kernel.configs if i == 0 else triton_gemv.int4_gemv_kernel.configs[:1]
-            cases += [(f"int4 {form} {c} {variant}", triton_gemv.int4_gemv_kernel.fn, c, (x, q4.weight, q4.scales, q4.mins),
-                       {"GROUP": q4.group_size, **variant, **flags}, ref4, _rel(variant)) for c in configs]
-    with triton_mm.compiling_ahead():  # ~60 kernels: compiled on threads, as the launcher does
-        for _, fn, config, args, flags, _, _ in cases:
-            triton_mm.run_choice(fn, config, 1, 1, N, K, x, args, flags, warmup=True)
-    for label, fn, config, args, flags, ref, rel in cases:
-        _check(triton_mm.run_choice(fn, config, 1, 1, N, K, x, args, flags), ref, label, rel)
+        check(y8, reference(q8, x), "int8 graph")
+        check(y4, reference(q4, x), "int4 graph")
 
 
 def test_fused_ops_match_the_separate_ops_before_and_after_the_choice():
@@ -248,7 +159,7 @@ def test_fused_ops_match_the_separate_ops_before_and_after_the_choice():
     from quantserve.server.fastcore import triton_fused, triton_gemv, triton_mm
 
     N, K, eps = 2048, 2048, 1e-6
-    q8, q4 = _layers(N, K, seed=7)
+    q8, q4 = layers(N, K, seed=7)
     torch.manual_seed(7)
     norm = torch.rand(K, device="cuda", dtype=torch.float16) + 0.5
     x = torch.randn(1, K, device="cuda", dtype=torch.float16)
@@ -261,19 +172,19 @@ def test_fused_ops_match_the_separate_ops_before_and_after_the_choice():
             else:
                 call = lambda: triton_fused.int4_gemv_fused(x, q4.weight, q4.scales, q4.mins, q4.group_size,  # noqa: E731
                                                             n, eps, residual, gated)
-            ref = _fused_reference(layer, x, n, eps, gated, residual)
+            ref = fused_reference(layer, x, n, eps, gated, residual)
             rel = 5e-3 if weights == "int4" else 2e-3  # the launcher may pick int4's packed fp16 products
-            _check(call(), ref, f"{weights} {form}: first call", rel)
+            check(call(), ref, f"{weights} {form}: first call", rel)
             key = next(k for k in triton_mm._chosen if k[0] == f"_{weights}_kernel" and k[2] and k[3:5] == (N, K))
             gemv = triton_gemv.int8_gemv_kernel if weights == "int8" else triton_gemv.int4_gemv_kernel
             triton_mm._chosen[key] = (gemv.fn, gemv.configs[0], 1, {"BIT_DEQUANT": True})
-            _check(call(), ref, f"{weights} {form} fused")
+            check(call(), ref, f"{weights} {form} fused")
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 y = call()
             graph.replay()
             torch.cuda.synchronize()
-            _check(y, ref, f"{weights} {form} fused, from a graph")
+            check(y, ref, f"{weights} {form} fused, from a graph")
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -318,7 +229,7 @@ def test_a_candidate_that_disagrees_is_never_chosen():
     from quantserve.server.fastcore import triton_gemv, triton_mm
 
     N, K = 1024, 2048
-    q8, _ = _layers(N, K, seed=8)
+    q8, _ = layers(N, K, seed=8)
     x = torch.randn(1, K, device="cuda", dtype=torch.float16)
     args = (x, q8.weight, q8.scales)
     tiled = triton_mm._tune(triton_mm.int8_kernel, 16, 1, N, K, x, args, {})

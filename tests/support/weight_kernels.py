@@ -1,0 +1,62 @@
+"""Layers, references and bounds the weight-kernel tests share (test_gpu_kernels.py on a GPU,
+test_gemv_forms.py on a GPU or in Triton's interpreter)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def layers(N: int, K: int, seed: int = 0, device: str = "cuda", dtype: torch.dtype = torch.float16):
+    """An int8 and an int4 (group 128) layer of one random [N, K] weight, made by the plain torch
+    quantizer (the kernels under test read the same buffers)."""
+    from quantserve.server.fastcore.quant import make_linear
+
+    torch.manual_seed(seed)
+    w = torch.randn(N, K, device=device, dtype=dtype) * 0.02
+    return make_linear(w, None, "int8", dtype, "torch"), make_linear(w, None, "int4", dtype, "torch")
+
+
+def reference(layer, x: torch.Tensor) -> torch.Tensor:
+    """x @ dequant(W).T in fp32 from the layer's own integers and scales."""
+    if hasattr(layer, "mins"):
+        w = layer.dequantize(torch.float32)
+    else:
+        w = layer.weight.float() * layer.scales.float()[:, None]
+    return x.float() @ w.t()
+
+
+def fused_reference(layer, x: torch.Tensor, norm: torch.Tensor | None, eps: float, gated: bool,
+                    residual: torch.Tensor | None) -> torch.Tensor:
+    """What a fused kernel computes, in fp32 from the layer's own integers: x RMS-normalized and
+    times the norm's weight (norm given), the matmul, silu(gate) * up of its halves (gated), plus
+    the residual."""
+    xf = x.float()
+    if norm is not None:
+        xf = norm.float() * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = reference(layer, xf)
+    if gated:
+        gate, up = y.chunk(2, dim=-1)
+        y = torch.nn.functional.silu(gate) * up
+    return y if residual is None else y + residual.float()
+
+
+def check(y: torch.Tensor, ref: torch.Tensor, what: str, rel: float = 2e-3, dtype=torch.float16) -> None:
+    """y (the kernel's output, in x's dtype) within `rel` of the reference's largest value."""
+    assert y.shape == ref.shape and y.dtype == dtype, (what, y.shape, ref.shape, y.dtype)
+    err = (y.float() - ref).abs().max().item()
+    assert err <= rel * ref.abs().max().item() + 1e-3, (what, err, ref.abs().max().item())
+
+
+# int4's batch-1 variants: fp32 products of 1024 + q (the bit trick) or of q (Triton's conversion),
+# and packed fp16 products (HALF_DOT: each product and each lane's sum of 4 rounded to fp16, ~1e-3
+# of the output's scale in Triton's interpreter, so a looser bound)
+INT4_VARIANTS = ({"BIT_DEQUANT": True}, {"BIT_DEQUANT": False}, {"BIT_DEQUANT": True, "HALF_DOT": True})
+
+
+def bound(flags: dict) -> float:
+    return 5e-3 if flags.get("HALF_DOT") else 2e-3
+
+
+# the fused forms the model uses (NORM, GATED, RESIDUAL): norm -> qkv / vocabulary,
+# norm -> gate-up -> silu(gate) * up, o / down -> + residual
+FUSED_FORMS = {"norm": (True, False, False), "norm+gated": (True, True, False), "residual": (False, False, True)}
