@@ -20,7 +20,7 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --
 PYTHONPATH=$site python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$out/bench.txt" 2>&1
 log "installed"
 (cd /tmp && PYTHONPATH=$site timeout 240 python3 -m pytest --import-mode=append -q -p no:cacheprovider -rf \
-    "$repo/tests/serve/test_gpu_kernels.py" "$repo/tests/serve/test_fastcore.py" \
+    "$repo/tests/serve/test_gpu_kernels.py" "$repo/tests/serve/test_gemv_forms.py" "$repo/tests/serve/test_fastcore.py" \
     -k "fused or fewer_kernels or matrix_vector or disagrees or launcher or (compiled_triton_decode and not gemlite)") \
     > "$out/gpu-tests.log" 2>&1 || log "gpu tests: rc=$?"
 grep -E "^FAILED|passed|failed" "$out/gpu-tests.log" >> "$out/bench.txt"; log "tests done"
