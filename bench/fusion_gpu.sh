@@ -6,8 +6,10 @@
 #   norm + gate, residual; the ops before and after the launcher's choice, inside a CUDA graph; the
 #   kernel count of a one-token step) and the compiled, CUDA-graphed decode against eager; then
 #   bench decode at batch 1 under the T4 profile, --fusion on,off: 8B int8 (with a 16-step kernel
-#   profile), 8B int4; the per-layer race at batch 1 (8B: fp16, int8, int4 as the launcher chooses,
-#   and int4's matrix-vector kernel with fp32 and with packed fp16 products alone); 8B fp16, 1B int8.
+#   profile), 8B int4, and 8B fp16; the batch-1 path's quality (bench/quality.py --decode: default
+#   model and 1B shape, int8 and int4 against fp16); the per-layer race at batch 1 (8B: fp16, int8,
+#   int4 as the launcher chooses, and int4's matrix-vector kernel with fp32 and with packed fp16
+#   products alone).  1B decode is left for a later call (bench decode --models 1b --fusion on,off).
 #   bench/fusion_gpu.sh OUT     (from the repo root, .devwheels carried; OUT gets results.tgz and bench.txt)
 set -uo pipefail
 dest=$(realpath -m "$1"); out=/tmp/fusion; mkdir -p "$out" "$dest"; repo=$PWD; site=/tmp/site
@@ -26,11 +28,17 @@ log "installed"
 grep -E "^FAILED|passed|failed" "$out/gpu-tests.log" >> "$out/bench.txt"; log "tests done"
 decode $(left 330) 8b-int8 --models 8b --quants int8 --kernels triton --batches 1 --fusion on,off --profile-steps 16
 decode $(left 420) 8b-int4 --models 8b --quants int4 --kernels triton --batches 1 --fusion on,off
-(cd /tmp && PYTHONPATH=$site timeout $(left 470) python3 -m quantserve.bench.kernel_race --shapes 8b --batches 1 \
+decode $(left 470) 8b-fp16 --models 8b --quants none --batches 1
+# quality of the batch-1 path as served (fused forms, int4's packed products if chosen), one token a step
+for args in "--weights int8" "--weights int4" "--shape 1b --weights int8" "--shape 1b --weights int4"; do
+  [ $SECONDS -lt 520 ] || { log "quality $args: no time left"; break; }
+  (cd /tmp && PYTHONPATH=$site timeout $(left 530) python3 -m quantserve.bench.quality $args --decode --windows 4 \
+      --length 128) >> "$out/quality.txt" 2>&1 || log "quality $args: rc=$?"
+done
+grep -E '"(model|weights|top1_agreement|ppl_change_pct|max_abs_logit_diff)"' "$out/quality.txt" >> "$out/bench.txt"
+(cd /tmp && PYTHONPATH=$site timeout $(left 575) python3 -m quantserve.bench.kernel_race --shapes 8b --batches 1 \
     --kinds fp16,int8,int8-gemv,int4,int4-gemv,int4-halfdot --out "$out/race-8b.json") > "$out/race-8b.log" 2>&1 \
     || log "race: rc=$?"
 grep -E "^\| " "$out/race-8b.log" >> "$out/bench.txt"; log "race done"
-decode $(left 520) 8b-fp16 --models 8b --quants none --batches 1
-decode $(left 570) 1b-int8 --models 1b --quants int8 --kernels triton --batches 1 --fusion on,off
 # the device returns at most 8 files: everything as one tarball, and the summary beside it
 tar czf "$dest/results.tgz" -C "$out" . && cp "$out/bench.txt" "$dest/"; cat "$out/bench.txt"

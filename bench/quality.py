@@ -11,6 +11,12 @@ values are written to the cache and read back from it, so the int8 KV rounding i
     python -m quantserve.bench.quality                       # int8 KV cache, the embedded default model
     python -m quantserve.bench.quality --shape 1b            # random weights of the Llama-3.2-1B layout
     python -m quantserve.bench.quality --weights int4        # int4 weights (group 128), KV cache as the model
+    python -m quantserve.bench.quality --weights int4 --decode   # the same, one token per step (batch 1)
+
+--decode scores each window one token per step instead (its first token as a prompt, then each
+next one fed as a decode step of batch 1, teacher-forced): on a GPU that is the batch-1 path, whose
+int8 / int4 kernels take in the norms, the gate and the residual adds, and whose int4 kernel may
+multiply in packed fp16 (fastcore/fused.py, triton_gemv.py); a window's prefill does not run it.
 
 Runs on a CPU (fp32 there; fp16 on a GPU).  The weights' integers and scales are the same on both:
 a CPU dequantizes and multiplies in torch, a GPU runs the Triton kernels, which match that to
@@ -47,6 +53,23 @@ def score(core, wins: list[list[int]]):
     return out
 
 
+def score_decoding(core, wins: list[list[int]]):
+    """As `score`, one token per forward: the logits after each of a window's tokens but the last,
+    every step a batch-1 decode."""
+    import torch
+
+    out = []
+    for ids in wins:
+        slot = core.acquire()
+        try:
+            rows = [core.prefill(slot, ids[:1])]
+            rows += [core.decode([slot], [t])[0] for t in ids[1:-1]]
+        finally:
+            core.release(slot)
+        out.append(torch.stack(rows).double().cpu().numpy())
+    return out
+
+
 def compare(ref, got, wins) -> dict:
     import numpy as np
 
@@ -71,9 +94,10 @@ def compare(ref, got, wins) -> dict:
             "max_abs_logit_diff": float(f"{worst:.3g}")}
 
 
-def run(shape: str | None, n_windows: int, length: int, weights: str = "none", kv: str = "int8") -> dict:
+def run(shape: str | None, n_windows: int, length: int, weights: str = "none", kv: str = "int8",
+        decoding: bool = False) -> dict:
     """One comparison: weights `weights` ("none", "int8", "int4") with a KV cache of `kv` ("auto":
-    the model's dtype, or "int8") against no quantization at all."""
+    the model's dtype, or "int8") against no quantization at all; `decoding`: one token a step."""
     import torch
 
     import quantserve.demo  # noqa: F401  (registers the default model's held-out text)
@@ -98,11 +122,13 @@ def run(shape: str | None, n_windows: int, length: int, weights: str = "none", k
         return FastCore(**source, max_slots=1, max_seq=length, compile=False, weight_quant=weight_quant,
                         kv_cache_dtype=kv_cache_dtype)
 
-    ref = score(make("none", "auto"), wins)
+    scorer = score_decoding if decoding else score
+    ref = scorer(make("none", "auto"), wins)
     core = make(weights, kv)
     row = {"model": label, "weights": weights, "kv_cache": kv, "dtype": str(core.dtype).replace("torch.", ""),
            "device": str(core.device), "windows": len(wins), "window_tokens": length,
-           **compare(ref, score(core, wins), wins)}
+           "scored": "one token a step (batch-1 decode)" if decoding else "each window in one prefill",
+           **compare(ref, scorer(core, wins), wins)}
     return row
 
 
@@ -116,13 +142,15 @@ def main(argv=None) -> int:
                     help="KV cache to measure (default: int8 when --weights is none, else the model's dtype)")
     ap.add_argument("--windows", type=int, default=8, help="held-out windows scored")
     ap.add_argument("--length", type=int, default=256, help="tokens per window")
+    ap.add_argument("--decode", action="store_true", help="score one token per step (batch-1 decode steps) "
+                    "instead of each window in one prefill")
     args = ap.parse_args(argv)
     kv = args.kv or ("int8" if args.weights == "none" else "auto")
     if args.weights == "none" and kv == "auto":
         ap.error("nothing to measure: give --weights int8|int4 or --kv int8")
     if args.windows < 1 or args.length < 2:
         ap.error("--windows must be >= 1 and --length >= 2 (a window predicts its tokens after the first)")
-    print(json.dumps(run(args.shape, args.windows, args.length, args.weights, kv), indent=1))
+    print(json.dumps(run(args.shape, args.windows, args.length, args.weights, kv, args.decode), indent=1))
     return 0
 
 

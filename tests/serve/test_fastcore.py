@@ -455,6 +455,21 @@ def test_int4_weights_keep_the_default_models_predictions():
     assert row["top1_agreement"] >= 0.94 and abs(row["ppl_change_pct"]) < 1.0, row
 
 
+def test_quality_scored_one_token_a_step_matches_one_prefill(default_model):
+    """bench/quality.py --decode (the batch-1 path: on a GPU the fused kernels) scores the same
+    positions as a window's one prefill: the same logits, token by token, on the CPU's one path."""
+    import numpy as np
+
+    from quantserve.bench.quality import score, score_decoding, windows
+    from quantserve.modeling import load_tokenizer
+
+    wins = windows(load_tokenizer(default_model), 2, 32)
+    core = FastCore(default_model, max_slots=1, max_seq=64, device="cpu", compile=False)
+    for a, b in zip(score(core, wins), score_decoding(core, wins)):
+        assert a.shape == b.shape == (31, core.args.vocab_size)
+        np.testing.assert_allclose(a, b, atol=2e-4)
+
+
 def test_the_pool_leaves_room_for_the_largest_prompt_forward():
     """The KV pool takes the memory left after the weights minus what a forward needs at its
     peak.  A flat 1 GiB was too little for the 8B shape in int8 under the T4 profile (an
