@@ -119,8 +119,9 @@ def test_launcher_matches_dequantized_matmul(N, K):
     for M in (1, 8, 33, 64, 200, 512):
         x = torch.randn(M, K, device="cuda", dtype=torch.float16)
         check(triton_mm.int8_weight_mm(x, q8.weight, q8.scales), reference(q8, x), f"int8 M={M}")
+        # at batch 1 the launcher may keep int4's packed fp16 products: their bound
         check(triton_mm.int4_weight_mm(x, q4.weight, q4.scales, q4.mins, q4.group_size), reference(q4, x),
-               f"int4 M={M}")
+              f"int4 M={M}", bound({"HALF_DOT": M == 1}))
         assert triton_mm.chosen("int8", M, N, K) is not None and triton_mm.chosen("int4", M, N, K) is not None
 
 
@@ -148,7 +149,7 @@ def test_launcher_inside_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         check(y8, reference(q8, x), "int8 graph")
-        check(y4, reference(q4, x), "int4 graph")
+        check(y4, reference(q4, x), "int4 graph", bound({"HALF_DOT": True}))  # the launcher may keep it
 
 
 def test_fused_ops_match_the_separate_ops_before_and_after_the_choice():
