@@ -83,32 +83,9 @@ def build(kind: str, w, old):
     weights, _, library = kind.partition("-")
     layer = make_linear(w, None, weights, torch.float16, "gemlite" if library == "gemlite" else "triton")
     fn = {"old": lambda: _old_layer(kind, layer, old), "dense": lambda: _dense_layer(layer),
-          "tiles": lambda: _tile_layer(layer), "gemv": lambda: _gemv_layer(layer, {"BIT_DEQUANT": True}),
-          "halfdot": lambda: _gemv_layer(layer, {"BIT_DEQUANT": True, "HALF_DOT": True})}.get(library, lambda: layer)()
+          "tiles": lambda: _alone(layer, "tiles"), "gemv": lambda: _alone(layer, "gemv", {"BIT_DEQUANT": True}),
+          "halfdot": lambda: _alone(layer, "gemv", {"BIT_DEQUANT": True, "HALF_DOT": True})}.get(library, lambda: layer)()
     return fn, linear_weight_bytes(layer), layer
-
-
-def _gemv_layer(layer, flags: dict):
-    """x -> y by this tree's batch-1 matrix-vector kernel alone with `flags`, at its autotuner's
-    best config for the shape (the launcher may keep another kind; this row shows the variant)."""
-    from quantserve.server.fastcore import triton_gemv, triton_mm
-
-    int4 = hasattr(layer, "mins")
-    tuned = triton_gemv.int4_gemv_kernel if int4 else triton_gemv.int8_gemv_kernel
-    args = (layer.weight, layer.scales) + ((layer.mins,) if int4 else ())
-    extra = {"GROUP": layer.group_size} if int4 else {}
-    state = {}
-
-    def call(x):
-        M, K = x.shape
-        N = layer.weight.shape[0]
-        if "choice" not in state:
-            state["choice"] = triton_mm._tune(tuned, 1, M, N, K, x, (x, *args), extra)
-            state["config"] = state["choice"][1]
-        fn, config, _, _ = state["choice"]
-        return triton_mm.run_choice(fn, config, 1, M, N, K, x, (x, *args), {**extra, **flags})
-    call.state = state
-    return call
 
 
 def _dense_layer(layer):
@@ -121,24 +98,29 @@ def _dense_layer(layer):
     return lambda x: triton_mm._int8_dense(x, layer.weight, layer.scales)
 
 
-def _tile_layer(layer):
-    """x -> y by the 128-row prompt tiles alone, at their autotuner's best config for this shape."""
-    from quantserve.server.fastcore import triton_mm
+def _alone(layer, kind: str, flags: dict | None = None):
+    """x -> y by one of our kernels alone, at its autotuner's best config for this shape (the
+    launcher may keep another kind; this row shows this one): "tiles", the 128-row prompt tiles,
+    or "gemv", this tree's batch-1 matrix-vector kernel with `flags`."""
+    from quantserve.server.fastcore import triton_gemv, triton_mm
 
     int4 = hasattr(layer, "mins")
+    if kind == "tiles":
+        tuned, block_m = (triton_mm.int4_prompt_kernel if int4 else triton_mm.int8_prompt_kernel), triton_mm.PROMPT_BLOCK_M
+    else:
+        tuned, block_m = (triton_gemv.int4_gemv_kernel if int4 else triton_gemv.int8_gemv_kernel), 1
     args = (layer.weight, layer.scales) + ((layer.mins,) if int4 else ())
     extra = {"GROUP": layer.group_size} if int4 else {}
-    tuned = triton_mm.int4_prompt_kernel if int4 else triton_mm.int8_prompt_kernel
     state = {}
 
     def call(x):
         M, K = x.shape
         N = layer.weight.shape[0]
         if "choice" not in state:
-            state["choice"] = triton_mm._tune(tuned, triton_mm.PROMPT_BLOCK_M, M, N, K, x, (x, *args), extra)
+            state["choice"] = triton_mm._tune(tuned, block_m, M, N, K, x, (x, *args), extra)
             state["config"] = state["choice"][1]
-        fn, config, block_m, _ = state["choice"]
-        return triton_mm.run_choice(fn, config, block_m, M, N, K, x, (x, *args), extra)
+        fn, config, _, _ = state["choice"]
+        return triton_mm.run_choice(fn, config, block_m, M, N, K, x, (x, *args), {**extra, **(flags or {})})
     call.state = state
     return call
 

@@ -107,6 +107,18 @@ def recompile_all(arch: str) -> list[dict]:
 
 # ---- without a GPU: our decode kernels and GemLite's batch-1 4-bit kernel, at 8B qkv's shape ----
 
+def _signature(weights: str) -> dict[str, str]:
+    """The tensor and integer arguments our int8 / int4 weight kernels share, in their order (the
+    int4 ones with the zero points and the group)."""
+    sig = {"x_ptr": "*fp16", "w_ptr": "*i8", "s_ptr": "*fp16", "out_ptr": "*fp16", "M": "i32", "N": "i32", "K": "i32",
+           "M_BUCKET": "i32", "stride_xm": "i32", "stride_om": "i32"}
+    if weights == "int8":
+        return sig
+    sig = {**sig, "w_ptr": "*u8", "z_ptr": "*fp16", "GROUP": "constexpr"}
+    return {k: sig[k] for k in ("x_ptr", "w_ptr", "s_ptr", "z_ptr", "out_ptr", "M", "N", "K", "M_BUCKET",
+                                "stride_xm", "stride_om", "GROUP")}
+
+
 def _ours(arch: str = "sm_75") -> dict[str, tuple]:
     """(ASTSource, options) of each of our weight kernels for `arch`, at a config the tuners pick on the
     8B shape (the int4 tiles with their sum of x on `tl.dot` only where that is tensor-core work)."""
@@ -114,11 +126,7 @@ def _ours(arch: str = "sm_75") -> dict[str, tuple]:
 
     from quantserve.server.fastcore import triton_gemv, triton_mm
 
-    base = {"x_ptr": "*fp16", "w_ptr": "*i8", "s_ptr": "*fp16", "out_ptr": "*fp16", "M": "i32", "N": "i32",
-            "K": "i32", "M_BUCKET": "i32", "stride_xm": "i32", "stride_om": "i32"}
-    int4 = {**base, "w_ptr": "*u8", "z_ptr": "*fp16", "GROUP": "constexpr"}
-    int4 = {k: int4[k] for k in ("x_ptr", "w_ptr", "s_ptr", "z_ptr", "out_ptr", "M", "N", "K", "M_BUCKET",
-                                 "stride_xm", "stride_om", "GROUP")}
+    base, int4 = _signature("int8"), _signature("int4")
     meta = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "BIT_DEQUANT")
     z_dot = {"Z_DOT": int(arch.removeprefix("sm_")) >= 80}
     out = {}
@@ -146,10 +154,7 @@ def _gemv_forms() -> dict[str, tuple]:
              "packed fp16, norm": {"HALF_DOT": True, "NORM": True}}
     out = {}
     for kind, fn, block_k in (("int8", triton_gemv._int8_gemv_kernel, 512), ("int4", triton_gemv._int4_gemv_kernel, 1024)):
-        sig = {"x_ptr": "*fp16", "w_ptr": "*i8" if kind == "int8" else "*u8", "s_ptr": "*fp16"}
-        sig.update({"z_ptr": "*fp16"} if kind == "int4" else {})
-        sig.update({n: "i32" for n in ("M", "N", "K", "M_BUCKET", "stride_xm", "stride_om")}, out_ptr="*fp16")
-        sig = {n: sig[n] for n in fn.arg_names if n in sig}  # in the kernel's own order
+        sig = {n: t for n, t in _signature(kind).items() if t != "constexpr"}
         for name, form in forms.items():
             if kind == "int8" and form.get("HALF_DOT"):
                 continue

@@ -217,8 +217,8 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def fused(self, x, norm=None, eps: float = 0.0, residual=None, gated: bool = False):
-        """One token: residual + prologue(x) @ W.T in one kernel (triton_fused.py; only where
-        `fusable`)."""
+        """One token through this layer in one kernel, with the norm before it, silu(gate) * up of
+        its halves and the residual add after it, as asked (triton_fused.py; only where `fusable`)."""
         return torch.ops.quantserve.int8_gemv_fused(x, self.weight, self.scales, norm, eps, residual, gated)
 
     def weight_bytes(self) -> int:
@@ -296,8 +296,8 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def fused(self, x, norm=None, eps: float = 0.0, residual=None, gated: bool = False):
-        """One token: residual + prologue(x) @ W.T in one kernel (triton_fused.py; only where
-        `fusable`)."""
+        """One token through this layer in one kernel, with the norm before it, silu(gate) * up of
+        its halves and the residual add after it, as asked (triton_fused.py; only where `fusable`)."""
         return torch.ops.quantserve.int4_gemv_fused(x, self.weight, self.scales, self.mins, self.group_size, norm,
                                                     eps, residual, gated)
 
