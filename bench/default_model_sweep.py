@@ -65,9 +65,9 @@ def perturbed_copy(src: Path, dst: Path, noise: float, seed: int) -> Path:
 
 
 def finetune_score(base: Path, work: Path, seed: int, threads: int, overrides: dict,
-                   replay_share: float) -> dict:
-    """The pipeline's fine-tune from `base`: held-out task exact match, and what it cost the rest
-    (the gated skills' scores and the held-out text's perplexity, before -> after)."""
+                   replay_share: float, data: dict) -> dict:
+    """The pipeline's fine-tune from `base`: held-out task and tool-call exact match, and what it
+    cost the rest (the gated skills' scores and the held-out text's perplexity, before -> after)."""
     from quantserve.demo.corpus import read_examples, task_finetune, write_default_data
     from quantserve.demo.default_model import skill_scores
     from quantserve.modeling import load_model, load_tokenizer, task_accuracy
@@ -75,7 +75,7 @@ def finetune_score(base: Path, work: Path, seed: int, threads: int, overrides: d
     from quantserve.training.config import TrainConfig
     from quantserve.training.train import train
 
-    files = write_default_data(work / "data", replay_share=replay_share)
+    files = write_default_data(work / "data", replay_share=replay_share, **data)
     t0 = time.time()
     recipe = {**task_finetune(files), **overrides}
     out = train(TrainConfig(data=files["task_train"], out=work / "ft", model=str(base), seed=seed,
@@ -83,6 +83,7 @@ def finetune_score(base: Path, work: Path, seed: int, threads: int, overrides: d
     seconds = time.time() - t0
     model, tok = load_model(out), load_tokenizer(out)
     acc = task_accuracy(model, tok, read_examples(files["task_heldout"]))
+    tools = task_accuracy(model, tok, read_examples(files["tool_heldout"]))
     skills_after = skill_scores(model, tok, seed=7)
     ppl = evaluate(base, out, files["heldout_text"])  # base as the "source", the fine-tune as the "copy"
     record = json.loads((out / "train_log.json").read_text())
@@ -93,7 +94,7 @@ def finetune_score(base: Path, work: Path, seed: int, threads: int, overrides: d
     window = 25  # one step's loss is one batch's: the mean of 25 shows the trend
     learnt = next((steps[i + window - 1]["step"] for i in range(len(losses) - window + 1)
                    if sum(losses[i:i + window]) / window < LEARNT_LOSS), None)
-    return {"task_after": acc, "skills_after": skills_after, "ppl_before": ppl["ppl_source"],
+    return {"task_after": acc, "tool_after": tools, "skills_after": skills_after, "ppl_before": ppl["ppl_source"],
             "ppl_after": ppl["ppl"], "finetune_s": round(seconds, 1), "learnt_at_step": learnt,
             "steps": len(steps), "gate": [(e["step"], e["eval_exact_match"]) for e in record.get("eval", [])]}
 
@@ -108,12 +109,14 @@ def cpu_isa() -> str:
 
 
 def one_run(stage: str, seed: int, threads: int, noise: float, keep: Path | None, overrides: dict,
-            replay_share: float) -> dict:
+            replay_share: float, data: dict) -> dict:
     import torch
+
+    from quantserve.demo.corpus import CORPUS_VERSION
 
     torch.set_num_threads(threads)
     row: dict = {"stage": stage, "seed": seed, "threads": threads, "noise": noise, "train": overrides,
-                 "replay_share": replay_share, "isa": cpu_isa()}
+                 "replay_share": replay_share, "data": data, "isa": cpu_isa(), "corpus": CORPUS_VERSION}
     with tempfile.TemporaryDirectory(prefix="qs-sweep-") as tmp:
         work = Path(tmp)
         if stage == "pretrain":
@@ -137,14 +140,14 @@ def one_run(stage: str, seed: int, threads: int, noise: float, keep: Path | None
                 raise SystemExit("error: no shipped default model for the current recipe "
                                  "(quantserve default-model --rebuild, then copy it into the package)")
             base = perturbed_copy(shipped, work / "base", noise, seed)
-        row.update(finetune_score(base, work, seed, threads, overrides, replay_share))
+        row.update(finetune_score(base, work, seed, threads, overrides, replay_share, data))
     return row
 
 
 def markdown(rows: list[dict]) -> str:
     skills = sorted({k for r in rows for k in r.get("skills", {})})
     after = sorted({k for r in rows for k in r.get("skills_after", {})})
-    head = ["stage", "seed", "threads", "noise", *skills, "task before", "task after",
+    head = ["stage", "seed", "threads", "noise", *skills, "task before", "task after", "tool calls after",
             *[f"{s} after" for s in after], "ppl before → after", "learnt at step", "pretrain steps", "seconds"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -153,12 +156,16 @@ def markdown(rows: list[dict]) -> str:
             r["stage"], str(r["seed"]), str(r["threads"]), f"{r['noise']:g}",
             *[f"{r['skills'][s]:.0%}" if "skills" in r else "–" for s in skills],
             f"{r['task_before']:.0%}" if "task_before" in r else "–", f"{r['task_after']:.1%}",
+            f"{r['tool_after']:.1%}" if "tool_after" in r else "–",
             *[f"{r['skills_after'][s]:.0%}" if "skills_after" in r else "–" for s in after],
             f"{r['ppl_before']:.2f} → {r['ppl_after']:.2f}" if "ppl_after" in r else "–",
             f"{r.get('learnt_at_step') or 'never'} / {r.get('steps', '?')}",
             str(r.get("pretrain_steps", "–")), f"{secs:.0f}"]) + " |")
     worst = min(r["task_after"] for r in rows)
     lines.append(f"\nworst fine-tuned task accuracy: {worst:.1%} (bar {TASK_BAR:.0%})")
+    if any("tool_after" in r for r in rows):
+        lines.append(f"worst fine-tuned tool-call accuracy: {min(r['tool_after'] for r in rows if 'tool_after' in r):.1%} "
+                     f"(bar {TASK_BAR:.0%})")
     for key, label in (("skills", ""), ("skills_after", " after the fine-tune")):
         for s in sorted({k for r in rows for k in r.get(key, {})}):
             lines.append(f"worst {s}{label}: {min(r[key][s] for r in rows if key in r):.0%}")
@@ -182,28 +189,38 @@ def main(argv: list[str] | None = None) -> int:
                    '(e.g. \'{"lr": 5e-4}\'); default: the pipeline\'s own settings')
     p.add_argument("--replay-share", type=float, default=None,
                    help="share of pretrained-skill replay in the task's data (default: the corpus's own)")
+    p.add_argument("--data", type=json.loads, default={}, help="sizes of the fine-tune's data, as JSON "
+                   "(write_default_data's arguments, e.g. '{\"n_tool_train\": 2000}'); default: the corpus's own")
     args = p.parse_args(argv)
-    from quantserve.demo.corpus import REPLAY_SHARE
+    import inspect
 
+    from quantserve.demo.corpus import CORPUS_VERSION, REPLAY_SHARE, write_default_data
+
+    sizes = set(inspect.signature(write_default_data).parameters) - {"out_dir", "replay_share"}
+    if set(args.data) - sizes:
+        p.error(f"--data: unknown {sorted(set(args.data) - sizes)}; known: {sorted(sizes)}")
     replay = REPLAY_SHARE if args.replay_share is None else args.replay_share
     if args.train is None:
         args.train = {}  # what the pipeline runs: the default task's own gated recipe
     threads = [int(t) for t in args.threads.split(",")]
     noises = [float(n) for n in args.noise.split(",")]
     runs = [(args.stage, s, t, n) for n in noises for t in threads for s in args.seeds]
-    # a row counts for the recipe and the kernels it ran with (rows before replay existed had none)
-    tag = json.dumps(args.train, sort_keys=True) + cpu_isa() + f"replay={replay}"
+    # a row counts for the recipe, the data and the kernels it ran with (rows before replay existed
+    # had none; rows before the corpus version was recorded count for no version)
+    tag = (json.dumps(args.train, sort_keys=True) + cpu_isa() + f"replay={replay}corpus={CORPUS_VERSION}"
+           + json.dumps(args.data, sort_keys=True))
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     rows = json.loads(args.out.read_text()) if args.out.is_file() else []
     def tag_of(r: dict) -> str:
-        return json.dumps(r.get("train", {}), sort_keys=True) + r.get("isa", "") + f"replay={r.get('replay_share', 0.0)}"
+        return (json.dumps(r.get("train", {}), sort_keys=True) + r.get("isa", "")
+                + f"replay={r.get('replay_share', 0.0)}corpus={r.get('corpus')}" + json.dumps(r.get("data", {}), sort_keys=True))
 
     done = {(r["stage"], r["seed"], r["threads"], r["noise"]) for r in rows if tag_of(r) == tag}
     todo = [r for r in runs if r not in done]
     print(f"{len(todo)} runs to do ({len(runs) - len(todo)} already in {args.out})", file=sys.stderr)
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        futures = {pool.submit(one_run, *run, args.keep, args.train, replay): run for run in todo}
+        futures = {pool.submit(one_run, *run, args.keep, args.train, replay, args.data): run for run in todo}
         for fut in as_completed(futures):
             row = fut.result()
             rows.append(row)
