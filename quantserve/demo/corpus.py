@@ -265,12 +265,8 @@ def write_jsonl(path: Path, items: Iterable[Example], whole: bool = True, append
 REPLAY_SHARE = 0.25
 # Whole tool exchanges in the fine-tune data: pretraining teaches the tool's format, but the call's
 # numbers come out only near the question's (26 for 30); the fine-tune makes the copy exact.
-# The copy is what the gate waits for, and a tool exchange is ~5x a task example's tokens (its
-# listing). Twice the exchanges on half the task (2,000 + 2,000) passed the gate in 600-900 steps
-# against 1,500-1,700, but each step costs 1.6x: 0.83x the time over seeds 0-2 (one thread each,
-# 2-core AMD EPYC, 2026-12-05; `bench.default_model_sweep --data`), within the seeds' spread, so
-# the mixture stayed. Twice or three times the learning rate learnt slower (57 / 53 % vs 84 % at
-# step 700); half of it passed at step 1,300 instead of 1,700 (seed 0 only).
+# Half the learning rate, or twice the exchanges on half the task, took 0.8-0.9x the time over
+# three seeds and dropped some held-out tool calls (README, "Faster fine-tunes, tried and not taken").
 TOOL_FINETUNE_EXAMPLES = 1000
 
 
