@@ -20,8 +20,9 @@ Stages:
         python -m bench.default_model_sweep --threads 2 --noise 0   # a CPU without AVX-512
 
 Each run is a process of its own (its thread count set before torch does any work); `--jobs`
-runs that many at once.  Rows go to `--out` (JSON, appended run by run, so a stopped sweep keeps
-what it measured) and a markdown table with the worst case is printed at the end.
+runs that many at once.  Rows go to `--out` under `--key` (JSON, appended run by run, so a
+stopped sweep keeps what it measured; the file keeps each recipe's rows under a key of its own),
+and a markdown table with the worst case is printed at the end.
 """
 
 from __future__ import annotations
@@ -184,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--noise", default="0,1e-4", help="relative weight perturbations, e.g. 0,1e-4")
     p.add_argument("--jobs", type=int, default=2, help="runs at once (each a process)")
     p.add_argument("--out", type=Path, default=Path("bench/results/default-model-sweep.json"))
+    p.add_argument("--key", default="latest", help="the list in --out that these rows join")
     p.add_argument("--keep", type=Path, default=None, help="pretrain: keep the built models here")
     p.add_argument("--train", type=json.loads, default=None, help='fine-tune overrides of TrainConfig, as JSON '
                    '(e.g. \'{"lr": 5e-4}\'); default: the pipeline\'s own settings')
@@ -211,20 +213,24 @@ def main(argv: list[str] | None = None) -> int:
            + json.dumps(args.data, sort_keys=True))
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    rows = json.loads(args.out.read_text()) if args.out.is_file() else []
+    # the file keeps each recipe's rows under a key of its own (README names them); a file of one
+    # sweep's rows (a list) becomes the key's
+    store = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    store = {args.key: store} if isinstance(store, list) else store
+    rows = store.setdefault(args.key, [])
     def tag_of(r: dict) -> str:
         return (json.dumps(r.get("train", {}), sort_keys=True) + r.get("isa", "")
                 + f"replay={r.get('replay_share', 0.0)}corpus={r.get('corpus')}" + json.dumps(r.get("data", {}), sort_keys=True))
 
     done = {(r["stage"], r["seed"], r["threads"], r["noise"]) for r in rows if tag_of(r) == tag}
     todo = [r for r in runs if r not in done]
-    print(f"{len(todo)} runs to do ({len(runs) - len(todo)} already in {args.out})", file=sys.stderr)
+    print(f"{len(todo)} runs to do ({len(runs) - len(todo)} already in {args.out}, key {args.key})", file=sys.stderr)
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         futures = {pool.submit(one_run, *run, args.keep, args.train, replay, args.data): run for run in todo}
         for fut in as_completed(futures):
             row = fut.result()
             rows.append(row)
-            args.out.write_text(json.dumps(rows, indent=1))
+            args.out.write_text(json.dumps(store, indent=1))
             print(f"done {futures[fut]}: task {row['task_after']:.1%} {row.get('skills', '')}",
                   file=sys.stderr, flush=True)
     wanted = [r for r in rows if (r["stage"], r["seed"], r["threads"], r["noise"]) in set(runs) and tag_of(r) == tag]
