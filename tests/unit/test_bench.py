@@ -1,6 +1,7 @@
 """bench/serve.py against a real OpenAI-compatible server (llama.cpp's, on the default model's
 GGUF), its metric definitions recomputed independently from the recorded timings, the plot, and
-bench/decode.py --quick and bench/zero_scaling.py --quick end to end."""
+bench/decode.py --quick and bench/zero_scaling.py --quick end to end, and
+bench/default_model_sweep.py's argument check and table."""
 
 from __future__ import annotations
 
@@ -316,3 +317,28 @@ def test_a_kept_alive_connection_the_server_closed_is_retried_once():
     assert [r.ok for r in records] == [True] * 24, [r.error for r in records]
     dropped = asyncio.run(run(drop_all=True))
     assert not any(r.ok for r in dropped) and all("ServerDisconnected" in r.error for r in dropped)
+
+
+def test_sweep_refuses_unknown_data_sizes_in_one_line(capsys, tmp_path):
+    """bench/default_model_sweep.py: a misspelt --data size fails before any run starts (the other
+    arguments keep a run that did start short)."""
+    from quantserve.bench import default_model_sweep as sweep
+
+    with pytest.raises(SystemExit) as exc:
+        sweep.main(["--data", '{"n_tool_trian": 2000}', "--seeds", "0", "--threads", "1", "--noise", "0",
+                    "--jobs", "1", "--out", str(tmp_path / "rows.json"), "--train", '{"max_steps": 1}'])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown ['n_tool_trian']" in err[0] and "n_tool_train" in err[0], err
+
+
+def test_sweep_table_shows_the_tool_calls_and_their_worst_case():
+    from quantserve.bench.default_model_sweep import markdown
+
+    row = {"stage": "finetune", "seed": 0, "threads": 1, "noise": 0.0, "task_after": 1.0,
+           "skills_after": {"count": 1.0}, "finetune_s": 500}
+    table = markdown([{**row, "tool_after": 0.965}, {**row, "seed": 1, "tool_after": 1.0}, {**row, "seed": 2}])
+    lines = table.splitlines()
+    assert "tool calls after" in lines[0]
+    assert "| 96.5% |" in lines[2] and "| 100.0% |" in lines[3] and "| – |" in lines[4]  # a row without the score
+    assert "worst fine-tuned tool-call accuracy: 96.5% (bar 90%)" in table
