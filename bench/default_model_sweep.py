@@ -207,10 +207,6 @@ def main(argv: list[str] | None = None) -> int:
     threads = [int(t) for t in args.threads.split(",")]
     noises = [float(n) for n in args.noise.split(",")]
     runs = [(args.stage, s, t, n) for n in noises for t in threads for s in args.seeds]
-    # a row counts for the recipe, the data and the kernels it ran with (rows before replay existed
-    # had none; rows before the corpus version was recorded count for no version)
-    tag = (json.dumps(args.train, sort_keys=True) + cpu_isa() + f"replay={replay}corpus={CORPUS_VERSION}"
-           + json.dumps(args.data, sort_keys=True))
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     # the file keeps each recipe's rows under a key of its own (README names them); a file of one
@@ -218,9 +214,14 @@ def main(argv: list[str] | None = None) -> int:
     store = json.loads(args.out.read_text()) if args.out.is_file() else {}
     store = {args.key: store} if isinstance(store, list) else store
     rows = store.setdefault(args.key, [])
+
+    # a row counts for the recipe, the data and the kernels it ran with (rows before replay existed
+    # had none; rows before the corpus version was recorded count for no version)
     def tag_of(r: dict) -> str:
         return (json.dumps(r.get("train", {}), sort_keys=True) + r.get("isa", "")
                 + f"replay={r.get('replay_share', 0.0)}corpus={r.get('corpus')}" + json.dumps(r.get("data", {}), sort_keys=True))
+    tag = tag_of({"train": args.train, "isa": cpu_isa(), "replay_share": replay, "corpus": CORPUS_VERSION,
+                  "data": args.data})
 
     done = {(r["stage"], r["seed"], r["threads"], r["noise"]) for r in rows if tag_of(r) == tag}
     todo = [r for r in runs if r not in done]
