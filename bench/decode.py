@@ -305,6 +305,13 @@ def run(o: DecodeOptions) -> None:
     row; raises UserError where this machine cannot run it."""
     import torch
 
+    with torch.no_grad():  # here, not process-wide: a caller in the same process keeps its grad mode
+        _measure(o)
+
+
+def _measure(o: DecodeOptions) -> None:
+    import torch
+
     from quantserve.capabilities import apply_profile, detect
 
     if o.quick:
@@ -320,7 +327,6 @@ def run(o: DecodeOptions) -> None:
     compile = device.type == "cuda" and not o.no_compile
     batches = list(o.batches)
     cap = Cap(caps)
-    torch.set_grad_enabled(False)
     cap.set(False)
     bw = copy_bandwidth(device, gib=1.0 if device.type == "cuda" else 0.125)
     print(f"device {caps.gpu_name or 'cpu'}  profile {caps.profile}  copy bandwidth {bw / 1e9:.0f} GB/s  "

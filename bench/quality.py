@@ -100,12 +100,18 @@ def run(shape: str | None, n_windows: int, length: int, weights: str = "none", k
     the model's dtype, or "int8") against no quantization at all; `decoding`: one token a step."""
     import torch
 
+    with torch.no_grad():  # here, not process-wide: a caller in the same process keeps its grad mode
+        return _compare(shape, n_windows, length, weights, kv, decoding)
+
+
+def _compare(shape: str | None, n_windows: int, length: int, weights: str, kv: str, decoding: bool) -> dict:
+    import torch
+
     import quantserve.demo  # noqa: F401  (registers the default model's held-out text)
     from quantserve.demo.default_model import default_model_path
     from quantserve.modeling import load_tokenizer
     from quantserve.server.fastcore import FastCore
 
-    torch.set_grad_enabled(False)
     default = default_model_path(progress=False)
     tokenizer = load_tokenizer(default)
     wins = windows(tokenizer, n_windows, length)

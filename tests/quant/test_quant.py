@@ -344,11 +344,10 @@ def test_lora_adapter_is_merged_first(default_model, hf, tmp_path):
 
     torch.manual_seed(0)
     base = load_model(default_model)
-    torch.set_grad_enabled(True)
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                      init_lora_weights=False)  # random B: the adapter really changes the model
-    peft_model = get_peft_model(base, cfg)
-    torch.set_grad_enabled(False)
+    with torch.enable_grad():  # grad modes set in a block, never process-wide: later tests train
+        peft_model = get_peft_model(base, cfg)
     peft_model.save_pretrained(tmp_path / "adapter")
     cfg_file = tmp_path / "adapter" / "adapter_config.json"
     acfg = json.loads(cfg_file.read_text())
@@ -358,9 +357,10 @@ def test_lora_adapter_is_merged_first(default_model, hf, tmp_path):
     out = convert(tmp_path / "adapter", "gguf-f32", tmp_path / "merged", progress=False)
     _, tok = hf
     prompts = fresh_prompts(tok)[:3]
-    err = worst_relative_error(out / "model.gguf", peft_model.eval(), prompts)
+    with torch.no_grad():
+        err = worst_relative_error(out / "model.gguf", peft_model.eval(), prompts)
+        base_err = worst_relative_error(out / "model.gguf", hf[0], prompts)
     assert err < TOLERANCE["gguf-f32"]
-    base_err = worst_relative_error(out / "model.gguf", hf[0], prompts)
     assert base_err > 10 * err, "the adapter changed nothing: the test would prove nothing"
     m = json.loads((out / "manifest.json").read_text())
     assert m["source"]["lora_base"] == str(default_model.resolve())
