@@ -20,7 +20,7 @@
 #     that call.
 # OUT gets results.tgz and bench.txt.  Run from the repo root.
 set -uo pipefail
-dest=$(realpath -m "$1"); phase=${2:-1}; out=/tmp/fusion-$phase; mkdir -p "$out" "$dest"; repo=$PWD; site=/tmp/site
+dest=$(realpath -m "$1"); phase=${2:-1}; end=${END:-575};  # END: seconds the call may take, less to skip the tail out=/tmp/fusion-$phase; mkdir -p "$out" "$dest"; repo=$PWD; site=/tmp/site
 export QUANTSERVE_HOME=/tmp/qs-home PYTHONUNBUFFERED=1
 source "$repo/bench/gpu_lib.sh"  # log, left, decode
 taskset -cp 0-7 $$ > /dev/null  # this script and what it starts on cores 0-7; the detached jobs on 8-15
@@ -62,13 +62,13 @@ decode $(left 420) 8b-int4 --models 8b --quants int4 --kernels triton --batches 
 decode $(left 470) 8b-fp16 --models 8b --quants none --batches 1
 # quality of the batch-1 path as served (fused forms, int4's packed products if chosen), one token a step
 for args in "--weights int8" "--weights int4" "--shape 1b --weights int8" "--shape 1b --weights int4"; do
-  [ $SECONDS -lt 520 ] || { log "quality $args: no time left"; break; }
-  (cd /tmp && PYTHONPATH=$site timeout $(left 530) python3 -m quantserve.bench.quality $args --decode --windows 4 \
+  [ $SECONDS -lt $(( end - 55 )) ] || { log "quality $args: no time left"; break; }
+  (cd /tmp && PYTHONPATH=$site timeout $(left $(( end - 45 ))) python3 -m quantserve.bench.quality $args --decode --windows 4 \
       --length 128) >> "$out/quality.txt" 2>&1 || log "quality $args: rc=$?"
 done
 grep -E '"(model|weights|top1_agreement|ppl_change_pct|max_abs_logit_diff)"' "$out/quality.txt" >> "$out/bench.txt"
-if [ $SECONDS -lt 480 ]; then
-  (cd /tmp && PYTHONPATH=$site timeout $(left 545) python3 -m quantserve.bench.kernel_race --shapes 8b --batches 1 \
+if [ $SECONDS -lt $(( end - 95 )) ]; then
+  (cd /tmp && PYTHONPATH=$site timeout $(left $(( end - 30 ))) python3 -m quantserve.bench.kernel_race --shapes 8b --batches 1 \
       --kinds fp16,int8,int8-gemv,int4,int4-gemv,int4-halfdot --out "$out/race-8b.json") > "$out/race-8b.log" 2>&1 \
       || log "race: rc=$?"
   grep -E "^\| " "$out/race-8b.log" >> "$out/bench.txt"; log "race done"
