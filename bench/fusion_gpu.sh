@@ -20,7 +20,8 @@
 #     that call.
 # OUT gets results.tgz and bench.txt.  Run from the repo root.
 set -uo pipefail
-dest=$(realpath -m "$1"); phase=${2:-1}; end=${END:-575};  # END: seconds the call may take, less to skip the tail out=/tmp/fusion-$phase; mkdir -p "$out" "$dest"; repo=$PWD; site=/tmp/site
+# END: the seconds the first call may take; a smaller one skips its quality and race parts
+dest=$(realpath -m "$1"); phase=${2:-1}; end=${END:-575}; out=/tmp/fusion-$phase; mkdir -p "$out" "$dest"; repo=$PWD; site=/tmp/site
 export QUANTSERVE_HOME=/tmp/qs-home PYTHONUNBUFFERED=1
 source "$repo/bench/gpu_lib.sh"  # log, left, decode
 taskset -cp 0-7 $$ > /dev/null  # this script and what it starts on cores 0-7; the detached jobs on 8-15
