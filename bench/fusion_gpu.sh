@@ -31,7 +31,7 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --
 (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) > "$out/bench.txt"
 PYTHONPATH=$site python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$out/bench.txt" 2>&1
 log "installed"
-if [ "$phase" = 1 ]; then
+if [ "$phase" = 1 ] && [ "${LLAMA:-1}" = 1 ]; then  # LLAMA=0: no second call follows
   [ -x /tmp/llama-cpp/bin/llama-bench ] || setsid nohup taskset -c 8-15 nice -n 19 bash .devwheels/device-llama-cpp.sh \
       .devllama/llama_cpp_python-0.3.36.tar.gz /tmp/llama-cpp 90 > /tmp/llama-build.out 2>&1 < /dev/null &
   # the checkpoints on the CPU (a GPU init would share the GPU with the runs measured here)
@@ -39,7 +39,7 @@ if [ "$phase" = 1 ]; then
       for s in llama-3.1-8b llama-3.2-1b; do [ -d /tmp/gguf-\$s ] || python3 -m quantserve.bench.make_checkpoint \
       --shape \$s --shape-vocab --out /tmp/ck-\$s --context 4096; done; bash $repo/bench/llama_ggufs.sh $site" \
       > /tmp/ggufs.log 2>&1 < /dev/null &
-else
+elif [ "$phase" = 2 ]; then
   for i in $(seq 30); do [ -f /tmp/ggufs.done ] && break; sleep 2; done
   tail -n 8 /tmp/ggufs.log >> "$out/bench.txt"
   f16=$(ls /tmp/gguf-llama-3.1-8b/*.gguf 2>/dev/null | head -n 1)
@@ -58,9 +58,10 @@ fi
     -k "fused or fewer_kernels or matrix_vector or disagrees or launcher or (compiled_triton_decode and not gemlite)") \
     > "$out/gpu-tests.log" 2>&1 || log "gpu tests: rc=$?"
 grep -E "^FAILED|passed|failed" "$out/gpu-tests.log" >> "$out/bench.txt"; log "tests done"
-decode $(left 330) 8b-int8 --models 8b --quants int8 --kernels triton --batches 1 --fusion on,off --profile-steps 16
-decode $(left 420) 8b-int4 --models 8b --quants int4 --kernels triton --batches 1 --fusion on,off
-decode $(left 470) 8b-fp16 --models 8b --quants none --batches 1
+by() { echo $(( $1 < end ? $1 : end )); }  # a mark, or END if that comes first
+decode $(left $(by 330)) 8b-int8 --models 8b --quants int8 --kernels triton --batches 1 --fusion on,off --profile-steps 16
+decode $(left $(by 420)) 8b-int4 --models 8b --quants int4 --kernels triton --batches 1 --fusion on,off
+decode $(left $(by 470)) 8b-fp16 --models 8b --quants none --batches 1
 # quality of the batch-1 path as served (fused forms, int4's packed products if chosen), one token a step
 for args in "--weights int8" "--weights int4" "--shape 1b --weights int8" "--shape 1b --weights int4"; do
   [ $SECONDS -lt $(( end - 55 )) ] || { log "quality $args: no time left"; break; }
