@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 import time
 import traceback
@@ -210,14 +211,12 @@ def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], p
 
     t0 = time.perf_counter()
     max_seq = -(-(prompt_len + new_tokens + 8) // 256) * 256
+    # the fused batch-1 forms are opt-in (quant.fused_decode_enabled): "on" asks for them here
+    os.environ["QUANTSERVE_FUSED_DECODE"] = "1" if fusion else "0"
     core = FastCore(None, random_config=cfg, max_slots=max(batches), max_seq=max_seq, device=device,
                     weight_quant=quant, quant_kernel=kernel, compile=compile, profile=caps.profile,
                     attention=attention)
     build_s = time.perf_counter() - t0
-    if not fusion:
-        for m in core.model.modules():
-            if getattr(m, "fusable", False):
-                m.fusable = False
     # Prompts eagerly: this measures decode, and the compiled prompt path (torch.compile with
     # dynamic shapes over the whole model) is a minute or more of compile on the 8B shape before
     # the first step, which ran two GPU calls' rows out of their time (bench/RESULTS.md).

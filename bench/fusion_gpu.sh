@@ -22,7 +22,8 @@
 set -uo pipefail
 # END: the seconds the first call may take; a smaller one skips its quality and race parts
 dest=$(realpath -m "$1"); phase=${2:-1}; end=${END:-575}; out=/tmp/fusion-$phase; mkdir -p "$out" "$dest"; repo=$PWD; site=/tmp/site
-export QUANTSERVE_HOME=/tmp/qs-home PYTHONUNBUFFERED=1
+# the fused forms are opt-in until measured (server/fastcore/quant.py); --fusion off turns them off per run
+export QUANTSERVE_HOME=/tmp/qs-home PYTHONUNBUFFERED=1 QUANTSERVE_FUSED_DECODE=1
 source "$repo/bench/gpu_lib.sh"  # log, left, decode
 taskset -cp 0-7 $$ > /dev/null  # this script and what it starts on cores 0-7; the detached jobs on 8-15
 [ -d "$site/fastapi" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .devwheels/*.whl \

@@ -26,6 +26,7 @@ columns (gpt-fast / torchao layout: q in 0..15, w = (q - 8) * scale + zero).
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -171,12 +172,19 @@ def default_kernel(device: torch.device, weights: str = "int8") -> str:
     return "gemlite" if GEMLITE_BY_DEFAULT and weights == "int4" and gemlite_available() else "triton"
 
 
+def fused_decode_enabled() -> bool:
+    """The fused batch-1 forms (fused.py) are opt-in, $QUANTSERVE_FUSED_DECODE=1, until a GPU has
+    measured them: so far they have run in Triton's interpreter and compiled for sm_75 / sm_90 only
+    (bench/RESULTS.md, 2026-12-05), and a default decode path must be one a GPU has checked."""
+    return os.environ.get("QUANTSERVE_FUSED_DECODE", "0") == "1"
+
+
 def _fusable(kernel: str, bias, q: torch.Tensor, weights: str, K: int) -> bool:
     """Whether a layer's `fused` can take a norm, a gate or a residual into its batch-1 kernel
     (fused.py asks, while tracing: so a plain attribute, decided here): our Triton kernel on a
-    GPU, no bias, and a matrix-vector config that covers K."""
-    return kernel == "triton" and bias is None and q.is_cuda and fused_ops() is not None \
-        and fused_ops().fits(weights, K)
+    GPU, no bias, a matrix-vector config that covers K, and the fused forms asked for."""
+    return fused_decode_enabled() and kernel == "triton" and bias is None and q.is_cuda \
+        and fused_ops() is not None and fused_ops().fits(weights, K)
 
 
 def int8_linear_torch(x, weight, scales):

@@ -189,7 +189,7 @@ def test_fused_ops_match_the_separate_ops_before_and_after_the_choice():
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_a_one_token_step_launches_fewer_kernels_fused(mode):
+def test_a_one_token_step_launches_fewer_kernels_fused(mode, monkeypatch):
     """A Llama block at batch 1 through fused.py: its norms, gate and residual adds run inside the
     weight kernels (at least 3 kernels a layer fewer in an eager step, as torch.profiler counts
     them), with the separate ops' logits and next token; the final norm too, with the vocabulary."""
@@ -199,6 +199,7 @@ def test_a_one_token_step_launches_fewer_kernels_fused(mode):
 
     cfg = LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)
+    monkeypatch.setenv("QUANTSERVE_FUSED_DECODE", "1")  # opt-in until measured (quant.fused_decode_enabled)
     core = FastCore(None, random_config=cfg, max_slots=2, max_seq=256, device="cuda", weight_quant=mode,
                     quant_kernel="triton", compile=False)
     fusable = [m for m in core.model.modules() if getattr(m, "fusable", False)]
