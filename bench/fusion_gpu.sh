@@ -43,11 +43,7 @@ if [ "$phase" = 1 ] && [ "${LLAMA:-1}" = 1 ]; then  # LLAMA=0: no second call fo
 elif [ "$phase" = 2 ]; then
   for i in $(seq 30); do [ -f /tmp/ggufs.done ] && break; sleep 2; done
   tail -n 8 /tmp/ggufs.log >> "$out/bench.txt"
-  f16=$(ls /tmp/gguf-llama-3.1-8b/*.gguf 2>/dev/null | head -n 1)
-  for m in /tmp/llama-3.1-8b-Q8_0.gguf /tmp/llama-3.1-8b-Q4_K_M.gguf /tmp/llama-3.2-1b-Q8_0.gguf; do
-    [ -f "$m" ] && timeout 45 /tmp/llama-cpp/bin/llama-bench -m "$m" -p 0 -n 128 -fa 1 -ngl 99 -r 3 -o md \
-        2>/dev/null | grep -E "^\|" >> "$out/bench.txt"
-  done
+  llama_bench 45 /tmp/llama-3.1-8b-Q8_0.gguf /tmp/llama-3.1-8b-Q4_K_M.gguf /tmp/llama-3.2-1b-Q8_0.gguf
   log "llama-bench done"
   decode $(left 170) 8b-int8 --models 8b --quants int8 --kernels triton --batches 1
   decode $(left 240) 8b-int4 --models 8b --quants int4 --kernels triton --batches 1

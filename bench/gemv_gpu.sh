@@ -52,10 +52,7 @@ elif [ "$phase" = 2 ]; then
   for i in $(seq 60); do [ -f /tmp/ggufs.done ] && break; sleep 2; done
   tail -n 6 /tmp/ggufs.log >> "$out/bench.txt"
   f16=$(ls /tmp/gguf-llama-3.1-8b/*.gguf 2>/dev/null | head -n 1)
-  for m in /tmp/llama-3.1-8b-Q4_K_M.gguf /tmp/llama-3.1-8b-Q8_0.gguf "$f16" /tmp/llama-3.2-1b-Q8_0.gguf; do
-    [ -f "$m" ] && timeout 60 /tmp/llama-cpp/bin/llama-bench -m "$m" -p 0 -n 128 -fa 1 -ngl 99 -r 3 -o md \
-        2>/dev/null | grep -E "^\|" >> "$out/bench.txt"
-  done
+  llama_bench 60 /tmp/llama-3.1-8b-Q4_K_M.gguf /tmp/llama-3.1-8b-Q8_0.gguf "$f16" /tmp/llama-3.2-1b-Q8_0.gguf
   log "llama-bench done"
   decode 110 8b-fp16-b1 --models 8b --quants none --batches 1
   decode 110 8b-int8-b1 --models 8b --quants int8 --kernels triton --batches 1

@@ -10,3 +10,10 @@ decode() {  # LIMIT_S NAME ARGS...: one bench decode run (T4 profile, 128 new to
       > "$out/decode-$name.log" 2>&1 || log "decode $name: rc=$?"
   grep -E "tok/s|error|Error|batch [0-9]+:" "$out/decode-$name.log" | tail -n 8 >> "$out/bench.txt"
 }
+llama_bench() {  # LIMIT_S GGUF...: llama-bench at batch 1 (128 tokens, flash attention) on each GGUF there is, into bench.txt
+  local limit=$1 m; shift
+  for m in "$@"; do
+    [ -f "$m" ] && timeout "$limit" /tmp/llama-cpp/bin/llama-bench -m "$m" -p 0 -n 128 -fa 1 -ngl 99 -r 3 -o md \
+        2>/dev/null | grep -E "^\|" >> "$out/bench.txt"
+  done
+}
