@@ -53,7 +53,10 @@
 #                              under py-spy from launch; then this tree against a base (.devwheels/base: the
 #                              token buckets of powers of two only, no gc freeze), each warm: idle prompts and
 #                              the shared load; 1B: the shared load on a first start, and on the base; every
-#                              server with bench/gcwatch on its path (full collections into its log)
+#                              server with bench/gcwatch on its path (full collections into its log);
+#                              FULL=0 leaves out the py-spy start and the 1B shape (~6 min)
+#   bench/engine_v2.sh OUT 19  phase 18's machine kept warm after bench/fusion_gpu.sh (llama.cpp built, the 8B's
+#                              Q8_0 GGUF): ours warm without and with the prefix cache, llama-server: idle, shared
 #   bench/engine_v2.sh OUT 16  phase 15's machine kept warm, 1B: llama-server (shared, random; httpx client), ours
 #                              first start (shared, random), warm --no-prefix-cache (shared)
 # Run from the repo root with .devwheels carried (the wheels the GPU image lacks).
@@ -274,23 +277,35 @@ if [ "$phase" = 18 ]; then
       --context 8192 > /tmp/checkpoints.log 2>&1) || { log "no checkpoint"; exit 1; }
   rm -rf "$QUANTSERVE_HOME/compile"
   start_ours ours-8b-cold /tmp/ck-llama-3.1-8b "${ours[@]}" && { load ours-8b 8000 random; shared_split ours-8b; stop; }
-  # a warm start under py-spy from launch (every thread, idle ones too), stopped once ready
-  (cd /tmp && exec /tmp/tools/bin/py-spy record -r 100 --idle --threads -f raw -o "$out/pyspy-8b-warm.txt" -- \
-      python3 -m quantserve serve /tmp/ck-llama-3.1-8b --port 8000 "${ours[@]}") > "$out/ours-8b-warm-pyspy.log" 2>&1 &
-  PID=$!
-  wait_ready 8000 $PID ours-8b-warm-pyspy; kill -TERM $(pgrep -P $PID) 2>/dev/null; wait $PID 2>/dev/null
+  # a warm start under py-spy from launch (every thread, idle ones too), stopped once ready (FULL=0: left out)
+  if [ "${FULL:-1}" = 1 ]; then
+    (cd /tmp && exec /tmp/tools/bin/py-spy record -r 100 --idle --threads -f raw -o "$out/pyspy-8b-warm.txt" -- \
+        python3 -m quantserve serve /tmp/ck-llama-3.1-8b --port 8000 "${ours[@]}") > "$out/ours-8b-warm-pyspy.log" 2>&1 &
+    PID=$!
+    wait_ready 8000 $PID ours-8b-warm-pyspy; kill -TERM $(pgrep -P $PID) 2>/dev/null; wait $PID 2>/dev/null
+  fi
   start_ours ours-8b-warm /tmp/ck-llama-3.1-8b "${ours[@]}" && { load ours-8b-warm 8000 idle; shared_split ours-8b-warm; stop; }
   PYTHONPATH=$repo/bench/gcwatch:/tmp/site-base start_ours ours-8b-base /tmp/ck-llama-3.1-8b "${ours[@]}" \
       && { load ours-8b-base 8000 idle; shared_split ours-8b-base; stop; }
-  (cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape llama-3.2-1b --out /tmp/ck-llama-3.2-1b \
-      --context 8192 > /tmp/checkpoints-1b.log 2>&1) || { log "no checkpoint"; exit 1; }
-  start_ours ours-1b-first /tmp/ck-llama-3.2-1b "${ours[@]}" && { shared_split ours-1b-first; load ours-1b 8000 idle; stop; }
-  PYTHONPATH=$repo/bench/gcwatch:/tmp/site-base start_ours ours-1b-base /tmp/ck-llama-3.2-1b "${ours[@]}" \
-      && { shared_split ours-1b-base; load ours-1b-base 8000 idle; stop; }
+  if [ "${FULL:-1}" = 1 ]; then  # FULL=0: the 8B shape only
+    (cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape llama-3.2-1b --out /tmp/ck-llama-3.2-1b \
+        --context 8192 > /tmp/checkpoints-1b.log 2>&1) || { log "no checkpoint"; exit 1; }
+    start_ours ours-1b-first /tmp/ck-llama-3.2-1b "${ours[@]}" && { shared_split ours-1b-first; load ours-1b 8000 idle; stop; }
+    PYTHONPATH=$repo/bench/gcwatch:/tmp/site-base start_ours ours-1b-base /tmp/ck-llama-3.2-1b "${ours[@]}" \
+        && { shared_split ours-1b-base; load ours-1b-base 8000 idle; stop; }
+  fi
   # collections of 20 ms or more, and how many of each log's were full ones
   grep -H "gcwatch" "$out"/ours-*.log | awk '{for (i = 1; i <= NF; i++) if ($i == "took") ms = $(i + 1); if (ms + 0 >= 20) print}' \
       | tail -n 60 >> "$out/bench.txt"
   grep -c "gcwatch: generation 2" "$out"/ours-*.log >> "$out/bench.txt"
+  finish
+fi
+
+if [ "$phase" = 19 ]; then  # a machine that ran phase 18 and bench/fusion_gpu.sh (llama.cpp, the 8B's Q8_0 GGUF)
+  install; machine
+  start_ours ours-8b-nocache /tmp/ck-llama-3.1-8b "${ours[@]}" --no-prefix-cache && { shared_split ours-8b-nocache; stop; }
+  start_ours ours-8b-again /tmp/ck-llama-3.1-8b "${ours[@]}" && { load ours-8b-again 8000 idle; shared_split ours-8b-again; stop; }
+  start_llama llama-8b /tmp/llama-3.1-8b-Q8_0.gguf && { load llama-8b 8001 idle; load llama-8b 8001 shared; stop; }
   finish
 fi
 

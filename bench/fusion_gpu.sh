@@ -16,13 +16,14 @@
 #     products alone).
 #   bench/fusion_gpu.sh OUT 2   (~5 min, the machine call 1 left warm) llama-bench on the 8B's Q8_0
 #     and Q4_K_M GGUFs and the 1B's Q8_0, then in the same call bench decode at batch 1: 8B int8 and
-#     int4 as served (fusion on), 1B int8 --fusion on,off: the ratios against baselines measured in
-#     that call.
+#     int4 as served (fusion off; FUSION=on for the fused forms), 1B int8 --fusion on,off: the ratios
+#     against baselines measured in that call.  It waits GGUF_WAIT x 2 s (default 60 s) for the
+#     GGUFs call 1 started; llama.cpp's build took until ~8 min after call 1 began on an H100.
 # OUT gets results.tgz and bench.txt.  Run from the repo root.
 set -uo pipefail
 # END: the seconds the first call may take; a smaller one skips its quality and race parts
 dest=$(realpath -m "$1"); phase=${2:-1}; end=${END:-575}; out=/tmp/fusion-$phase; mkdir -p "$out" "$dest"; repo=$PWD; site=/tmp/site
-# the fused forms are opt-in until measured (server/fastcore/quant.py); --fusion off turns them off per run
+# the fused forms are opt-in (server/fastcore/quant.py); --fusion off turns them off per run
 export QUANTSERVE_HOME=/tmp/qs-home PYTHONUNBUFFERED=1 QUANTSERVE_FUSED_DECODE=1
 source "$repo/bench/gpu_lib.sh"  # log, left, decode
 taskset -cp 0-7 $$ > /dev/null  # this script and what it starts on cores 0-7; the detached jobs on 8-15
@@ -41,12 +42,12 @@ if [ "$phase" = 1 ] && [ "${LLAMA:-1}" = 1 ]; then  # LLAMA=0: no second call fo
       --shape \$s --shape-vocab --out /tmp/ck-\$s --context 4096; done; bash $repo/bench/llama_ggufs.sh $site" \
       > /tmp/ggufs.log 2>&1 < /dev/null &
 elif [ "$phase" = 2 ]; then
-  for i in $(seq 30); do [ -f /tmp/ggufs.done ] && break; sleep 2; done
+  for i in $(seq ${GGUF_WAIT:-30}); do [ -f /tmp/ggufs.done ] && break; sleep 2; done
   tail -n 8 /tmp/ggufs.log >> "$out/bench.txt"
   llama_bench 45 /tmp/llama-3.1-8b-Q8_0.gguf /tmp/llama-3.1-8b-Q4_K_M.gguf /tmp/llama-3.2-1b-Q8_0.gguf
   log "llama-bench done"
-  decode $(left 170) 8b-int8 --models 8b --quants int8 --kernels triton --batches 1
-  decode $(left 240) 8b-int4 --models 8b --quants int4 --kernels triton --batches 1
+  decode $(left 170) 8b-int8 --models 8b --quants int8 --kernels triton --batches 1 --fusion ${FUSION:-off}
+  decode $(left 240) 8b-int4 --models 8b --quants int4 --kernels triton --batches 1 --fusion ${FUSION:-off}
   decode $(left 300) 1b-int8 --models 1b --quants int8 --kernels triton --batches 1 --fusion on,off
   tar czf "$dest/results.tgz" -C "$out" . && cp "$out/bench.txt" "$dest/"; cat "$out/bench.txt"; exit 0
 fi

@@ -35,7 +35,7 @@ if [ "$phase" = 1 ]; then
       && touch /tmp/checkpoints.done" > /tmp/checkpoints.log 2>&1 < /dev/null &
   # from /tmp: in the source tree `quantserve` would be the bare folder, not the installed package
   (cd /tmp && timeout 200 python3 -m pytest --import-mode=append -rA -q -p no:cacheprovider \
-      "$repo/tests/serve/test_fastcore.py" "$repo/tests/serve/test_paged_attention.py" "$repo/tests/serve/test_gpu_kernels.py" \
+      "$repo/tests/serve/test_fastcore.py" "$repo/tests/serve/test_fastcore_startup.py" "$repo/tests/serve/test_paged_attention.py" "$repo/tests/serve/test_gpu_kernels.py" \
       -k "compiled_cuda or compiled_triton or paged or gpu or triton") > "$out/gpu-tests.log" 2>&1 || log "gpu tests: rc=$?"
   grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$out/gpu-tests.log" >> "$out/bench.txt"
   log "tests done"

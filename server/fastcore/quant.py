@@ -173,9 +173,9 @@ def default_kernel(device: torch.device, weights: str = "int8") -> str:
 
 
 def fused_decode_enabled() -> bool:
-    """The fused batch-1 forms (fused.py) are opt-in, $QUANTSERVE_FUSED_DECODE=1, until a GPU has
-    measured them: so far they have run in Triton's interpreter and compiled for sm_75 / sm_90 only
-    (bench/RESULTS.md, 2026-12-05), and a default decode path must be one a GPU has checked."""
+    """The fused batch-1 forms (fused.py) are opt-in, $QUANTSERVE_FUSED_DECODE=1: correct on an H100
+    but slower there than the separate kernels (0.90-0.98x the decode step's speed; bench/RESULTS.md,
+    "H100: the fused batch-1 forms measured"), so the default decode keeps the separate ops."""
     return os.environ.get("QUANTSERVE_FUSED_DECODE", "0") == "1"
 
 

@@ -199,7 +199,7 @@ def test_a_one_token_step_launches_fewer_kernels_fused(mode, monkeypatch):
 
     cfg = LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)
-    monkeypatch.setenv("QUANTSERVE_FUSED_DECODE", "1")  # opt-in until measured (quant.fused_decode_enabled)
+    monkeypatch.setenv("QUANTSERVE_FUSED_DECODE", "1")  # opt-in (quant.fused_decode_enabled)
     core = FastCore(None, random_config=cfg, max_slots=2, max_seq=256, device="cuda", weight_quant=mode,
                     quant_kernel="triton", compile=False)
     fusable = [m for m in core.model.modules() if getattr(m, "fusable", False)]
