@@ -26,13 +26,9 @@ import json
 import time
 from pathlib import Path
 
-# (name, N out, K in) per layer, layers, lm_head: as bench/kernels.py
-SHAPES = {
-    "8b": ([("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)], 32,
-           ("lm_head", 128256, 4096)),
-    "1b": ([("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192)], 16,
-           ("lm_head", 128256, 2048)),
-}
+# the layer shapes and the copy bandwidth as bench/kernels.py measures them
+from quantserve.bench.kernels import SHAPES, copy_bandwidth
+
 KINDS = ("fp16", "int8", "int8-old", "int8-gemv", "int8-gemlite", "int8-dense", "int8-tiles", "int4", "int4-old",
          "int4-gemv", "int4-halfdot", "int4-gemlite", "int4-dense", "int4-tiles")
 BATCH1_ONLY = ("-old", "-gemv", "-halfdot", "-gemlite")  # kinds timed at M = 1 only
@@ -135,17 +131,6 @@ def dequantized(w) -> dict:
     q8, q4 = (make_linear(w, None, mode, torch.float16, "torch") for mode in ("int8", "int4"))
     return {"fp16": w.float(), "int8": q8.weight.float() * q8.scales.float()[:, None],
             "int4": q4.dequantize(torch.float32)}
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes/s (each byte read and written), as bench/kernels.py measures it."""
-    import torch
-    import triton.testing
-
-    src = torch.ones(2**29, dtype=torch.float16, device="cuda")
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src))
-    return 2 * src.numel() * 2 / (ms / 1e3)
 
 
 def graph_us(calls, x, replays: int = 5) -> float:
