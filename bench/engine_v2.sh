@@ -17,6 +17,8 @@
 #                              FULL=0 leaves out the py-spy start and the 1B shape (~6 min)
 #   bench/engine_v2.sh OUT 19  phase 18's machine kept warm after bench/fusion_gpu.sh (llama.cpp built, the 8B's
 #                              Q8_0 GGUF): ours warm without and with the prefix cache, llama-server: idle, shared
+#   bench/engine_v2.sh OUT 20  a fresh machine, ours alone, 1B (~2 min): the shared load with the prefix cache on a
+#                              first start, then without it on a warm start
 # The phases that earlier sections of bench/RESULTS.md ran (1-14) are in git history at the commit
 # each section names; the capacity runs at --context 8192 are bench/gpu_checks.sh's call 2.
 # Run from the repo root with .devwheels carried (the wheels the GPU image lacks).
@@ -179,4 +181,15 @@ if [ "$phase" = 19 ]; then  # a machine that ran phase 18 and bench/fusion_gpu.s
   finish
 fi
 
-echo "engine_v2.sh: unknown phase '$phase' (this file has 15-19)" >&2; exit 2
+if [ "$phase" = 20 ]; then  # a fresh machine, ours alone, 1B (~2 min): the shared load with the prefix cache (a first
+                            # start), then without it (a warm start): the cached share of the uncached time
+  install
+  machine
+  (cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape llama-3.2-1b --out /tmp/ck-llama-3.2-1b \
+      --context 8192 > /tmp/checkpoints-1b.log 2>&1) || { log "no checkpoint"; exit 1; }
+  start_ours ours-1b-first /tmp/ck-llama-3.2-1b "${ours[@]}" && { shared_split ours-1b-first; stop; }
+  start_ours ours-1b-nocache /tmp/ck-llama-3.2-1b "${ours[@]}" --no-prefix-cache && { shared_split ours-1b-nocache; stop; }
+  finish
+fi
+
+echo "engine_v2.sh: unknown phase '$phase' (this file has 15-20)" >&2; exit 2
