@@ -23,7 +23,7 @@ from quantserve.server.config import APIOptions as _API
 from quantserve.server.errors import APIError, error_response, from_api_error
 from quantserve.server.exceptions import ModelLoadError
 from quantserve.server.metrics import Metrics
-from quantserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, JSONBodyMiddleware
+from quantserve.server.middleware import APIKeyMiddleware, ArrivalMiddleware, BodyLimitMiddleware, JSONBodyMiddleware
 from quantserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
                                         ModelCard, ModelList, ResponsesRequest, TokenizeRequest)
 from quantserve.server.serving import ServerState, check_model
@@ -264,7 +264,7 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_body_byt
     app.state.server = state
     app.include_router(router)
 
-    # the last added runs first: CORS (answers preflights, which carry no key), key, size, type
+    # the last added runs first: arrival time, CORS (answers preflights, which carry no key), key, size, type
     app.add_middleware(JSONBodyMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_key:
@@ -276,4 +276,5 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_body_byt
 
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"], allow_credentials=False, max_age=600)
+    app.add_middleware(ArrivalMiddleware)  # first of all: a request's clock starts as it arrives
     return app

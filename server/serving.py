@@ -19,6 +19,7 @@ from quantserve.server.config import APIOptions
 from quantserve.server.engine import EngineClosedError, EngineError, EngineRequest, QueueFullError, TokenStream
 from quantserve.server.errors import APIError, engine_status, error_body
 from quantserve.server.metrics import Metrics
+from quantserve.server.middleware import ARRIVAL
 from quantserve.server.protocol import PromptTokensDetails, Usage, _SamplingFields
 from quantserve.server.sampling import SamplingParams
 from quantserve.server.textstream import ChoiceText, Delta
@@ -47,7 +48,9 @@ class Job:
     prompt_tokens: int
     metrics: Metrics | None = None
     n: int = 1  # choices per prompt: choices[i * n] is prompt i's first
-    started: float = field(default_factory=time.perf_counter)
+    # when the request reached the server (middleware.ArrivalMiddleware; now, outside a request):
+    # its time to first token and latency count from there
+    started: float = field(default_factory=lambda: ARRIVAL.get(None) or time.perf_counter())
     outcome: str | None = None  # set once by settle()
 
     def settle(self, outcome: str) -> None:

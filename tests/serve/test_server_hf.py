@@ -185,6 +185,34 @@ def test_tokenize_detokenize_and_metrics(server, reference):
         assert f"quantserve:{gauge}" in m
 
 
+def test_time_to_first_token_counts_from_the_requests_arrival(default_model, monkeypatch):
+    """/metrics' time to first token starts when the request reaches the server, as its client's
+    does: tokenizing held up 0.3 s shows in it, and not in the engine's part (queue + prefill)."""
+    from starlette.testclient import TestClient
+
+    from quantserve.server import serving
+    from quantserve.server.api_server import create_app
+    from quantserve.server.engines import EngineOptions, ScheduledEngine
+
+    tokenize = serving.encode_all
+
+    async def held_up(*args, **kwargs):
+        await asyncio.sleep(0.3)
+        return await tokenize(*args, **kwargs)
+
+    monkeypatch.setattr(serving, "encode_all", held_up)
+    with TestClient(create_app(ScheduledEngine(default_model, EngineOptions()), "m")) as client:
+        while client.get("/health").status_code != 200:
+            time.sleep(0.05)
+        r = client.post("/v1/completions", json={"model": "m", "prompt": "Sort: c b a", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        m = {name: float(value) for name, value in (line.rsplit(" ", 1) for line in client.get("/metrics").text
+             .splitlines() if line and not line.startswith("#") and "{" not in line)}
+    assert m["quantserve:time_to_first_token_seconds_count"] == 1
+    engine_s = m["quantserve:request_queue_time_seconds_sum"] + m["quantserve:request_prefill_time_seconds_sum"]
+    assert m["quantserve:time_to_first_token_seconds_sum"] >= 0.3 > engine_s
+
+
 def test_long_prompts_tokenized_off_the_loop_answer_as_short_ones_do(server, reference):
     """Prompts of more than OFF_LOOP_CHARS characters together are encoded on worker threads
     (server/tokenizing.py): the same ids, the same greedy answers, the same clean errors."""
