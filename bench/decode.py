@@ -211,11 +211,19 @@ def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], p
 
     t0 = time.perf_counter()
     max_seq = -(-(prompt_len + new_tokens + 8) // 256) * 256
-    # the fused batch-1 forms are opt-in (quant.fused_decode_enabled): "on" asks for them here
+    # the fused batch-1 forms are opt-in (quant.fused_decode_enabled, read as the layers are built):
+    # "on" asks for them for this build only, so the caller's environment is left as it was
+    before = os.environ.get("QUANTSERVE_FUSED_DECODE")
     os.environ["QUANTSERVE_FUSED_DECODE"] = "1" if fusion else "0"
-    core = FastCore(None, random_config=cfg, max_slots=max(batches), max_seq=max_seq, device=device,
-                    weight_quant=quant, quant_kernel=kernel, compile=compile, profile=caps.profile,
-                    attention=attention)
+    try:
+        core = FastCore(None, random_config=cfg, max_slots=max(batches), max_seq=max_seq, device=device,
+                        weight_quant=quant, quant_kernel=kernel, compile=compile, profile=caps.profile,
+                        attention=attention)
+    finally:
+        if before is None:
+            del os.environ["QUANTSERVE_FUSED_DECODE"]
+        else:
+            os.environ["QUANTSERVE_FUSED_DECODE"] = before
     build_s = time.perf_counter() - t0
     # Prompts eagerly: this measures decode, and the compiled prompt path (torch.compile with
     # dynamic shapes over the whole model) is a minute or more of compile on the 8B shape before

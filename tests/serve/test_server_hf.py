@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.support.servers import PROMPTS, hf_reference, ServerProcess, collect_stream
+from tests.support.servers import PROMPTS, hf_reference, ServerProcess, collect_stream, unlabelled_metrics
 
 MAX_TOKENS = 24
 
@@ -206,8 +206,7 @@ def test_time_to_first_token_counts_from_the_requests_arrival(default_model, mon
             time.sleep(0.05)
         r = client.post("/v1/completions", json={"model": "m", "prompt": "Sort: c b a", "max_tokens": 2})
         assert r.status_code == 200, r.text
-        m = {name: float(value) for name, value in (line.rsplit(" ", 1) for line in client.get("/metrics").text
-             .splitlines() if line and not line.startswith("#") and "{" not in line)}
+        m = unlabelled_metrics(client.get("/metrics").text)
     assert m["quantserve:time_to_first_token_seconds_count"] == 1
     engine_s = m["quantserve:request_queue_time_seconds_sum"] + m["quantserve:request_prefill_time_seconds_sum"]
     assert m["quantserve:time_to_first_token_seconds_sum"] >= 0.3 > engine_s

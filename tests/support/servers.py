@@ -24,6 +24,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def unlabelled_metrics(text: str) -> dict[str, float]:
+    """The unlabelled samples of a /metrics page, name -> value."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
 class ServerProcess:
     """`python -m quantserve serve ...` in its own process; `stop()` ends it (SIGTERM, then SIGKILL)."""
 
@@ -123,12 +133,7 @@ class ServerProcess:
 
     def metrics(self) -> dict[str, float]:
         """The unlabelled samples of /metrics, name -> value."""
-        out = {}
-        for line in httpx.get(self.base_url + "/metrics", timeout=10).text.splitlines():
-            if line and not line.startswith("#") and "{" not in line:
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
+        return unlabelled_metrics(httpx.get(self.base_url + "/metrics", timeout=10).text)
 
 
 def engine_server(engine: str, default_model, tmp_path_factory, *args: str) -> ServerProcess:
