@@ -60,7 +60,9 @@ class DecodeOptions:
     quants: tuple[str, ...] = QUANTS
     kernels: tuple[str, ...] = ("auto",)  # int8/int4 kernels, of KERNELS
     attention: tuple[str, ...] = ("auto",)  # of ATTENTIONS; the first is the one other rows compare to
-    fusion: tuple[str, ...] = ("on",)  # of FUSIONS; "off" rows are named "...-unfused"
+    # of FUSIONS: "off" is what the server runs (the fused batch-1 forms are opt-in); "on" rows are
+    # named "...-fused" (until 2026-12-05 "on" was the default and "off" rows were "...-unfused")
+    fusion: tuple[str, ...] = ("off",)
     batches: tuple[int, ...] = (1, 8, 32)
     prompt_len: int = 128
     new_tokens: int = 128
@@ -200,7 +202,7 @@ def step_profile(step, device, steps: int = 16, top: int = 12) -> dict:
 
 def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], prompt_len: int,
                new_tokens: int, compile: bool, profile_steps: int = 0, attention: str = "auto",
-               fusion: bool = True):
+               fusion: bool = False):
     """FastCore decode at each batch size: prefill `prompt_len` tokens per slot, then time
     `new_tokens` steps feeding the argmax back on the device (no host sync inside the loop).
     fusion off: batch 1 runs its norms, gate and residual adds as separate kernels (fused.py).
@@ -369,10 +371,10 @@ def _measure(o: DecodeOptions) -> None:
                     engine += f"-{kernel}"
                 if attention != "auto":
                     engine += f"-{attention}"
-                if fusion == "off":
+                if fusion == "on":
                     if quant == "none":
                         continue  # fp16 layers have nothing fused: one row is enough
-                    engine += "-unfused"
+                    engine += "-fused"
                 done = set()
                 try:
                     cap.set(capped)

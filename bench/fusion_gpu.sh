@@ -23,7 +23,7 @@
 set -uo pipefail
 # END: the seconds the first call may take; a smaller one skips its quality and race parts
 dest=$(realpath -m "$1"); phase=${2:-1}; end=${END:-575}; out=/tmp/fusion-$phase; mkdir -p "$out" "$dest"; repo=$PWD; site=/tmp/site
-# the fused forms are opt-in (server/fastcore/quant.py); --fusion off turns them off per run
+# the fused forms are opt-in (server/fastcore/quant.py): on for the tests and quality runs here; bench decode sets them per run (--fusion)
 export QUANTSERVE_HOME=/tmp/qs-home PYTHONUNBUFFERED=1 QUANTSERVE_FUSED_DECODE=1
 source "$repo/bench/gpu_lib.sh"  # log, left, decode
 taskset -cp 0-7 $$ > /dev/null  # this script and what it starts on cores 0-7; the detached jobs on 8-15
