@@ -19,6 +19,9 @@
 #                              Q8_0 GGUF): ours warm without and with the prefix cache, llama-server: idle, shared
 #   bench/engine_v2.sh OUT 20  a fresh machine, ours alone, 1B (~2 min): the shared load with the prefix cache on a
 #                              first start, then without it on a warm start
+#   bench/engine_v2.sh OUT 21  a fresh machine, ours alone, 8B (~3 min): where a start's time goes, a cold start and
+#                              a warm one under py-spy from launch (every thread, raw stacks: bench/startup_profile.py
+#                              sums them by part), then a warm start without it
 # The phases that earlier sections of bench/RESULTS.md ran (1-14) are in git history at the commit
 # each section names; the capacity runs at --context 8192 are bench/gpu_checks.sh's call 2.
 # Run from the repo root with .devwheels carried (the wheels the GPU image lacks).
@@ -192,4 +195,21 @@ if [ "$phase" = 20 ]; then  # a fresh machine, ours alone, 1B (~2 min): the shar
   finish
 fi
 
-echo "engine_v2.sh: unknown phase '$phase' (this file has 15-20)" >&2; exit 2
+if [ "$phase" = 21 ]; then
+  install
+  python3 -m pip install -q --no-index --no-deps --target /tmp/tools .devwheels/tools/*.whl
+  machine
+  (cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape llama-3.1-8b --out /tmp/ck-llama-3.1-8b \
+      --context 8192 > /tmp/checkpoints.log 2>&1) || { log "no checkpoint"; exit 1; }
+  rm -rf "$QUANTSERVE_HOME/compile"
+  for label in ours-8b-cold-pyspy ours-8b-warm-pyspy; do
+    (cd /tmp && exec /tmp/tools/bin/py-spy record -r 100 --idle --threads -f raw -o "$out/$label.txt" -- \
+        python3 -m quantserve serve /tmp/ck-llama-3.1-8b --port 8000 "${ours[@]}") > "$out/$label.log" 2>&1 &
+    PID=$!
+    wait_ready 8000 $PID $label; kill -TERM $(pgrep -P $PID) 2>/dev/null; wait $PID 2>/dev/null
+  done
+  start_ours ours-8b-warm /tmp/ck-llama-3.1-8b "${ours[@]}" && stop
+  finish
+fi
+
+echo "engine_v2.sh: unknown phase '$phase' (this file has 15-21)" >&2; exit 2
