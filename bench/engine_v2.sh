@@ -19,9 +19,12 @@
 #                              Q8_0 GGUF): ours warm without and with the prefix cache, llama-server: idle, shared
 #   bench/engine_v2.sh OUT 20  a fresh machine, ours alone, 1B (~2 min): the shared load with the prefix cache on a
 #                              first start, then without it on a warm start
-#   bench/engine_v2.sh OUT 21  a fresh machine, ours alone, 8B (~3 min): where a start's time goes, a cold start and
-#                              a warm one under py-spy from launch (every thread, raw stacks: bench/startup_profile.py
-#                              sums them by part), then a warm start without it
+#   bench/engine_v2.sh OUT 21  a fresh machine, 8B (~4 min; carry .devllama too): llama.cpp's build detached; where a
+#                              start's time goes, a cold start and a warm one under py-spy from launch (every thread,
+#                              raw stacks: bench/startup_profile.py sums them by part), a warm start without it; then
+#                              the Q8_0 GGUF for phase 22
+#   bench/engine_v2.sh OUT 22  phase 21's machine kept warm: the random loads (1, 8, 32; each level its own prompts)
+#                              and idle prompts, ours warm then llama-server on the Q8_0 GGUF
 # The phases that earlier sections of bench/RESULTS.md ran (1-14) are in git history at the commit
 # each section names; the capacity runs at --context 8192 are bench/gpu_checks.sh's call 2.
 # Run from the repo root with .devwheels carried (the wheels the GPU image lacks).
@@ -45,7 +48,7 @@ load() {  # LABEL PORT KIND: random ~690-token prompts at 1, 8, 32; or the share
   local label=$1 port=$2 kind=$3 args
   case $kind in
     random) args=(--concurrency 1,8,32 --input-len 225) ;;
-    idle) args=(--concurrency 1 --num-prompts 24 --input-len 225) ;;
+    idle) args=(--concurrency 1 --num-prompts 24 --input-len 225 --seed 7) ;;  # not the random load's prompts
     shared) args=(--concurrency 32 --num-prompts 128 --shared-prefix-len 490 --input-len 8 --save-records) ;;
   esac
   (cd /tmp && timeout 240 ${PIN:+taskset -c $PIN} python3 -m quantserve.bench.serve --base-url "http://127.0.0.1:$port/v1" "${args[@]}" \
@@ -199,6 +202,8 @@ if [ "$phase" = 21 ]; then
   install
   python3 -m pip install -q --no-index --no-deps --target /tmp/tools .devwheels/tools/*.whl
   machine
+  setsid nohup nice -n 19 taskset -c 8-15 bash .devwheels/device-llama-cpp.sh .devllama/llama_cpp_python-0.3.36.tar.gz \
+      /tmp/llama-cpp 90 > /tmp/llama-build.out 2>&1 < /dev/null &
   (cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape llama-3.1-8b --out /tmp/ck-llama-3.1-8b \
       --context 8192 > /tmp/checkpoints.log 2>&1) || { log "no checkpoint"; exit 1; }
   rm -rf "$QUANTSERVE_HOME/compile"
@@ -209,7 +214,17 @@ if [ "$phase" = 21 ]; then
     wait_ready 8000 $PID $label; kill -TERM $(pgrep -P $PID) 2>/dev/null; wait $PID 2>/dev/null
   done
   start_ours ours-8b-warm /tmp/ck-llama-3.1-8b "${ours[@]}" && stop
+  (cd /tmp && python3 -m quantserve convert /tmp/ck-llama-3.1-8b -f gguf-q8_0 -o /tmp/gguf-llama-3.1-8b -q) \
+      >> /tmp/checkpoints.log 2>&1 || log "no GGUF"
   finish
 fi
 
-echo "engine_v2.sh: unknown phase '$phase' (this file has 15-21)" >&2; exit 2
+if [ "$phase" = 22 ]; then  # phase 21's machine kept warm (the 8B checkpoint, its Q8_0 GGUF, llama.cpp's build)
+  install; machine
+  for i in $(seq 300); do [ -x /tmp/llama-cpp/bin/llama-server ] && break; sleep 1; done
+  start_ours ours-8b-warm /tmp/ck-llama-3.1-8b "${ours[@]}" && { load ours-8b 8000 random; load ours-8b 8000 idle; stop; }
+  start_llama llama-8b /tmp/gguf-llama-3.1-8b/*.gguf && { load llama-8b 8001 random; load llama-8b 8001 idle; stop; }
+  finish
+fi
+
+echo "engine_v2.sh: unknown phase '$phase' (this file has 15-22)" >&2; exit 2

@@ -50,9 +50,10 @@ for port in "$bare_port" "$ray_port"; do
   echo "port $port ready after $(( $(date +%s) - t0 )) s" | tee -a "$out/bench.txt"
 done
 curl -s "http://127.0.0.1:$bare_port/health" | tee "$out/health.json"; echo
-bench() {  # NAME PORT
+bench() {  # NAME PORT SEED: prompts of their own (the gateway and the replica's port share one prefix cache, and a
+            # round that re-sent the last one's prompts would time cached prefills)
   # shellcheck disable=SC2086 # BENCH_ARGS is a list of options
-  $py -m quantserve.bench.serve --base-url "http://127.0.0.1:$2/v1" $bench_args --label "$1" --out "$out/$1.json" \
+  $py -m quantserve.bench.serve --base-url "http://127.0.0.1:$2/v1" $bench_args --seed "$3" --label "$1" --out "$out/$1.json" \
       | tail -n 6 | tee -a "$out/bench.txt"
 }
 # the replica's own port too, where `ss` can tell it (a local cluster's replica listens on 127.0.0.1):
@@ -79,7 +80,7 @@ echo "series: ${series[*]}" | tee -a "$out/bench.txt"
 for n in $(seq 1 "$rounds"); do  # the order turns each round: no server always goes first
   for i in $(seq 0 $((${#series[@]} - 1))); do
     read -r name port <<< "${series[$(( (i + n - 1) % ${#series[@]} ))]}"
-    bench "$name-$n" "$port"
+    bench "$name-$n" "$port" $(( 100 * n + 10 * i ))  # the warm-up request takes seed + 1
   done
 done
 $py -m quantserve.bench.replicas_compare "$out" | tee "$out/summary.md"

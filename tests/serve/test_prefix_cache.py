@@ -285,3 +285,20 @@ def test_the_shared_prefix_load_generator_sees_the_cache(server, tmp_path):
                     "--concurrency", "4", "--num-prompts", "8", "--output-len", "4", "--out", str(out)]) == 0
     run = json.loads(out.read_text())["runs"][0]
     assert run["completed"] == 8 and run["cached_tokens"] >= 7 * 80 // 2
+
+
+def test_each_load_level_sends_prompts_no_earlier_level_sent(server, tmp_path):
+    """bench/serve.py's concurrency levels draw fresh prompts: a level that re-sent an earlier
+    level's prompts would find them in the server's cache and time cached prefills (an 8B run's
+    c = 8 level had half its prompt tokens cached that way)."""
+    import json
+
+    from quantserve.bench import serve as bs
+
+    out = tmp_path / "levels.json"
+    assert bs.main(["--base-url", server.base_url + "/v1", "--input-len", "60", "--concurrency", "1,2",
+                    "--num-prompts", "3", "--output-len", "2", "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["completed"] for r in runs] == [3, 3]
+    # a prompt's first token (the BOS) may come from the cache; a repeated prompt would bring ~60
+    assert all(r["cached_tokens"] <= r["completed"] for r in runs), runs
