@@ -25,6 +25,10 @@
 #                              the Q8_0 GGUF for phase 22
 #   bench/engine_v2.sh OUT 22  phase 21's machine kept warm: the random loads (1, 8, 32; each level its own prompts)
 #                              and idle prompts, ours warm then llama-server on the Q8_0 GGUF
+#   bench/engine_v2.sh OUT 23  a fresh machine (~8 min; carry .devllama too): how the image keeps bytecode; the 8B's
+#                              start with nothing cached, a warm start without the bytecode cache
+#                              (QUANTSERVE_BYTECODE_CACHE=0) and two with it; then the 1B: its first start, the random
+#                              loads and idle prompts, ours then llama-server on its Q8_0 GGUF
 # The phases that earlier sections of bench/RESULTS.md ran (1-14) are in git history at the commit
 # each section names; the capacity runs at --context 8192 are bench/gpu_checks.sh's call 2.
 # Run from the repo root with .devwheels carried (the wheels the GPU image lacks).
@@ -227,4 +231,36 @@ if [ "$phase" = 22 ]; then  # phase 21's machine kept warm (the 8B checkpoint, i
   finish
 fi
 
-echo "engine_v2.sh: unknown phase '$phase' (this file has 15-22)" >&2; exit 2
+if [ "$phase" = 23 ]; then
+  install
+  machine
+  setsid nohup nice -n 19 taskset -c 8-15 bash .devwheels/device-llama-cpp.sh .devllama/llama_cpp_python-0.3.36.tar.gz \
+      /tmp/llama-cpp 90 > /tmp/llama-build.out 2>&1 < /dev/null &
+  python3 - <<'EOF' | tee -a "$out/bench.txt"  # does the image give Python its libraries' bytecode, or let it write it?
+import importlib.util, os, sys
+from pathlib import Path
+spec = importlib.util.find_spec("torch")
+print("PYTHONDONTWRITEBYTECODE:", os.environ.get("PYTHONDONTWRITEBYTECODE"), "| sys.flags.dont_write_bytecode:",
+      sys.flags.dont_write_bytecode, "| torch's bytecode:", Path(importlib.util.cache_from_source(spec.origin)).is_file(),
+      "| torch's folder writable:", os.access(Path(spec.origin).parent, os.W_OK), "|", Path(spec.origin).parent)
+EOF
+  (cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape llama-3.1-8b --out /tmp/ck-llama-3.1-8b \
+      --context 8192 > /tmp/checkpoints.log 2>&1) || { log "no checkpoint"; exit 1; }
+  rm -rf "$QUANTSERVE_HOME/compile" "$QUANTSERVE_HOME/bytecode"
+  start_ours ours-8b-first /tmp/ck-llama-3.1-8b "${ours[@]}" && stop
+  QUANTSERVE_BYTECODE_CACHE=0 start_ours ours-8b-warm-nobytecode /tmp/ck-llama-3.1-8b "${ours[@]}" && stop
+  for n in 1 2; do start_ours ours-8b-warm-$n /tmp/ck-llama-3.1-8b "${ours[@]}" && stop; done
+  du -sh "$QUANTSERVE_HOME/bytecode" | tee -a "$out/bench.txt"
+  (cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape llama-3.2-1b --out /tmp/ck-llama-3.2-1b \
+      --context 8192 && python3 -m quantserve convert /tmp/ck-llama-3.2-1b -f gguf-q8_0 -o /tmp/gguf-llama-3.2-1b -q) \
+      > /tmp/checkpoints-1b.log 2>&1 || { log "no 1B checkpoint"; finish; }
+  start_ours ours-1b-first /tmp/ck-llama-3.2-1b "${ours[@]}" && { load ours-1b 8000 random; load ours-1b 8000 idle; stop; }
+  while [ ! -x /tmp/llama-cpp/bin/llama-server ] && [ $SECONDS -lt 470 ]; do sleep 1; done
+  log "llama.cpp's build: $([ -x /tmp/llama-cpp/bin/llama-server ] && echo ready || echo 'not ready')"
+  # httpx for llama-server: under aiohttp it dropped a few kept-alive connections (phase 15)
+  start_llama llama-1b /tmp/gguf-llama-3.2-1b/*.gguf && {
+    SERVE_EXTRA="--client httpx" load llama-1b 8001 random; SERVE_EXTRA="--client httpx" load llama-1b 8001 idle; stop; }
+  finish
+fi
+
+echo "engine_v2.sh: unknown phase '$phase' (this file has 15-23)" >&2; exit 2

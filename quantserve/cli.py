@@ -13,6 +13,7 @@ from typing import Optional
 import typer
 
 import quantserve.demo  # noqa: F401  (registers the name "default" for every command below)
+from quantserve.bytecode_cache import use_bytecode_cache
 from quantserve.cli_util import new_app, run
 from quantserve.quiet import quiet_libraries
 
@@ -147,11 +148,13 @@ app.add_typer(_bench_app, name="bench")
 
 def main() -> None:
     quiet_libraries()
+    use_bytecode_cache()  # before the first heavy import: torch, transformers
     run(app, "quantserve")
 
 
 def quant_main() -> None:
     """The `quant` command: quantserve.quant's own CLI, with the demo's names registered."""
+    use_bytecode_cache()
     _quant_cli.main()
 
 

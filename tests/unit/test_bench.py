@@ -342,3 +342,29 @@ def test_sweep_table_shows_the_tool_calls_and_their_worst_case():
     assert "tool calls after" in lines[0]
     assert "| 96.5% |" in lines[2] and "| 100.0% |" in lines[3] and "| – |" in lines[4]  # a row without the score
     assert "worst fine-tuned tool-call accuracy: 96.5% (bar 90%)" in table
+
+
+def test_startup_profile_splits_the_start_into_parts_and_imports(tmp_path, capsys):
+    """bench/startup_profile.py on a raw py-spy profile: the engine thread's samples by part, its
+    imports split into compiling source, reading bytecode and running modules; other threads ignored."""
+    from quantserve.bench import startup_profile
+
+    boot = "thread (1): uvloop_0;load (api_server.py:245);ScheduledEngine.start (engines.py:201)"
+    imp = "_find_and_load (<frozen importlib._bootstrap>:1360);<module> (torch/_dynamo/__init__.py:13)"
+    raw = tmp_path / "pyspy.txt"
+    raw.write_text("\n".join([
+        f"{boot};load_fast (loader.py:40);FastCore.__init__ (core.py:98);open_weights (weights.py:45);{imp};"
+        "SourceLoader.get_code (<frozen importlib._bootstrap_external>:1);SourceLoader.source_to_code (x:1) 300",
+        f"{boot};load_fast (loader.py:40);FastCore.__init__ (core.py:98);open_weights (weights.py:45);{imp};"
+        "SourceLoader.get_code (<frozen importlib._bootstrap_external>:1) 50",
+        f"{boot};load_fast (loader.py:40);FastCoreBackend.__init__ (adapter.py:30);FastCore.warm_up (core.py:300) 200",
+        "thread (2): MainThread;Server.run (server.py:1) 1000",
+    ]) + "\n")
+    assert startup_profile.main([str(raw)]) == 0
+    out = capsys.readouterr().out
+    assert "start-up thread,    5.50 s" in out
+    assert "3.50 s  open_weights" in out and "2.00 s  FastCore.warm_up" in out
+    assert "importing:    3.50 s" in out and "3.00 s  compiling source" in out and "0.50 s  reading bytecode" in out
+    assert "3.50 s  torch/_dynamo/__init__.py" in out
+    with pytest.raises(SystemExit, match="no such file"):
+        startup_profile.main([str(tmp_path / "missing.txt")])
