@@ -12,7 +12,9 @@ The same command runs unchanged against our server and against `python -m llama_
 streams `/v1/completions` (or `/v1/chat/completions` with --chat) over plain HTTP.  Output tokens
 are the server's `usage.completion_tokens` when it sends usage, else the number of streamed chunks
 with text (one token each on both servers).  Prompts are fixed-length random words from a seeded
-generator (about one token per word with a BPE tokenizer) or lines of a corpus file.
+generator (about one token per word with a BPE tokenizer) or lines of a corpus file; each
+concurrency level sends prompts no earlier level sent (a corpus with fewer lines than all the
+levels' prompts repeats them), so a server's prefix cache finds none of them.
 
 The client is aiohttp, as vLLM's benchmark's: its C parser keeps the client's own time per streamed
 event small, which at thousands of events a second is otherwise part of what is measured (httpx,
