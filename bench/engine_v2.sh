@@ -105,18 +105,28 @@ install() {
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target "$site" .
 }
 
+build_llama_cpp() {  # llama.cpp's llama-server from the vendored source into /tmp/llama-cpp, detached on cores 8-15
+                    # (~6 min; carry .devllama)
+  setsid nohup nice -n 19 taskset -c 8-15 bash .devwheels/device-llama-cpp.sh .devllama/llama_cpp_python-0.3.36.tar.gz \
+      /tmp/llama-cpp 90 > /tmp/llama-build.out 2>&1 < /dev/null &
+}
+checkpoint() {  # SHAPE: the random-weight checkpoint /tmp/ck-SHAPE (bench.make_checkpoint)
+  (cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape "$1" --out "/tmp/ck-$1" --context 8192) \
+      >> "/tmp/checkpoints-$1.log" 2>&1
+}
+gguf() {  # SHAPE: its Q8_0 GGUF in /tmp/gguf-SHAPE
+  (cd /tmp && python3 -m quantserve convert "/tmp/ck-$1" -f gguf-q8_0 -o "/tmp/gguf-$1" -q) >> "/tmp/checkpoints-$1.log" 2>&1
+}
+
 if [ "$phase" = 15 ]; then
   install
   machine
-  setsid nohup nice -n 19 taskset -c 8-15 bash .devwheels/device-llama-cpp.sh .devllama/llama_cpp_python-0.3.36.tar.gz \
-      /tmp/llama-cpp 90 > /tmp/llama-build.out 2>&1 < /dev/null &
-  (cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape llama-3.1-8b --out /tmp/ck-llama-3.1-8b \
-      --context 8192 > /tmp/checkpoints.log 2>&1) || { log "no checkpoint"; exit 1; }
+  build_llama_cpp
+  checkpoint llama-3.1-8b || { log "no checkpoint"; exit 1; }
   rm -rf "$QUANTSERVE_HOME/compile"
   start_ours ours-8b-cold /tmp/ck-llama-3.1-8b "${ours[@]}" && { shared_split ours-8b; load ours-8b 8000 random; stop; }
   start_ours ours-8b-nocache /tmp/ck-llama-3.1-8b "${ours[@]}" --no-prefix-cache && { shared_split ours-8b-nocache; stop; }
-  (cd /tmp && python3 -m quantserve convert /tmp/ck-llama-3.1-8b -f gguf-q8_0 -o /tmp/gguf-llama-3.1-8b -q) \
-      >> /tmp/checkpoints.log 2>&1 || log "no GGUF"
+  gguf llama-3.1-8b || log "no GGUF"
   # while llama.cpp compiles: the cached run again, on a warm start (a second sample)
   start_ours ours-8b-warm /tmp/ck-llama-3.1-8b "${ours[@]}" && { shared_split ours-8b-warm; stop; }
   for i in $(seq 400); do [ -x /tmp/llama-cpp/bin/llama-server ] && break; sleep 1; done
@@ -129,9 +139,7 @@ if [ "$phase" = 16 ]; then  # phase 15's machine kept warm (llama.cpp built): th
   [ -x /tmp/llama-cpp/bin/llama-server ] || { log "phase 16 needs phase 15's llama.cpp build in /tmp"; exit 3; }
   install
   machine
-  (cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape llama-3.2-1b --out /tmp/ck-llama-3.2-1b \
-      --context 8192 && python3 -m quantserve convert /tmp/ck-llama-3.2-1b -f gguf-q8_0 -o /tmp/gguf-llama-3.2-1b -q) \
-      > /tmp/checkpoints-1b.log 2>&1 || { log "no checkpoint"; exit 1; }
+  checkpoint llama-3.2-1b && gguf llama-3.2-1b || { log "no checkpoint"; exit 1; }
   # httpx for llama-server: under aiohttp it dropped a few kept-alive connections (phase 15)
   start_llama llama-1b /tmp/gguf-llama-3.2-1b/*.gguf && {
     SERVE_EXTRA="--client httpx" load llama-1b 8001 shared; SERVE_EXTRA="--client httpx" load llama-1b 8001 random; stop; }
@@ -143,8 +151,7 @@ fi
 if [ "$phase" = 17 ]; then  # a fresh machine, ours alone, 1B: the shared load on a first start (gc frozen)
   install
   machine
-  (cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape llama-3.2-1b --out /tmp/ck-llama-3.2-1b \
-      --context 8192 > /tmp/checkpoints-1b.log 2>&1) || { log "no checkpoint"; exit 1; }
+  checkpoint llama-3.2-1b || { log "no checkpoint"; exit 1; }
   start_ours ours-1b-cold /tmp/ck-llama-3.2-1b "${ours[@]}" && { shared_split ours-1b; stop; }
   finish
 fi
@@ -155,8 +162,7 @@ if [ "$phase" = 18 ]; then
   rm -rf /tmp/site-base && cp -r "$site" /tmp/site-base && cp -r .devwheels/base/. /tmp/site-base/
   machine
   export PYTHONPATH=$repo/bench/gcwatch:$site
-  (cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape llama-3.1-8b --out /tmp/ck-llama-3.1-8b \
-      --context 8192 > /tmp/checkpoints.log 2>&1) || { log "no checkpoint"; exit 1; }
+  checkpoint llama-3.1-8b || { log "no checkpoint"; exit 1; }
   rm -rf "$QUANTSERVE_HOME/compile"
   start_ours ours-8b-cold /tmp/ck-llama-3.1-8b "${ours[@]}" && { load ours-8b 8000 random; shared_split ours-8b; stop; }
   # a warm start under py-spy from launch (every thread, idle ones too), stopped once ready (FULL=0: left out)
@@ -170,8 +176,7 @@ if [ "$phase" = 18 ]; then
   PYTHONPATH=$repo/bench/gcwatch:/tmp/site-base start_ours ours-8b-base /tmp/ck-llama-3.1-8b "${ours[@]}" \
       && { load ours-8b-base 8000 idle; shared_split ours-8b-base; stop; }
   if [ "${FULL:-1}" = 1 ]; then  # FULL=0: the 8B shape only
-    (cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape llama-3.2-1b --out /tmp/ck-llama-3.2-1b \
-        --context 8192 > /tmp/checkpoints-1b.log 2>&1) || { log "no checkpoint"; exit 1; }
+    checkpoint llama-3.2-1b || { log "no checkpoint"; exit 1; }
     start_ours ours-1b-first /tmp/ck-llama-3.2-1b "${ours[@]}" && { shared_split ours-1b-first; load ours-1b 8000 idle; stop; }
     PYTHONPATH=$repo/bench/gcwatch:/tmp/site-base start_ours ours-1b-base /tmp/ck-llama-3.2-1b "${ours[@]}" \
         && { shared_split ours-1b-base; load ours-1b-base 8000 idle; stop; }
@@ -195,8 +200,7 @@ if [ "$phase" = 20 ]; then  # a fresh machine, ours alone, 1B (~2 min): the shar
                             # start), then without it (a warm start): the cached share of the uncached time
   install
   machine
-  (cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape llama-3.2-1b --out /tmp/ck-llama-3.2-1b \
-      --context 8192 > /tmp/checkpoints-1b.log 2>&1) || { log "no checkpoint"; exit 1; }
+  checkpoint llama-3.2-1b || { log "no checkpoint"; exit 1; }
   start_ours ours-1b-first /tmp/ck-llama-3.2-1b "${ours[@]}" && { shared_split ours-1b-first; stop; }
   start_ours ours-1b-nocache /tmp/ck-llama-3.2-1b "${ours[@]}" --no-prefix-cache && { shared_split ours-1b-nocache; stop; }
   finish
@@ -206,10 +210,8 @@ if [ "$phase" = 21 ]; then
   install
   python3 -m pip install -q --no-index --no-deps --target /tmp/tools .devwheels/tools/*.whl
   machine
-  setsid nohup nice -n 19 taskset -c 8-15 bash .devwheels/device-llama-cpp.sh .devllama/llama_cpp_python-0.3.36.tar.gz \
-      /tmp/llama-cpp 90 > /tmp/llama-build.out 2>&1 < /dev/null &
-  (cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape llama-3.1-8b --out /tmp/ck-llama-3.1-8b \
-      --context 8192 > /tmp/checkpoints.log 2>&1) || { log "no checkpoint"; exit 1; }
+  build_llama_cpp
+  checkpoint llama-3.1-8b || { log "no checkpoint"; exit 1; }
   rm -rf "$QUANTSERVE_HOME/compile"
   for label in ours-8b-cold-pyspy ours-8b-warm-pyspy; do
     (cd /tmp && exec /tmp/tools/bin/py-spy record -r 100 --idle --threads -f raw -o "$out/$label.txt" -- \
@@ -218,8 +220,7 @@ if [ "$phase" = 21 ]; then
     wait_ready 8000 $PID $label; kill -TERM $(pgrep -P $PID) 2>/dev/null; wait $PID 2>/dev/null
   done
   start_ours ours-8b-warm /tmp/ck-llama-3.1-8b "${ours[@]}" && stop
-  (cd /tmp && python3 -m quantserve convert /tmp/ck-llama-3.1-8b -f gguf-q8_0 -o /tmp/gguf-llama-3.1-8b -q) \
-      >> /tmp/checkpoints.log 2>&1 || log "no GGUF"
+  gguf llama-3.1-8b || log "no GGUF"
   finish
 fi
 
@@ -234,8 +235,7 @@ fi
 if [ "$phase" = 23 ]; then
   install
   machine
-  setsid nohup nice -n 19 taskset -c 8-15 bash .devwheels/device-llama-cpp.sh .devllama/llama_cpp_python-0.3.36.tar.gz \
-      /tmp/llama-cpp 90 > /tmp/llama-build.out 2>&1 < /dev/null &
+  build_llama_cpp
   python3 - <<'EOF' | tee -a "$out/bench.txt"  # does the image give Python its libraries' bytecode, or let it write it?
 import importlib.util, os, sys
 from pathlib import Path
@@ -244,16 +244,13 @@ print("PYTHONDONTWRITEBYTECODE:", os.environ.get("PYTHONDONTWRITEBYTECODE"), "| 
       sys.flags.dont_write_bytecode, "| torch's bytecode:", Path(importlib.util.cache_from_source(spec.origin)).is_file(),
       "| torch's folder writable:", os.access(Path(spec.origin).parent, os.W_OK), "|", Path(spec.origin).parent)
 EOF
-  (cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape llama-3.1-8b --out /tmp/ck-llama-3.1-8b \
-      --context 8192 > /tmp/checkpoints.log 2>&1) || { log "no checkpoint"; exit 1; }
+  checkpoint llama-3.1-8b || { log "no checkpoint"; exit 1; }
   rm -rf "$QUANTSERVE_HOME/compile" "$QUANTSERVE_HOME/bytecode"
   start_ours ours-8b-first /tmp/ck-llama-3.1-8b "${ours[@]}" && stop
   QUANTSERVE_BYTECODE_CACHE=0 start_ours ours-8b-warm-nobytecode /tmp/ck-llama-3.1-8b "${ours[@]}" && stop
   for n in 1 2; do start_ours ours-8b-warm-$n /tmp/ck-llama-3.1-8b "${ours[@]}" && stop; done
   du -sh "$QUANTSERVE_HOME/bytecode" | tee -a "$out/bench.txt"
-  (cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape llama-3.2-1b --out /tmp/ck-llama-3.2-1b \
-      --context 8192 && python3 -m quantserve convert /tmp/ck-llama-3.2-1b -f gguf-q8_0 -o /tmp/gguf-llama-3.2-1b -q) \
-      > /tmp/checkpoints-1b.log 2>&1 || { log "no 1B checkpoint"; finish; }
+  checkpoint llama-3.2-1b && gguf llama-3.2-1b || { log "no 1B checkpoint"; finish; }
   start_ours ours-1b-first /tmp/ck-llama-3.2-1b "${ours[@]}" && { load ours-1b 8000 random; load ours-1b 8000 idle; stop; }
   while [ ! -x /tmp/llama-cpp/bin/llama-server ] && [ $SECONDS -lt 470 ]; do sleep 1; done
   log "llama.cpp's build: $([ -x /tmp/llama-cpp/bin/llama-server ] && echo ready || echo 'not ready')"
