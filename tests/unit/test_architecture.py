@@ -23,7 +23,7 @@ FOLDERS = {"quantserve": "quantserve", "server": "quantserve.server", "quant": "
            "training": "quantserve.training", "bench": "quantserve.bench"}
 
 GROUND = ("quantserve.settings", "quantserve.formats", "quantserve.capabilities", "quantserve.modeling",
-          "quantserve.plots", "quantserve.quiet", "quantserve.progress")
+          "quantserve.plots", "quantserve.quiet", "quantserve.progress", "quantserve.bytecode_cache")
 # a name with * is a pattern: a new endpoint's serving_<name>.py or a new <name>_engine.py backend
 # lands in its layer without an edit here
 HTTP = ("quantserve.server.api_server", "quantserve.server.serving*", "quantserve.server.protocol",
