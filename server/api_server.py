@@ -25,7 +25,8 @@ from quantserve.server.exceptions import ModelLoadError
 from quantserve.server.metrics import Metrics
 from quantserve.server.middleware import APIKeyMiddleware, ArrivalMiddleware, BodyLimitMiddleware, JSONBodyMiddleware
 from quantserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
-                                        ModelCard, ModelList, ResponsesRequest, TokenizeRequest)
+                                        ResponsesRequest, TokenizeRequest)
+from quantserve.server.protocol_replies import ModelCard, ModelList
 from quantserve.server.serving import ServerState, check_model
 from quantserve.server.tokenizing import encode_all
 

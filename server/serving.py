@@ -20,7 +20,8 @@ from quantserve.server.engine import EngineClosedError, EngineError, EngineReque
 from quantserve.server.errors import APIError, engine_status, error_body
 from quantserve.server.metrics import Metrics
 from quantserve.server.middleware import ARRIVAL
-from quantserve.server.protocol import PromptTokensDetails, Usage, _SamplingFields
+from quantserve.server.protocol import _SamplingFields
+from quantserve.server.protocol_replies import PromptTokensDetails, Usage
 from quantserve.server.sampling import SamplingParams
 from quantserve.server.textstream import ChoiceText, Delta
 from quantserve.server.tokenizing import encode_all

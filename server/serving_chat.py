@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import AsyncIterator
 
 from quantserve.server.errors import APIError
-from quantserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
-                                        ChatCompletionChunk, ChatCompletionRequest, ChoiceLogprobs,
-                                        DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall,
-                                        TokenLogprobOut, ToolCall, TopLogprobOut)
+from quantserve.server.protocol import ChatCompletionRequest
+from quantserve.server.protocol_replies import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
+                                                ChatCompletionChunk, ChoiceLogprobs, DeltaFunctionCall, DeltaMessage,
+                                                DeltaToolCall, FunctionCall, TokenLogprobOut, ToolCall, TopLogprobOut)
 from quantserve.server.serving import (Job, ServerState, check_model, collect, new_id, run_job,
                                        run_to_reply, sse_error, start_job)
 from quantserve.server.textstream import LogprobEntry

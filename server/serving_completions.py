@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import AsyncIterator
 
 from quantserve.server.errors import APIError
-from quantserve.server.protocol import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
+from quantserve.server.protocol import CompletionRequest
+from quantserve.server.protocol_replies import Completion, CompletionChoice, CompletionLogprobs
 from quantserve.server.serving import (Job, ServerState, check_model, collect, new_id, run_job,
                             run_to_reply, sse_error, start_job, tokenized)
 from quantserve.server.textstream import LogprobEntry

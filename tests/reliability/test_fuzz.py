@@ -130,7 +130,7 @@ def _check(label: str, kind: str, response: httpx.Response, elapsed: float, body
 
 
 def _check_success(label: str, r: httpx.Response, body) -> None:
-    from quantserve.server.protocol import (ChatCompletion, ChatCompletionChunk, Completion, ModelCard, ModelList)
+    from quantserve.server.protocol_replies import ChatCompletion, ChatCompletionChunk, Completion, ModelCard, ModelList
 
     if label == "GET /metrics":
         assert "quantserve:num_requests_running" in r.text

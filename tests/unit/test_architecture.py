@@ -26,7 +26,7 @@ GROUND = ("quantserve.settings", "quantserve.formats", "quantserve.capabilities"
           "quantserve.plots", "quantserve.quiet", "quantserve.progress", "quantserve.bytecode_cache")
 # a name with * is a pattern: a new endpoint's serving_<name>.py or a new <name>_engine.py backend
 # lands in its layer without an edit here
-HTTP = ("quantserve.server.api_server", "quantserve.server.serving*", "quantserve.server.protocol",
+HTTP = ("quantserve.server.api_server", "quantserve.server.serving*", "quantserve.server.protocol*",
         "quantserve.server.errors",
         "quantserve.server.middleware", "quantserve.server.metrics", "quantserve.server.unsupported",
         "quantserve.server.tools", "quantserve.server.tool_parsers", "quantserve.server.uvicorn_server",
