@@ -18,6 +18,7 @@ from quantserve.bench import decode as bd
 from quantserve.bench import kernels as bk
 from quantserve.bench import plot as bp
 from quantserve.bench import serve as bs
+from quantserve.bench import serve_client
 from quantserve.bench.args import choice, choice_list, existing_file, int_list
 from quantserve.cli_util import new_app
 from quantserve.settings import UserError
@@ -98,7 +99,7 @@ def serve(
     no_warmup: bool = typer.Option(S.no_warmup, "--no-warmup", help="skip the untimed requests sent before each level"),
     out: Optional[str] = typer.Option(S.out, help="JSON file to write"),
     save_records: bool = typer.Option(S.save_records, "--save-records", help="also store every request's timings"),
-    client: str = typer.Option(S.client, parser=choice(*bs.CLIENTS), metavar="|".join(bs.CLIENTS),
+    client: str = typer.Option(S.client, parser=choice(*serve_client.CLIENTS), metavar="|".join(serve_client.CLIENTS),
                                help="the HTTP client (httpx: the one of figures before 2026-12-04 evening)"),
 ) -> None:
     """Load an OpenAI-compatible server: TTFT/TPOT/ITL and throughput vs concurrency."""

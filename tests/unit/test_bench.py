@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from quantserve.bench import serve as bs
+from quantserve.bench import serve_client as sc
 
 
 def _free_port() -> int:
@@ -92,7 +93,7 @@ def test_serve_against_llama_cpp_server(serve_result):
 def test_metrics_recomputed_from_recorded_timings(serve_result):
     """vLLM's definitions, recomputed with numpy from the real per-request records."""
     for run in serve_result["runs"]:
-        recs = [bs.Record(**r) for r in run["records"]]
+        recs = [sc.Record(**r) for r in run["records"]]
         m = bs.compute_metrics(recs, run["duration_s"])
         ttft = np.array([r.ttft for r in recs if r.ttft is not None])
         tpot = np.array([(r.latency - r.ttft) / (r.output_tokens - 1) for r in recs if r.output_tokens > 1])
@@ -110,8 +111,8 @@ def test_metrics_recomputed_from_recorded_timings(serve_result):
 
 
 def test_failed_requests_are_counted_not_averaged():
-    ok = bs.Record(ok=True, output_tokens=3, ttft=0.1, latency=0.3, chunk_times=[0.1, 0.2, 0.3])
-    bad = bs.Record(error="HTTP 429: busy")
+    ok = sc.Record(ok=True, output_tokens=3, ttft=0.1, latency=0.3, chunk_times=[0.1, 0.2, 0.3])
+    bad = sc.Record(error="HTTP 429: busy")
     m = bs.compute_metrics([ok, bad], 1.0)
     assert (m["completed"], m["failed"], m["output_tokens"]) == (1, 1, 3)
     assert m["tpot_ms"]["mean"] == pytest.approx(100.0) and m["errors"] == ["HTTP 429: busy"]
@@ -120,8 +121,8 @@ def test_failed_requests_are_counted_not_averaged():
 def test_answers_shorter_than_asked_are_counted():
     """With --ignore-eos every answer should have output_len tokens; fewer means the server ignored
     it or cut the request (llama-cpp-python's server does when a new request arrives)."""
-    full = bs.Record(ok=True, output_tokens=8, ttft=0.1, latency=0.8, chunk_times=[0.1 * i for i in range(1, 9)])
-    cut = bs.Record(ok=True, output_tokens=2, ttft=0.1, latency=0.2, chunk_times=[0.1, 0.2])
+    full = sc.Record(ok=True, output_tokens=8, ttft=0.1, latency=0.8, chunk_times=[0.1 * i for i in range(1, 9)])
+    cut = sc.Record(ok=True, output_tokens=2, ttft=0.1, latency=0.2, chunk_times=[0.1, 0.2])
     assert bs.compute_metrics([full, cut], 1.0, output_len=8)["short_outputs"] == 1
     assert bs.compute_metrics([full, cut], 1.0)["short_outputs"] is None
 
@@ -188,7 +189,7 @@ def test_serve_against_nothing_is_one_line_and_exit_1(capsys):
     assert len(err) == 1 and err[0].startswith("error: cannot reach http://127.0.0.1:9/v1/models")
 
 
-@pytest.mark.parametrize("client", bs.CLIENTS)
+@pytest.mark.parametrize("client", sc.CLIENTS)
 def test_failed_requests_make_the_run_exit_1(llama_server, capsys, client):
     """Prompts longer than the server's 512-token context: every request fails, the table shows it
     and the exit code says the figures are not a clean measurement (with either HTTP client)."""
@@ -276,8 +277,8 @@ def test_both_http_clients_read_the_same_streams(llama_server):
     model = bs.served_model(llama_server, None)
     prompts = bs.make_prompts(4, 12, 0)
     seen = {}
-    for client in bs.CLIENTS:
-        records, _ = asyncio.run(bs.run_level(llama_server, model, prompts, 2, 6, False, False, None, 60,
+    for client in sc.CLIENTS:
+        records, _ = asyncio.run(sc.run_level(llama_server, model, prompts, 2, 6, False, False, None, 60,
                                               client=client))
         assert all(r.ok for r in records), [r.error for r in records]
         seen[client] = [(r.output_tokens, r.prompt_tokens, len(r.chunk_times)) for r in records]
@@ -308,7 +309,7 @@ def test_a_kept_alive_connection_the_server_closed_is_retried_once():
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         async with server:
-            records, _ = await bs.run_level(f"http://127.0.0.1:{port}/v1", "m", ["x"] * 24, 8, 4, chat=False,
+            records, _ = await sc.run_level(f"http://127.0.0.1:{port}/v1", "m", ["x"] * 24, 8, 4, chat=False,
                                             ignore_eos=True, api_key=None, timeout=10, client="aiohttp")
         return records
 
