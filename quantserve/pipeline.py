@@ -228,7 +228,8 @@ def _train(base: Path, data: Path, out: Path, cfg: PipelineConfig, heldout, tool
     from quantserve.demo import corpus
     from quantserve.modeling import load_model, load_tokenizer, reference_run, task_accuracy
     from quantserve.training.config import TrainConfig
-    from quantserve.training.train import other_run, train
+    from quantserve.training.runs import other_run
+    from quantserve.training.train import train
 
     tok = load_tokenizer(base)
     with reference_run(load_model(base)) as model:

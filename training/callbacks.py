@@ -8,7 +8,6 @@ loss curve cover the whole run, not only the part after the crash.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 

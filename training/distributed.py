@@ -26,6 +26,12 @@ def world() -> tuple[int, int, int]:
             int(os.environ.get("LOCAL_RANK", 0)))
 
 
+def log(msg: str) -> None:
+    """A line on stderr from rank 0 only (every rank runs the same recipe)."""
+    if world()[1] == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
 def launched() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
