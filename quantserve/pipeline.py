@@ -17,20 +17,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shlex
-import socket
-import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from quantserve.pipeline_serving import serve_and_score, serve_forever
 from quantserve.settings import UsageError, UserError
 
 DEFAULT_FORMATS = ("bnb-int8", "bnb-nf4", "gguf-q8_0", "gguf-q4_k_m")
 SOURCE = "source"  # the fine-tuned checkpoint itself, served unquantized
-TOOL_MAX_TOKENS = 64  # a call of the default corpus's tool is ~31 tokens
 
 
 @dataclass
@@ -211,7 +207,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print_summary(summary)
     if cfg.serve:
-        _serve_forever(Path(results[cfg.serve_format].path), cfg, heldout[0])
+        serve_forever(Path(results[cfg.serve_format].path), cfg, heldout[0])
     return summary
 
 
@@ -266,113 +262,11 @@ def _convert_and_eval(src: Path, fmt: str, out: Path, cfg: PipelineConfig) -> di
     return evaluate(src, out)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """`quantserve serve` in a child process, stopped (SIGINT, then SIGKILL) on exit."""
-
-    def __init__(self, model: Path, port: int, log: Path, gpu_profile: str | None, host: str = "127.0.0.1",
-                 extra: list[str] | None = None):
-        self.url = f"http://{host}:{port}"
-        cmd = [sys.executable, "-m", "quantserve", "serve", str(model), "--host", host, "--port", str(port),
-               "--log-level", "warning", *(extra or [])]
-        if gpu_profile:
-            cmd += ["--gpu-profile", gpu_profile]
-        log.parent.mkdir(parents=True, exist_ok=True)
-        self.log = log
-        self._log_file = log.open("w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float = 300) -> None:
-        import httpx
-
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                tail = self.log.read_text().strip().splitlines()[-1:] or ["(no output)"]
-                raise UserError(f"server exited early: {tail[0]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise UserError(f"server not ready after {timeout:.0f} s (log: {self.log})")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(2)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log_file.close()
-
-    def __enter__(self) -> "ServerProcess":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
 def _serve_and_score(model: Path, heldout, tool_heldout, cfg: PipelineConfig) -> dict:
-    from concurrent.futures import ThreadPoolExecutor
-
-    from openai import OpenAI
-
-    port = free_port(cfg.host)
-    with ServerProcess(model, port, Path(cfg.out) / "serve" / f"{model.name}.log", cfg.gpu_profile) as server:
-        server.wait_ready()
-        client = OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
-        name = client.models.list().data[0].id
-
-        def ask(prompt: str):
-            r = client.chat.completions.create(model=name, messages=[{"role": "user", "content": prompt}],
-                                               temperature=0, max_tokens=cfg.max_tokens)
-            return r.choices[0].message.content or "", r.usage.completion_tokens
-
-        t0 = time.time()
-        with ThreadPoolExecutor(cfg.concurrency) as pool:
-            answers = list(pool.map(ask, [e.prompt for e in heldout]))
-            wall = time.time() - t0
-            calls = list(pool.map(lambda e: tool_call(client, name, e), tool_heldout))
-    from quantserve.demo.corpus import exact_match
-
-    accuracy = exact_match([a for a, _ in answers], [e.answer for e in heldout])
-    tool_accuracy = sum(ok for ok, _ in calls) / len(calls) if calls else None
-    tokens = sum(n for _, n in answers)
-    say(f"  {model.name}: task accuracy {accuracy:.1%} over HTTP, {tokens / wall:.1f} tokens/s "
-        f"at concurrency {cfg.concurrency}; tool calls {fmt_share(tool_accuracy)}")
-    return {"accuracy": accuracy, "tokens_per_s": round(tokens / wall, 1), "tokens": tokens,
-            "seconds": round(wall, 2), "samples": [[e.prompt, a] for e, (a, _) in zip(heldout[:5], answers)],
-            "tool_accuracy": tool_accuracy, "tool_samples": [[e.prompt, c] for e, (_, c) in zip(tool_heldout[:5], calls)]}
-
-
-def tool_call(client, model_name: str, example) -> tuple[bool, dict]:
-    """Ask a tool skill's held-out question with the calculator tool, `tool_choice` "auto"; right
-    when the reply is one call of the expected function with the expected arguments (read by the
-    server's own tool-call parser).  (right, what came back)."""
-    from quantserve.demo import tool_skill
-
-    r = client.chat.completions.create(
-        model=model_name, messages=[{"role": "user", "content": example.prompt}], tools=[tool_skill.ADD_TOOL],
-        tool_choice="auto", temperature=0, max_tokens=TOOL_MAX_TOKENS)
-    choice = r.choices[0]
-    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
-    got = {"finish_reason": choice.finish_reason, "calls": calls, "content": choice.message.content}
-    if choice.finish_reason != "tool_calls" or len(calls) != 1:
-        return False, got
-    name, arguments = calls[0]
-    try:
-        arguments = json.loads(arguments)
-    except json.JSONDecodeError:
-        return False, got
-    return (name, arguments) == tool_skill.expected_call(example.answer), got
+    scored = serve_and_score(model, heldout, tool_heldout, cfg)
+    say(f"  {model.name}: task accuracy {scored['accuracy']:.1%} over HTTP, {scored['tokens_per_s']:.1f} tokens/s "
+        f"at concurrency {cfg.concurrency}; tool calls {fmt_share(scored['tool_accuracy'])}")
+    return scored
 
 
 def fmt_share(v: float | None) -> str:
@@ -400,36 +294,4 @@ def print_summary(summary: dict) -> None:
                       fmt(r.get("tool_accuracy"), ".1%"), fmt(r["tokens_per_s"], ".1f"))
     Console().print(table)
 
-
-def ready_requests(url: str, model_name: str, prompt: str) -> tuple[str, str]:
-    """A curl and a Python one-liner (shell-quoted, greedy) that ask `prompt` of the served model.
-
-    The Python line names this virtualenv's interpreter, which has `openai`, so it works pasted
-    into any shell."""
-    body = json.dumps({"model": model_name, "temperature": 0, "messages": [{"role": "user", "content": prompt}]})
-    curl = f"curl -s {url}/chat/completions -H 'Content-Type: application/json' -d {shlex.quote(body)}"
-    q = json.dumps  # a JSON string is a Python string literal too, in double quotes
-    python = (f"from openai import OpenAI; c = OpenAI(base_url={q(url)}, api_key=\"none\"); "
-              f"print(c.chat.completions.create(model={q(model_name)}, temperature=0, messages=[{{\"role\": \"user\", "
-              f"\"content\": {q(prompt)}}}]).choices[0].message.content)")
-    return curl, f"{shlex.quote(sys.executable)} -c {shlex.quote(python)}"
-
-
-def _serve_forever(model: Path, cfg: PipelineConfig, example) -> None:
-    """The last stage of `make run`: serve the chosen format until Ctrl-C, with ready-to-paste
-    requests that ask a held-out task prompt (`example`)."""
-    url = f"http://{cfg.host}:{cfg.port}/v1"
-    curl, python = ready_requests(url, model.name, example.prompt)
-    say(f"\nserving {model} at {url}  (Ctrl-C stops)\n")
-    say(f"  {curl}\n  {python}\n  (expected answer: {example.answer!r})\n")
-    cmd = [sys.executable, "-m", "quantserve", "serve", str(model), "--host", cfg.host, "--port", str(cfg.port)]
-    if cfg.gpu_profile:
-        cmd += ["--gpu-profile", cfg.gpu_profile]
-    try:
-        proc = subprocess.run(cmd)
-    except KeyboardInterrupt:
-        say("stopped")
-        return
-    if proc.returncode not in (0, 130, -2):
-        raise UserError(f"server exited with status {proc.returncode}")
 

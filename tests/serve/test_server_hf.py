@@ -374,7 +374,7 @@ def test_make_run_ready_requests_work_as_printed(server):
     import subprocess
     import sys
 
-    from quantserve.pipeline import ready_requests
+    from quantserve.pipeline_serving import ready_requests
 
     prompt = "Last letter?\nit's a b c"
     curl, python = ready_requests(server.base_url + "/v1", server.model_name, prompt)

@@ -42,7 +42,7 @@ BACKENDS = ("quantserve.server.backend", "quantserve.server.*_engine", "quantser
 # above the HTTP layer: copies of the app placed by Ray Serve, and the gateway in front, started by the CLI
 SCALE_OUT = ("quantserve.server.replicas", "quantserve.server.replica_server", "quantserve.server.gateway")
 LIBRARY = ("quantserve.server", "quantserve.quant", "quantserve.training")
-CLI_ONLY = ("quantserve.cli", "quantserve.cli_util", "quantserve.pipeline", "quantserve.support",
+CLI_ONLY = ("quantserve.cli", "quantserve.cli_util", "quantserve.pipeline*", "quantserve.support",
             "quantserve.server.cli", "quantserve.quant.cli", "quantserve.training.cli", "quantserve.bench")
 DEMO = ("quantserve.demo",)
 
