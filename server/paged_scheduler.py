@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from quantserve.server.config import EngineOptions
 from quantserve.server.engine import EngineError, OutOfMemoryError
 from quantserve.server.prefix_cache import BLOCK
-from quantserve.server.scheduler import Scheduler, _Running
+from quantserve.server.running import RunningSequence
+from quantserve.server.scheduler import Scheduler
 
 log = logging.getLogger("quantserve.server")
 
@@ -45,7 +46,7 @@ log = logging.getLogger("quantserve.server")
 @dataclass
 class _InFlight:
     """A decode step launched and not read yet: each sequence of `batch` fed at `positions`."""
-    batch: list[_Running]
+    batch: list[RunningSequence]
     positions: list[int]
     picks: object  # the step's greedy tokens on the device (the next step's input)
     pending: object  # the same, on their way to the host (fastcore.core.PendingTokens)
@@ -69,7 +70,7 @@ class PagedScheduler(Scheduler):
         return {"kv_blocks_used": self.pool.used_blocks(), "kv_blocks_total": self.pool.num_blocks,
                 "preemptions": self._preemptions}
 
-    def _may_resume(self, seq: _Running) -> bool:
+    def _may_resume(self, seq: RunningSequence) -> bool:
         """A preempted sequence comes back once its whole context and a token more would fit."""
         return self.pool.free_blocks() >= self.pool.blocks_for(seq.context_len() + 1)
 
@@ -93,13 +94,13 @@ class PagedScheduler(Scheduler):
             self._forward(decodes, pieces)
 
     # ---- decode steps one ahead of the host ----------------------------------------------------
-    def _may_run_ahead(self, batch: list[_Running], unread: int) -> bool:
+    def _may_run_ahead(self, batch: list[RunningSequence], unread: int) -> bool:
         """Every sequence greedy with nothing else to compute, and still running once the `unread`
         steps launched for it are read (so the step to launch is not one past its last token)."""
         return self.async_scheduling and all(
             s.sampler.plain_greedy and s.generated + unread < s.stream.request.params.max_tokens for s in batch)
 
-    def _launch(self, batch: list[_Running], positions: list[int], tokens) -> bool:
+    def _launch(self, batch: list[RunningSequence], positions: list[int], tokens) -> bool:
         try:
             picks, pending = self.backend.launch_greedy([s.slot for s in batch], positions, tokens)
         except Exception as e:  # the ordinary step reports it (and sheds a request if memory ran out)
@@ -148,7 +149,7 @@ class PagedScheduler(Scheduler):
             seq.prefilled += 1
             self._emit(seq, None, token)
 
-    def _plan(self) -> tuple[list[_Running], list[tuple[_Running, list[int]]]]:
+    def _plan(self) -> tuple[list[RunningSequence], list[tuple[RunningSequence, list[int]]]]:
         """Who takes which tokens in this iteration's forward: (decoding sequences, prompt pieces).
         Blocks are reserved for all of them; the newest sequences are preempted where needed."""
         budget = self.max_batched_tokens
@@ -197,7 +198,7 @@ class PagedScheduler(Scheduler):
         return decodes, pieces
 
     @staticmethod
-    def _computed_by_another(seq: _Running, keys: list[int], computing: set[int]) -> bool:
+    def _computed_by_another(seq: RunningSequence, keys: list[int], computing: set[int]) -> bool:
         """Is the block `seq` would compute next being computed in this step by an older sequence's
         piece?  Then `seq` sits this step out and takes that block from the cache in the next one
         (SGLang's in-batch prefix caching).  Otherwise clients arriving at once with one system
@@ -205,7 +206,7 @@ class PagedScheduler(Scheduler):
         block = seq.prefilled // BLOCK
         return seq.prefilled % BLOCK == 0 and block < len(keys) and keys[block] in computing
 
-    def _preempt(self, seq: _Running) -> None:
+    def _preempt(self, seq: RunningSequence) -> None:
         """Send `seq` back to wait: its blocks return to the pool (the full ones stay cached).  A
         sequence with nothing in the cache yet (admitted, its prompt not started) loses no work:
         it is put back to wait, not counted or logged as a preemption."""
@@ -222,7 +223,7 @@ class PagedScheduler(Scheduler):
         seq.prefilled = 0
 
     # ---- running it ----------------------------------------------------------------------------
-    def _forward(self, decodes: list[_Running], pieces: list[tuple[_Running, list[int]]]) -> None:
+    def _forward(self, decodes: list[RunningSequence], pieces: list[tuple[RunningSequence, list[int]]]) -> None:
         """The decodes and prompt pieces as one forward; then each sequence's next token."""
         while True:
             items = [(s.slot, [s.last_token]) for s in decodes] + [(s.slot, chunk) for s, chunk in pieces]
@@ -256,7 +257,7 @@ class PagedScheduler(Scheduler):
             row = len(decodes) + i
             self._prefilled(seq, chunk, logits[row], picks[row] if firsts[i] else None)
 
-    def _run_piece(self, seq: _Running, chunk: list[int]) -> None:
+    def _run_piece(self, seq: RunningSequence, chunk: list[int]) -> None:
         """A prompt piece whose every position is scored, alone."""
         try:
             logits = self._scored_prefill(seq, chunk)

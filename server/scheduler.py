@@ -22,61 +22,18 @@ import collections
 import itertools
 import threading
 import time
-from dataclasses import dataclass, field
 
 from quantserve.server.backend import DecodeBackend
 from quantserve.server.config import EngineOptions
 from quantserve.server.engine import (EngineClosedError, EngineError, EngineStats, OutOfMemoryError, QueueFullError,
                            TokenEvent, TokenStream, TopLogprob)
+from quantserve.server.running import RunningSequence
 from quantserve.server.sampling import SequenceSampler, masked_argmax
 
 
 def _on_host(logits):
     """A logits row where the CPU sampler reads it: a torch tensor copied to the host, numpy as it is."""
     return logits.cpu() if hasattr(logits, "cpu") else logits
-
-
-@dataclass
-class _Running:
-    stream: TokenStream
-    slot: int
-    sampler: SequenceSampler
-    last_token: int
-    generated: int
-    submitted_at: float
-    admitted_at: float = 0.0  # when it first took a slot: submitted_at..admitted_at is its time queued
-    arrival: int = 0  # admission order: the newest sequence is the first preempted
-    prefilled: int = 0  # tokens of `context()` whose K/V are in the cache
-    cached: int = 0  # prompt tokens taken from the prefix cache instead of computed
-    prompt_scores: list | None = None  # with prompt_logprobs: (token, logprob, top) per prompt token
-    output_ids: list[int] = field(default_factory=list)  # tokens sampled so far
-
-    @property
-    def scoring(self) -> bool:
-        """Its prompt's log-probabilities are wanted: every position computed, none from the cache."""
-        return self.stream.request.params.prompt_logprobs is not None and not self.generated
-
-    def context(self) -> list[int]:
-        """The tokens whose K/V the next decode step needs: the prompt and every sampled token but
-        the last (which that step feeds in)."""
-        prompt = self.stream.request.prompt_ids
-        return prompt + self.output_ids[:-1] if self.output_ids else prompt
-
-    def context_len(self) -> int:
-        return len(self.stream.request.prompt_ids) + max(self.generated - 1, 0)
-
-    @property
-    def ready(self) -> bool:
-        """Its whole context is in the cache."""
-        return self.ready_after(0)
-
-    def ready_after(self, tokens: int) -> bool:
-        """Its whole context is in the cache once `tokens` more are."""
-        return self.prefilled + tokens == self.context_len()
-
-    @property
-    def decoding(self) -> bool:
-        return self.generated > 0 and self.ready
 
 
 class Scheduler:
@@ -90,9 +47,9 @@ class Scheduler:
         self._log = log or (lambda msg: None)
         self._cond = threading.Condition()
         self._waiting: collections.deque[tuple[TokenStream, float]] = collections.deque()
-        self._preempted: list[_Running] = []  # sequences sent back to wait (paged_scheduler.py), admitted first
+        self._preempted: list[RunningSequence] = []  # sequences sent back to wait (paged_scheduler.py), admitted first
         self._arrivals = itertools.count()
-        self._running: dict[int, _Running] = {}  # request id -> state
+        self._running: dict[int, RunningSequence] = {}  # request id -> state
         self._cancelled: set[int] = set()
         self._free_slots = list(range(max_batch - 1, -1, -1))
         self._closing = False
@@ -197,7 +154,7 @@ class Scheduler:
         self._step()
         return False
 
-    def _may_resume(self, seq: _Running) -> bool:
+    def _may_resume(self, seq: RunningSequence) -> bool:
         return True
 
     def _step(self) -> None:
@@ -234,7 +191,7 @@ class Scheduler:
         for seq in list(self._running.values()):
             self._finish(seq, TokenEvent(None, finish_reason="cancelled"))
 
-    def _finish(self, seq: _Running, event: TokenEvent) -> None:
+    def _finish(self, seq: RunningSequence, event: TokenEvent) -> None:
         """Remove a sequence from the batch, free its KV memory, and end its stream."""
         self._running.pop(seq.stream.request.request_id, None)
         self.backend.free(seq.slot)
@@ -245,22 +202,22 @@ class Scheduler:
         event.elapsed_s = time.perf_counter() - seq.submitted_at
         self._send(seq.stream, event)
 
-    def _fail(self, seq: _Running, error: EngineError) -> None:
+    def _fail(self, seq: RunningSequence, error: EngineError) -> None:
         self._finish(seq, TokenEvent(None, finish_reason="error", error=error))
 
     @staticmethod
-    def _kv_tokens(seq: _Running) -> int:
+    def _kv_tokens(seq: RunningSequence) -> int:
         return seq.prefilled
 
     def _admit(self, stream: TokenStream, submitted_at: float, slot: int) -> None:
         req = stream.request
-        seq = _Running(stream, slot, SequenceSampler(req.params, req.prompt_ids, self.backend.vocab_size),
+        seq = RunningSequence(stream, slot, SequenceSampler(req.params, req.prompt_ids, self.backend.vocab_size),
                        last_token=-1, generated=0, submitted_at=submitted_at, admitted_at=time.perf_counter(),
                        arrival=next(self._arrivals))
         self._start(seq, slot)
         seq.cached = seq.prefilled
 
-    def _start(self, seq: _Running, slot: int) -> None:
+    def _start(self, seq: RunningSequence, slot: int) -> None:
         """`seq` (new, or resumed after preemption) runs in `slot`, from the longest cached prefix
         of its context."""
         req = seq.stream.request
@@ -313,7 +270,7 @@ class Scheduler:
                 continue
             self._prefilled(seq, chunk, logits)
 
-    def _embed(self, seq: _Running) -> None:
+    def _embed(self, seq: RunningSequence) -> None:
         """An embedding request: one forward over its whole input, its pooled hidden state as the
         only event (it never joins the decode batch)."""
         req = seq.stream.request
@@ -327,7 +284,7 @@ class Scheduler:
         seq.prefilled = len(req.prompt_ids)
         self._finish(seq, TokenEvent(None, finish_reason="stop", embedding=[float(x) for x in vector]))
 
-    def _scored_prefill(self, seq: _Running, chunk: list[int]):
+    def _scored_prefill(self, seq: RunningSequence, chunk: list[int]):
         """Prefill with every position's logits; score the prompt tokens they predict.  Returns
         the last position's logits (the next token's)."""
         from quantserve.server.sampling import score_tokens
@@ -340,7 +297,7 @@ class Scheduler:
             seq.prompt_scores.append((token, logprob, [TopLogprob(t, lp) for t, lp in top]))
         return rows[-1]
 
-    def _prefilled(self, seq: _Running, chunk: list[int], logits, token: int | None = None) -> None:
+    def _prefilled(self, seq: RunningSequence, chunk: list[int], logits, token: int | None = None) -> None:
         """`chunk` of `seq`'s context is in the cache; `logits` are its last position's (a greedy
         sequence may come with its `token` already picked from them)."""
         seq.prefilled += len(chunk)
@@ -376,7 +333,7 @@ class Scheduler:
             self._fail(victim, error)
         self._decoded(batch, logits)
 
-    def _decoded(self, batch: list[_Running], logits, argmax: list[int] | None = None) -> None:
+    def _decoded(self, batch: list[RunningSequence], logits, argmax: list[int] | None = None) -> None:
         """A decode step fed each sequence of `batch` its last token: sample the next ones from
         `logits` (a row per sequence, in order; `argmax`: their greedy picks, when taken already)."""
         self._decode_steps += 1
@@ -398,7 +355,7 @@ class Scheduler:
             else:
                 self._emit(seq, _on_host(logits[row]))
 
-    def _masked_argmax(self, logits, batch: list[_Running]) -> dict[int, int]:
+    def _masked_argmax(self, logits, batch: list[RunningSequence]) -> dict[int, int]:
         """row -> token for the batch's masked-greedy rows (all their masks computed at once)."""
         rows = [row for row, seq in enumerate(batch) if seq.sampler.masked_greedy]
         if not rows:
@@ -408,14 +365,14 @@ class Scheduler:
         masks = batch_bitmasks([batch[row].stream.request.params.constraint for row in rows])
         return dict(zip(rows, masked_argmax(logits, rows, masks)))
 
-    def _emit(self, seq: _Running, logits, token: int | None = None) -> None:
+    def _emit(self, seq: RunningSequence, logits, token: int | None = None) -> None:
         try:
             self._sample_and_send(seq, logits, token)
         except Exception as e:  # e.g. sampling from non-finite logits: only this request fails
             self._log(f"sampling failed: {type(e).__name__}: {e}")
             self._fail(seq, EngineError.from_exception(e))
 
-    def _sample_and_send(self, seq: _Running, logits, token: int | None = None) -> None:
+    def _sample_and_send(self, seq: RunningSequence, logits, token: int | None = None) -> None:
         """Sample one token for `seq` (or take the one already picked), send it, and retire the
         sequence if it is done."""
         params = seq.stream.request.params

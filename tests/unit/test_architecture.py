@@ -33,7 +33,7 @@ HTTP = ("quantserve.server.api_server", "quantserve.server.serving*", "quantserv
         "quantserve.server.tokenizing")
 ENGINE = ("quantserve.server.engine", "quantserve.server.engines", "quantserve.server.scheduler",
           "quantserve.server.exceptions", "quantserve.server.faults", "quantserve.server.sampling",
-          "quantserve.server.paged_scheduler",
+          "quantserve.server.paged_scheduler", "quantserve.server.running",
           "quantserve.server.textstream", "quantserve.server.config", "quantserve.server.structured",
           "quantserve.server.prefix_cache", "quantserve.server.backend", "quantserve.server.*_engine",
           "quantserve.server.fastcore")
