@@ -29,6 +29,7 @@ recomputing the shared part.  `cached_tokens` sums what the server said it took 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import statistics
@@ -204,9 +205,9 @@ def run(o: ServeOptions) -> None:
     # earlier level's prompts would find them in the server's prefix cache (an 8B run's c = 8 level
     # had 49 % of its prompt tokens cached that way), and time cached prefills
     sizes = [o.num_prompts or max(16, 4 * c) for c in o.concurrency]
-    every = make_prompts(sum(sizes), o.input_len, o.seed, o.corpus)
-    for level, (c, n) in enumerate(zip(o.concurrency, sizes)):
-        prompts = every[sum(sizes[:level]):sum(sizes[:level + 1])]
+    unsent = iter(make_prompts(sum(sizes), o.input_len, o.seed, o.corpus))
+    for c, n in zip(o.concurrency, sizes):
+        prompts = list(itertools.islice(unsent, n))
         records, duration = asyncio.run(run_level(o.base_url, model, prompts, c, o.output_len, o.chat,
                                                   o.ignore_eos, o.api_key, o.timeout, o.json_schema, prefix,
                                                   o.client))
