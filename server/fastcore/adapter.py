@@ -15,11 +15,12 @@ class FastCoreBackend:
     def __init__(self, model, max_batch: int, context_length: int, weight_quant: str = "none",
                  profile: str = "native", compile: bool | None = None, device: str | None = None,
                  prefix_cache: bool = True, kv_cache_dtype: str = "auto", kv_blocks: int | None = None,
-                 max_batched_tokens: int = 2048, choices_file=None):
+                 max_batched_tokens: int = 2048, choices_file=None, kernel_table=None):
         """model: a checkpoint folder or a loaded (not bitsandbytes-quantized) HF Llama-family model.
         kv_blocks: the KV pool's size in blocks (None: what the memory holds, fastcore/core.py);
         max_batched_tokens: the most tokens one forward takes (the scheduler's budget);
-        choices_file: where the weight kernels' choices are kept between starts."""
+        choices_file: where the weight kernels' choices are kept between starts; kernel_table: the
+        choices shipped for this GPU model (fastcore/kernel_tables.py), or None."""
         if getattr(getattr(model, "config", None), "quantization_config", None):
             raise ValueError("FastCore quantizes fp16 weights itself: give it the unquantized checkpoint "
                              "and weight_quant='int8' or 'int4'")
@@ -31,7 +32,7 @@ class FastCoreBackend:
             # every decode graph recorded and the forward compiled before /health says ready:
             # lazily, the first request of a new shape waited seconds (and stalled everyone else)
             self.warm_up_s = self.core.warm_up(progress=True, max_tokens=max_batched_tokens,
-                                               choices_file=choices_file)
+                                               choices_file=choices_file, kernel_table=kernel_table)
         self.pool = self.core.pool
         self.vocab_size = self.core.args.vocab_size
         self.kv_capacity_tokens = self.pool.capacity_tokens

@@ -95,6 +95,7 @@ class FastCore:
         self.max_slots, self.max_seq, self.max_batched_tokens = max_slots, max_seq, max(max_batched_tokens, PROMPT_PIECE)
         self.kv_int8 = kv_cache_dtype == "int8"
         self.start_up = {}  # seconds of each part of __init__ (/health shows them: loader.py)
+        self.kernel_choices_loaded = 0  # weight-kernel choices warm_up took from files instead of timing them
         t0 = time.perf_counter()
         weights = open_weights(model, device, dtype, weight_quant, random_config, seed)
         self.prequantized = weights.prequantized  # an AWQ / GPTQ checkpoint's quantization (quant/prequantized.py)
@@ -302,19 +303,25 @@ class FastCore:
 
     # ---- warm-up -------------------------------------------------------------------------------
     @torch.inference_mode()
-    def warm_up(self, progress: bool = False, max_tokens: int = PROMPT_PIECE, choices_file=None) -> float:
+    def warm_up(self, progress: bool = False, max_tokens: int = PROMPT_PIECE, choices_file=None,
+                kernel_table=None) -> float:
         """Compile and record, now, what a server's requests would otherwise wait for: the CUDA
         graph of every decode batch bucket, the compiled mixed forward, and the weight kernels'
         tiles for every size of forward up to `max_tokens` tokens (they are chosen per power-of-two
         size).  choices_file: where the Triton weight kernels' choices are kept between starts
-        (compile_cache.py's folder).  Returns the seconds it took (the bars on stderr say how far)."""
+        (compile_cache.py's folder); kernel_table: the choices shipped for this GPU model
+        (kernel_tables.py), taken for the shapes the file lacks.  Returns the seconds it took (the
+        bars on stderr say how far)."""
         from quantserve.progress import track
-        from quantserve.server.fastcore.quant import triton_ops
+        from quantserve.server.fastcore.quant import triton_layers, triton_ops
 
         t0 = time.perf_counter()
         kernels = triton_ops() if self.weight_quant != "none" and self.quant_kernel == "triton" else None
-        if kernels is not None and choices_file is not None:
-            kernels.load_choices(choices_file)
+        if kernels is not None:
+            from quantserve.server.fastcore import kernel_choices
+
+            self.kernel_choices_loaded = kernel_choices.load_choices(choices_file, kernel_table)
+            kernel_choices.compile_chosen(triton_layers(self.model))
         for batch in track(self.steps.buckets if self.compile else (), "compiling decode steps (batch sizes)",
                            "size", enabled=progress):
             self.steps.warm_decode(batch)
@@ -339,7 +346,7 @@ class FastCore:
             torch.cuda.synchronize(self.device)
         if kernels is not None and choices_file is not None:
             try:
-                kernels.save_choices(choices_file)
+                kernel_choices.save_choices(choices_file)
             except OSError as e:  # a read-only cache: the next start tunes again, nothing worse
                 print(f"warning: could not keep the weight kernels' choices in {choices_file}: {e}", file=sys.stderr)
         return time.perf_counter() - t0

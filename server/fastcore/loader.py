@@ -46,17 +46,20 @@ def load_fast(path: Path, gpu_profile: str | None, context: int | None, max_batc
     if context and context > trained:
         raise ModelLoadError(f"exceeds the model's trained context of {trained} tokens", "context", context)
     context = context or trained
-    compile_cache = None
+    compile_cache = kernel_table = None
     if caps.device == "cuda":
         from quantserve.server.fastcore.compile_cache import use_compile_cache
+        from quantserve.server.fastcore.kernel_tables import shipped_table
 
         compile_cache = use_compile_cache(caps.gpu_name or "cuda")
+        kernel_table = shipped_table(caps.gpu_name)
     t0 = time.perf_counter()
     try:
         backend = FastCoreBackend(str(path), max_batch, context, weight_quant=weight_quant, profile=caps.profile,
                                   prefix_cache=prefix_cache, kv_cache_dtype=kv_cache_dtype, kv_blocks=kv_blocks,
                                   max_batched_tokens=batched_tokens or EngineOptions().batched_tokens(),
-                                  choices_file=compile_cache / "weight-kernels.json" if compile_cache else None)
+                                  choices_file=compile_cache / "weight-kernels.json" if compile_cache else None,
+                                  kernel_table=kernel_table)
     except (ValueError, KeyError, NotImplementedError) as e:
         raise ModelLoadError(f"cannot run {path} ({e}); use the hf engine", "engine", "fast") from e
     core = backend.core
@@ -78,5 +81,7 @@ def load_fast(path: Path, gpu_profile: str | None, context: int | None, max_batc
                              "kv_cache_dtype": "int8" if core.kv_int8 else str(core.dtype).replace("torch.", ""),
                              "warm_up_s": round(getattr(backend, "warm_up_s", 0.0), 1),
                              "compile_cache": str(compile_cache) if compile_cache else None,
+                             "kernel_table": kernel_table.name if kernel_table else None,
+                             "kernel_choices_loaded": core.kernel_choices_loaded,
                              "start_up_s": {part: round(t, 2) for part, t in start_up.items()}})
     return backend, tokenizer, info

@@ -334,6 +334,18 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, mode: str, dtyp
     return lin
 
 
+def triton_layers(model: nn.Module) -> list[tuple[str, tuple, int | None]]:
+    """Every layer that runs our Triton weight kernels, as kernel_choices.compile_chosen takes them:
+    (weights, its tensors as the op passes them after x, its group size or None)."""
+    out = []
+    for m in model.modules():
+        if isinstance(m, Int8Linear) and m.kernel == "triton":
+            out.append(("int8", (m.weight, m.scales), None))
+        elif isinstance(m, Int4Linear) and m.kernel == "triton":
+            out.append(("int4", (m.weight, m.scales, m.mins), m.group_size))
+    return out
+
+
 def linear_weight_bytes(m: nn.Module) -> int:
     if hasattr(m, "weight_bytes"):
         return m.weight_bytes()

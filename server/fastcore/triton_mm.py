@@ -343,50 +343,6 @@ def _kernel_name(fn) -> str:
     return fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__  # a Triton JITFunction, or a function
 
 
-def save_choices(path) -> None:
-    """Write the kernel choices made so far to `path` (JSON), for `load_choices` at the next start:
-    timing the candidates again took ~35 s of a warm start on the 1B shape."""
-    import json
-    from pathlib import Path
-
-    rows = [{"key": [*key[:5], str(key[5]).removeprefix("torch."), key[6]], "kernel": _kernel_name(fn),
-             "config": None if config is None else {"kwargs": config.kwargs, "num_warps": config.num_warps,
-                                                    "num_stages": config.num_stages},
-             "block_m": block_m, "flags": flags} for key, (fn, config, block_m, flags) in _chosen.items()]
-    tmp = Path(path).with_suffix(".tmp")
-    tmp.write_text(json.dumps(rows))
-    tmp.replace(path)  # whole or not at all: a server killed mid-write leaves the old file
-
-
-def load_choices(path) -> int:
-    """Take the choices a `save_choices` file holds (keyed by shape, dtype and kernel, kept in a
-    folder per GPU model and library versions); returns how many.  A missing or unreadable file,
-    or an entry naming a kernel this version lacks, is skipped: those shapes are tuned again."""
-    import json
-    from pathlib import Path
-
-    kernels = {_kernel_name(fn): fn for fn in (_int8_kernel, _int4_kernel, _int8_dense, _int4_dense,
-                                               int8_gemv_kernel.fn, int4_gemv_kernel.fn)}
-    try:
-        rows = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return 0
-    taken = 0
-    for row in rows if isinstance(rows, list) else []:
-        try:
-            fn = kernels[row["kernel"]]
-            cfg = row["config"]
-            config = None if cfg is None else triton.Config(cfg["kwargs"], num_warps=cfg["num_warps"],
-                                                            num_stages=cfg["num_stages"])
-            name, bucket, batch1, n, k, dtype, group = row["key"]
-            _chosen.setdefault((name, bucket, batch1, n, k, getattr(torch, dtype), group),
-                               (fn, config, row["block_m"], row["flags"]))
-            taken += 1
-        except (KeyError, TypeError, ValueError, AttributeError):
-            continue
-    return taken
-
-
 def run_choice(fn, config, block_m: int, M: int, N: int, K: int, x: torch.Tensor, args: tuple, extra: dict,
                warmup: bool = False):
     """One call of a choice; `warmup`: compile its Triton kernel without launching it.  With the

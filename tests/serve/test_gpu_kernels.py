@@ -240,3 +240,40 @@ def test_a_candidate_that_disagrees_is_never_chosen():
              {"RESIDUAL": True, "res_ptr": torch.full((1, N), 50.0, device="cuda", dtype=torch.float16)})
     right = (triton_gemv.int8_gemv_kernel.fn, config, 1, {"BIT_DEQUANT": True})
     assert triton_mm._agreeing([tiled, wrong, right], 1, N, K, x, args, {}) == [tiled, right]
+
+
+def test_the_shipped_table_for_this_gpu_loads_compiles_and_computes():
+    """The choices shipped for this GPU model (fastcore/kernel_tables.py) are taken by the launcher
+    as they are (nothing timed), compile ahead on threads, and every one of them, called through
+    the layers' op, matches the dequantized matmul on random layers of its shape."""
+    from quantserve.server.fastcore import kernel_choices, triton_mm
+    from quantserve.server.fastcore.kernel_tables import read_rows, shipped_table
+
+    table = shipped_table(torch.cuda.get_device_name())
+    if table is None:
+        pytest.skip(f"no weight-kernel table is shipped for {torch.cuda.get_device_name()}")
+    saved = dict(triton_mm._chosen)
+    triton_mm._chosen.clear()
+    try:
+        rows = read_rows(table)
+        assert kernel_choices.load_choices(None, table) == len(rows)  # none left out as foreign
+        shapes = sorted({(key[3], key[4]) for key in triton_mm._chosen})
+        made = {shape: layers(*shape, seed=9) for shape in shapes}
+        asked = kernel_choices.compile_chosen([("int8", (q8.weight, q8.scales), None) for q8, _ in made.values()]
+                                              + [("int4", (q4.weight, q4.scales, q4.mins), q4.group_size)
+                                                 for _, q4 in made.values()])
+        assert asked == sum(c[1] is not None for c in triton_mm._chosen.values())
+        before = dict(triton_mm._chosen)
+        for (name, bucket, batch1, N, K, dtype, group), choice in before.items():
+            M = 1 if batch1 else bucket - 1  # inside the bucket, not a whole one: rows past M masked
+            q8, q4 = made[(N, K)]
+            x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+            if name == "_int8_kernel":
+                check(triton_mm.int8_weight_mm(x, q8.weight, q8.scales), reference(q8, x), f"int8 {N}x{K} M={M}")
+            else:
+                check(triton_mm.int4_weight_mm(x, q4.weight, q4.scales, q4.mins, q4.group_size), reference(q4, x),
+                      f"int4 {N}x{K} M={M}", bound(choice[3]))
+        assert triton_mm._chosen == before  # every call took the table's choice: none tuned again
+    finally:
+        triton_mm._chosen.clear()
+        triton_mm._chosen.update(saved)

@@ -161,10 +161,15 @@ def test_a_real_install_puts_only_quantserve_on_the_path(tmp_path):
     probe = ("import importlib.util, quantserve.server.engine, quantserve.quant.cli, quantserve.training.config, "
              "quantserve.bench.args, quantserve.demo; from quantserve.demo.default_model import shipped_model; "
              "assert shipped_model() is not None, 'the default model is not in the wheel'; "
+             "from quantserve.server.fastcore.kernel_tables import TABLES; "
+             "print(sorted(p.name for p in TABLES.glob('*.json'))); "
              "print([m for m in ('server', 'quant', 'training', 'bench') if importlib.util.find_spec(m)])")
     out = subprocess.run([str(py), "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "[]"
+    tables, bare = out.stdout.strip().splitlines()
+    assert bare == "[]"
+    # the weight-kernel tables shipped per GPU model are package data: in the wheel, every one
+    assert tables == str(sorted(p.name for p in (REPO / "server/fastcore/kernel_tables").glob("*.json")))
     help_ = subprocess.run([str(venv / "bin" / "quantserve"), "--help"], capture_output=True, text=True,
                            cwd=tmp_path, timeout=120)
     assert help_.returncode == 0 and "serve" in help_.stdout

@@ -1,0 +1,111 @@
+"""The weight kernels' choices per layer shape, kept between starts and compiled ahead.
+
+triton_mm's launcher tunes a shape on its first call and keeps its choice (kernel, config,
+tile height, flags) in `triton_mm._chosen`.  Here:
+- `save_choices` writes them to the compile cache's `weight-kernels.json` at the end of warm-up;
+- `load_choices` takes them back at the next start, from that file and from the table shipped
+  for this GPU model (kernel_tables.py), so those shapes are never timed again;
+- `compile_chosen` compiles the loaded choices' Triton kernels on threads before the first
+  forward, where each would otherwise compile on its first call, one after another.
+
+Import only where Triton and a CUDA GPU exist (as triton_mm).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import triton
+
+from quantserve.server.fastcore import triton_mm
+from quantserve.server.fastcore.kernel_tables import read_rows
+from quantserve.server.fastcore.triton_gemv import int4_gemv_kernel, int8_gemv_kernel
+
+
+def _rows() -> list[dict]:
+    """`triton_mm._chosen` as JSON rows (kernel_tables.py's format)."""
+    return [{"key": [*key[:5], str(key[5]).removeprefix("torch."), key[6]], "kernel": triton_mm._kernel_name(fn),
+             "config": None if config is None else {"kwargs": config.kwargs, "num_warps": config.num_warps,
+                                                    "num_stages": config.num_stages},
+             "block_m": block_m, "flags": flags} for key, (fn, config, block_m, flags) in triton_mm._chosen.items()]
+
+
+def save_choices(path) -> None:
+    """Write the kernel choices made so far to `path` (JSON), for `load_choices` at the next start:
+    timing the candidates again took ~35 s of a warm start on the 1B shape."""
+    import json
+
+    tmp = Path(path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(_rows()))
+    tmp.replace(path)  # whole or not at all: a server killed mid-write leaves the old file
+
+
+def _kernels() -> dict:
+    return {triton_mm._kernel_name(fn): fn for fn in (triton_mm._int8_kernel, triton_mm._int4_kernel,
+                                                      triton_mm._int8_dense, triton_mm._int4_dense,
+                                                      int8_gemv_kernel.fn, int4_gemv_kernel.fn)}
+
+
+def _parameters(fn) -> set[str]:
+    import inspect
+
+    return set(inspect.signature(getattr(fn, "fn", fn)).parameters)  # a JITFunction's Python function
+
+
+def load_choices(*paths) -> int:
+    """Take the choices the files at `paths` hold (save_choices' files, shipped tables; keyed by
+    kernel, shape and dtype), the first file's winning where two name one shape; returns how many
+    were taken.  A missing or unreadable file is skipped, and so is a row this version cannot run
+    as written (a kernel it lacks, a config or flag its kernel does not take): those shapes are
+    tuned again."""
+    kernels = _kernels()
+    taken = 0
+    for path in paths:
+        for row in read_rows(path) if path is not None else ():
+            try:
+                fn = kernels[row["kernel"]]
+                cfg, flags = row["config"], dict(row["flags"])
+                if cfg is None:
+                    config = None
+                else:
+                    config = triton.Config(dict(cfg["kwargs"]), num_warps=int(cfg["num_warps"]),
+                                           num_stages=int(cfg["num_stages"]))
+                    if not set(config.kwargs) | set(flags) <= _parameters(fn):
+                        continue  # written for another version of the kernel
+                name, bucket, batch1, n, k, dtype, group = row["key"]
+                key = (name, int(bucket), bool(batch1), int(n), int(k), getattr(torch, dtype), group)
+                if key not in triton_mm._chosen:
+                    triton_mm._chosen[key] = (fn, config, int(row["block_m"]), flags)
+                    taken += 1
+            except (KeyError, TypeError, ValueError, AttributeError):
+                continue
+    return taken
+
+
+def compile_chosen(layers) -> int:
+    """Compile, on threads (triton_mm.compiling_ahead), the Triton kernel of every loaded choice
+    that one of `layers` will launch; returns how many compiles were asked for (kernels already in
+    Triton's caches load in milliseconds).  `layers`: (weights "int8" | "int4", its tensors after
+    x as the op passes them, its group size or None), one per distinct shape is enough."""
+    shapes = {}
+    for weights, tensors, group in layers:
+        shapes.setdefault((f"_{weights}_kernel", tensors[0].shape[0], _in_features(weights, tensors), group),
+                          tensors)
+    asked = 0
+    with triton_mm.compiling_ahead():
+        for (name, bucket, batch1, N, K, dtype, group), (fn, config, block_m, flags) in list(triton_mm._chosen.items()):
+            tensors = shapes.get((name, N, K, group))
+            if config is None or tensors is None:
+                continue  # dequantize + cuBLAS, or a shape no layer here has
+            # M is not specialized on by the tiled kernels; the batch-1 kernels see M = 1 as the server's calls do
+            M = 1 if batch1 else min(bucket, triton_mm.PROMPT_BLOCK_M)
+            x = torch.empty((M, K), device=tensors[0].device, dtype=dtype)
+            extra = {"GROUP": group} if group is not None else {}
+            triton_mm.run_choice(fn, config, block_m, M, N, K, x, (x, *tensors), {**extra, **flags}, warmup=True)
+            asked += 1
+    return asked
+
+
+def _in_features(weights: str, tensors) -> int:
+    return tensors[0].shape[1] * (2 if weights == "int4" else 1)  # int4: two columns a byte
