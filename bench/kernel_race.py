@@ -14,7 +14,8 @@ matrix-vector kernels of the file given by --old, at their autotuner's best conf
 and cast included), int8-gemv / int4-gemv / int4-halfdot (batch 1: this tree's matrix-vector
 kernel alone at its autotuner's config, with the bit-pattern dequantization; int4-halfdot with
 its products in packed fp16), int8-gemlite / int4-gemlite, int8-dense / int4-dense and int8-tiles / int4-tiles (prompts
-only: the dequantize-then-cuBLAS path alone, the 128-row tiles alone).  Every row also records the error against the
+only: the dequantize-then-cuBLAS path alone, the 128-row tiles alone), int4-tiled (decode batches: the tiled `tl.dot`
+kernel alone) and int4-rows (2-16 rows: triton_rows.py's kernel alone).  Every row also records the error against the
 fp32 product of the same integers dequantized.
 """
 
@@ -30,8 +31,10 @@ from pathlib import Path
 from quantserve.bench.kernels import SHAPES, copy_bandwidth
 
 KINDS = ("fp16", "int8", "int8-old", "int8-gemv", "int8-gemlite", "int8-dense", "int8-tiles", "int4", "int4-old",
-         "int4-gemv", "int4-halfdot", "int4-gemlite", "int4-dense", "int4-tiles")
+         "int4-gemv", "int4-halfdot", "int4-gemlite", "int4-dense", "int4-tiles", "int4-tiled", "int4-rows")
 BATCH1_ONLY = ("-old", "-gemv", "-halfdot", "-gemlite")  # kinds timed at M = 1 only
+DECODE_ONLY = ("-tiled",)  # M <= 64 only
+FEW_ROWS_ONLY = ("-rows",)  # 2 <= M <= 16 only
 
 
 def _old_module(path: str | None):
@@ -80,6 +83,7 @@ def build(kind: str, w, old):
     layer = make_linear(w, None, weights, torch.float16, "gemlite" if library == "gemlite" else "triton")
     fn = {"old": lambda: _old_layer(kind, layer, old), "dense": lambda: _dense_layer(layer),
           "tiles": lambda: _alone(layer, "tiles"), "gemv": lambda: _alone(layer, "gemv", {"BIT_DEQUANT": True}),
+          "tiled": lambda: _alone(layer, "tiled"), "rows": lambda: _alone(layer, "rows"),
           "halfdot": lambda: _alone(layer, "gemv", {"BIT_DEQUANT": True, "HALF_DOT": True})}.get(library, lambda: layer)()
     return fn, linear_weight_bytes(layer), layer
 
@@ -96,26 +100,34 @@ def _dense_layer(layer):
 
 def _alone(layer, kind: str, flags: dict | None = None):
     """x -> y by one of our kernels alone, at its autotuner's best config for this shape (the
-    launcher may keep another kind; this row shows this one): "tiles", the 128-row prompt tiles,
-    or "gemv", this tree's batch-1 matrix-vector kernel with `flags`."""
-    from quantserve.server.fastcore import triton_gemv, triton_mm
+    launcher may keep another kind; this row shows this one): "tiles", the 128-row prompt tiles;
+    "gemv", this tree's batch-1 matrix-vector kernel with `flags`; "tiled", the decode batches' tiled
+    kernel; "rows", the int4 few-rows kernel.  Tuned once per M."""
+    from quantserve.server.fastcore import triton_gemv, triton_mm, triton_rows
 
     int4 = hasattr(layer, "mins")
-    if kind == "tiles":
-        tuned, block_m = (triton_mm.int4_prompt_kernel if int4 else triton_mm.int8_prompt_kernel), triton_mm.PROMPT_BLOCK_M
-    else:
-        tuned, block_m = (triton_gemv.int4_gemv_kernel if int4 else triton_gemv.int8_gemv_kernel), 1
     args = (layer.weight, layer.scales) + ((layer.mins,) if int4 else ())
     extra = {"GROUP": layer.group_size} if int4 else {}
     state = {}
 
+    def kernel(M: int):
+        if kind == "tiles":
+            return (triton_mm.int4_prompt_kernel if int4 else triton_mm.int8_prompt_kernel), triton_mm.PROMPT_BLOCK_M
+        if kind == "tiled":
+            return (triton_mm.int4_kernel if int4 else triton_mm.int8_kernel), triton_mm._block_m(M)
+        if kind == "rows":
+            return triton_rows.int4_rows_kernel, triton_rows.block_m(M)
+        return (triton_gemv.int4_gemv_kernel if int4 else triton_gemv.int8_gemv_kernel), 1
+
     def call(x):
         M, K = x.shape
         N = layer.weight.shape[0]
-        if "choice" not in state:
-            state["choice"] = triton_mm._tune(tuned, block_m, M, N, K, x, (x, *args), extra)
-            state["config"] = state["choice"][1]
-        fn, config, _, _ = state["choice"]
+        tuned, block_m = kernel(M)
+        if M not in state:
+            bucket = triton_mm._m_bucket(M, fine=int4)
+            state[M] = triton_mm._tune(tuned, block_m, M, N, K, x, (x, *args), extra, bucket)
+        fn, config, _, _ = state[M]
+        state["config"] = config
         return triton_mm.run_choice(fn, config, block_m, M, N, K, x, (x, *args), {**extra, **(flags or {})})
     call.state = state
     return call
@@ -168,7 +180,7 @@ def describe_choice(kind: str, fn, N: int, K: int, M: int) -> str | None:
         f, config, block_m, flags = c
         name = getattr(f, "__name__", None) or getattr(getattr(f, "fn", None), "__name__", str(f))
         return f"{name} {config.kwargs if config is not None else 'dense'} w{getattr(config, 'num_warps', '-')} {flags}"
-    if kind.endswith(("-old", "-tiles", "-gemv", "-halfdot")):
+    if kind.endswith(("-old", "-tiles", "-gemv", "-halfdot", "-tiled", "-rows")):
         c = fn.state.get("config")
         return f"{kind.split('-')[1]} {c.kwargs} w{c.num_warps} s{c.num_stages}" if c is not None else None
     return None
@@ -209,6 +221,8 @@ def run(shapes, kinds, batches, out: str, old_path: str | None, budget_mb: int =
                         continue  # batch-1 kernels (ours alone, old) / GemLite's own per-M tuning: batch 1 only here
                     if M <= 64 and kind.endswith(("-dense", "-tiles")):
                         continue  # a prompt path
+                    if (M > 64 and kind.endswith(DECODE_ONLY)) or (not 2 <= M <= 16 and kind.endswith(FEW_ROWS_ONLY)):
+                        continue
                     torch.manual_seed(M)
                     x = torch.randn(M, K, device="cuda", dtype=torch.float16)
                     row = {"shape": shape, "layer": name, "N": N, "K": K, "M": M, "kind": kind, "copies": copies}

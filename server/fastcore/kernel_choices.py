@@ -21,6 +21,7 @@ import triton
 from quantserve.server.fastcore import triton_mm
 from quantserve.server.fastcore.kernel_tables import read_rows
 from quantserve.server.fastcore.triton_gemv import int4_gemv_kernel, int8_gemv_kernel
+from quantserve.server.fastcore.triton_rows import int4_rows_kernel
 
 
 def _rows() -> list[dict]:
@@ -44,7 +45,8 @@ def save_choices(path) -> None:
 def _kernels() -> dict:
     return {triton_mm._kernel_name(fn): fn for fn in (triton_mm._int8_kernel, triton_mm._int4_kernel,
                                                       triton_mm._int8_dense, triton_mm._int4_dense,
-                                                      int8_gemv_kernel.fn, int4_gemv_kernel.fn)}
+                                                      int8_gemv_kernel.fn, int4_gemv_kernel.fn,
+                                                      int4_rows_kernel.fn)}
 
 
 def _parameters(fn) -> set[str]:

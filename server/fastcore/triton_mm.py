@@ -36,6 +36,7 @@ import triton.language as tl
 from quantserve.server.fastcore.triton_dequant import (AUTOTUNE_OPTIONS, dequantize_int4, dequantize_int8, int8_to,
                                                        nibbles_to_fp16, quick_bench)
 from quantserve.server.fastcore.triton_gemv import fits as gemv_fits, int4_gemv_kernel, int8_gemv_kernel
+from quantserve.server.fastcore.triton_rows import block_m as rows_block_m, fits as rows_fit, int4_rows_kernel
 
 
 # M (the rows: a decode batch, a forward's tokens) is not specialized on: Triton compiles a kernel
@@ -198,9 +199,13 @@ def _block_m(M: int) -> int:
     return 16 if M <= 16 else (32 if M <= 32 else 64)
 
 
-def _m_bucket(M: int) -> int:
+def _m_bucket(M: int, fine: bool = False) -> int:
     """Shapes sharing one choice: decode batches by tile height; prompts (M > 64) by the next power
-    of two, since the dense path's fixed cost (a dequantized weight copy) pays off only on long ones."""
+    of two, since the dense path's fixed cost (a dequantized weight copy) pays off only on long ones.
+    fine (int4, whose few-rows kernel's cost grows with the rows): batches up to 16 by the next
+    power of two, each its own choice."""
+    if fine and M <= 16:
+        return 1 << (M - 1).bit_length()
     return _block_m(M) if M <= 64 else 1 << (M - 1).bit_length()
 
 
@@ -220,15 +225,17 @@ def _int4_dense(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, min
 _chosen: dict[tuple, tuple] = {}
 
 
-def _tune(tuned, block_m: int, M: int, N: int, K: int, x: torch.Tensor, args: tuple, extra: dict) -> tuple:
+def _tune(tuned, block_m: int, M: int, N: int, K: int, x: torch.Tensor, args: tuple, extra: dict,
+          bucket: int | None = None) -> tuple:
     """Run `tuned`'s autotuner for this shape (it times its configs into a zeroed fp32 buffer;
-    split-K configs add atomically) -> (kernel, best config, BLOCK_M, {})."""
+    split-K configs add atomically; `bucket`: its key's M, _m_bucket(M) unless given) -> (kernel,
+    best config, BLOCK_M, {})."""
     out = torch.zeros((M, N), device=x.device, dtype=torch.float32)
 
     def grid(meta):
         return (-(-N // meta["BLOCK_N"]), meta["SPLIT_K"], -(-M // block_m))
     # M_BUCKET is the autotuners' key: a prompt bucket (a power of two past 64) tunes its own tiles
-    call = (*args, out, M, N, K, _m_bucket(M), x.stride(0), out.stride(0))
+    call = (*args, out, M, N, K, bucket or _m_bucket(M), x.stride(0), out.stride(0))
     with compiling_ahead():  # every config the autotuner is about to time, before it times them one by one
         tuned.warmup(*call, grid=(1,), BLOCK_M=block_m, **extra)
     tuned[grid](*call, BLOCK_M=block_m, **extra)
@@ -301,16 +308,18 @@ def _agreeing(choices: list[tuple], M: int, N: int, K: int, x: torch.Tensor, arg
 
 
 def _launch(kernel, M: int, N: int, x: torch.Tensor, args: tuple, gemv=None, dense=None, prompt=None,
-            **extra) -> torch.Tensor:
-    """Run `kernel` (or, at batch 1, `gemv`; for a prompt, `prompt`'s 128-row tiles or `dense`,
-    where faster) for this shape's chosen config.
+            rows=None, **extra) -> torch.Tensor:
+    """Run `kernel` (or, at batch 1, `gemv`; at 2-16 rows, `rows`; for a prompt, `prompt`'s 128-row
+    tiles or `dense`, where faster) for this shape's chosen config.
 
     The first call for a shape tunes: each autotuner picks its best config, then the kinds'
     winners are timed against each other (at batch 1: tiled, matrix-vector with and without the
-    bit-pattern dequantization, and int4's packed fp16 products; for M > 64: tiled on 64 rows,
-    128-row tiles, dequantize-then-cuBLAS) and the fastest is kept.  Later calls launch the choice directly."""
+    bit-pattern dequantization, and int4's packed fp16 products; at 2-16 rows: tiled and the
+    few-rows kernel; for M > 64: tiled on 64 rows, 128-row tiles, dequantize-then-cuBLAS) and the
+    fastest is kept.  Later calls launch the choice directly."""
     K = x.shape[1]
-    key = (kernel.fn.__name__, _m_bucket(M), M == 1, N, K, x.dtype, extra.get("GROUP"))  # batch 1 has its own choice
+    bucket = _m_bucket(M, fine=rows is not None)
+    key = (kernel.fn.__name__, bucket, M == 1, N, K, x.dtype, extra.get("GROUP"))  # batch 1 has its own choice
     if key not in _chosen:
         if M > 64 and dense is not None:
             _launch(kernel, 64, N, x[:64], (x[:64],) + args[1:], **extra)  # tunes the tiles on 64 rows
@@ -318,7 +327,9 @@ def _launch(kernel, M: int, N: int, x: torch.Tensor, args: tuple, gemv=None, den
             if prompt is not None:
                 choices.append(_tune(prompt, PROMPT_BLOCK_M, M, N, K, x, args, extra))
         else:
-            choices = [_tune(kernel, _block_m(M), M, N, K, x, args, extra)]
+            choices = [_tune(kernel, _block_m(M), M, N, K, x, args, extra, bucket)]
+            if rows is not None and 1 < M <= 16 and rows_fit(K):
+                choices.append(_tune(rows, rows_block_m(M), M, N, K, x, args, extra, bucket))
             if gemv is not None and M == 1 and gemv_fits(gemv, K):
                 fn, config, block_m, _ = _tune(gemv, 1, M, N, K, x, args, extra)
                 choices += [(fn, config, 1, {"BIT_DEQUANT": bits}) for bits in (True, False)]
@@ -334,7 +345,7 @@ def chosen(weights: str, M: int, N: int, K: int) -> tuple | None:
     this shape, if it has launched one (config None: dequantize + cuBLAS); `run_choice` takes the first
     three back, the flags merged into its keyword arguments."""
     for (name, bucket, batch1, n, k, *_), choice in _chosen.items():
-        if name == f"_{weights}_kernel" and (bucket, batch1, n, k) == (_m_bucket(M), M == 1, N, K):
+        if name == f"_{weights}_kernel" and (bucket, batch1, n, k) == (_m_bucket(M, weights == "int4"), M == 1, N, K):
             return choice
     return None
 
@@ -386,7 +397,7 @@ def int4_weight_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
     Dequantization: w = q * scale + min, q in 0..15."""
     x = x.contiguous()
     return _launch(int4_kernel, x.shape[0], packed.shape[0], x, (x, packed, scales, mins), gemv=int4_gemv_kernel,
-                   dense=_int4_dense, prompt=int4_prompt_kernel, GROUP=group_size)
+                   dense=_int4_dense, prompt=int4_prompt_kernel, rows=int4_rows_kernel, GROUP=group_size)
 
 
 @int4_weight_mm.register_fake

@@ -38,6 +38,29 @@ def test_every_matrix_vector_config():
             check(y, ref4, f"int4 {config} {flags}", bound(flags))
 
 
+def test_every_few_rows_config():
+    """The int4 kernel for 2-16 rows (triton_rows.py) at each of its configs that fits the rows,
+    M not a power of two and N not a whole block (clamped rows on both sides), activations up to
+    ~1e3 with a large mean (its 1024 + q offset is taken off through sum(x))."""
+    from quantserve.server.fastcore import triton_mm, triton_rows
+
+    N, K = 1000, 4096
+    _, q4 = layers(N, K, seed=6)
+    for M in (2, 3, 8, 11, 16):
+        torch.manual_seed(M)
+        x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+        x[:, ::97] *= 300
+        x = x + 2.0
+        ref = reference(q4, x)
+        bm = triton_rows.block_m(M)
+        configs = [c for c in triton_rows.int4_rows_kernel.configs if bm * c.kwargs["BLOCK_N"] <= 64]
+        assert configs
+        for config in configs:
+            y = triton_mm.run_choice(triton_rows.int4_rows_kernel.fn, config, bm, M, N, K, x,
+                                     (x, q4.weight, q4.scales, q4.mins), {"GROUP": q4.group_size})
+            check(y, ref, f"int4 rows M={M} {config}")
+
+
 def test_matrix_vector_with_large_activations():
     """Activations up to ~1e3 (outlier channels, as in down projections): the kernels' offset
     tricks (1152 + b, 1024 + q summed in fp32) keep their error at the fp16 output's own scale,
@@ -116,7 +139,7 @@ def test_launcher_matches_dequantized_matmul(N, K):
     from quantserve.server.fastcore import triton_mm
 
     q8, q4 = layers(N, K, seed=1)
-    for M in (1, 8, 33, 64, 200, 512):
+    for M in (1, 3, 8, 33, 64, 200, 512):
         x = torch.randn(M, K, device="cuda", dtype=torch.float16)
         check(triton_mm.int8_weight_mm(x, q8.weight, q8.scales), reference(q8, x), f"int8 M={M}")
         # at batch 1 the launcher may keep int4's packed fp16 products: their bound

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The int4 kernel for 2-16 rows (server/fastcore/triton_rows.py) on the lent GPU, one call (~8 min;
+# .devwheels carried; a machine bench/cold_start.sh left warm saves the install):
+#   the GPU tests of the weight kernels (every few-rows config against the dequantized matmul, the
+#   launcher at 1-512 rows, the shipped kernel table where there is one for this GPU);
+#   the per-layer race on the 8B shape at 2, 4, 8, 16 and 32 rows: fp16 (cuBLAS), int4 as the launcher
+#   chooses, the tiled `tl.dot` kernel alone and the few-rows kernel alone;
+#   bench decode of the 8B shape at batch 8 and 32 under the T4 profile, int4 then fp16 (the baseline,
+#   same call): the "no quantized path slower per step than fp16".
+#   bench/rows_gpu.sh OUT
+set -uo pipefail
+dest=$(realpath -m "$1"); out=/tmp/rows-gpu; rm -rf "$out"; mkdir -p "$out" "$dest"; repo=$PWD; site=/tmp/site
+export QUANTSERVE_HOME=/tmp/qs-rows PYTHONUNBUFFERED=1
+source "$repo/bench/gpu_lib.sh"  # log, left, decode
+[ -d "$site/fastapi" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .devwheels/*.whl
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target "$site" . 2>&1 | grep -v WARNING
+mkdir -p "$site/quantserve/server/fastcore/kernel_tables" && cp /tmp/kernel-tables/*.json "$site/quantserve/server/fastcore/kernel_tables/" 2>/dev/null
+(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) > "$out/bench.txt"
+log "installed"
+(cd /tmp && PYTHONPATH=$site timeout 200 python3 -m pytest --import-mode=append -q -p no:cacheprovider -rfs \
+    "$repo/tests/serve/test_gpu_kernels.py") > "$out/gpu-tests.log" 2>&1 || log "gpu tests: rc=$?"
+grep -E "^FAILED|^SKIPPED|passed|failed" "$out/gpu-tests.log" >> "$out/bench.txt"; log "tests done"
+(cd /tmp && PYTHONPATH=$site timeout $(left 380) python3 -m quantserve.bench.kernel_race --shapes 8b --batches 2,4,8,16,32 \
+    --kinds fp16,int4,int4-tiled,int4-rows --out "$out/race-8b.json") > "$out/race-8b.log" 2>&1 || log "race: rc=$?"
+sed -n '/^| layer/,$p' "$out/race-8b.log" >> "$out/bench.txt"; log "race done"
+decode $(left 500) 8b-int4 --models 8b --quants int4 --kernels triton --batches 8,32
+decode $(left 580) 8b-fp16 --models 8b --quants none --batches 8,32
+tar czf "$dest/results.tgz" -C "$out" . && cp "$out/bench.txt" "$dest/"; cat "$out/bench.txt"

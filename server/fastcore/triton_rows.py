@@ -1,0 +1,98 @@
+"""int4 weights times a few rows of activations (decode batches of 2-16), without tensor cores:
+y[M, N] = x[M, K] @ dequant(W).T with each weight converted once for all M rows.
+
+At batch 8 the tiled int4 kernel (triton_mm.py: `tl.dot` on 16-row tiles) streamed its weights at
+~25 % of copy bandwidth on an H100 and took 1.02x fp16's time per decode step (bench/RESULTS.md,
+2026-12-04 night): its grids are small and each K step converts a tile into the MMA's operand
+layout.  The matrix-vector kernel (triton_gemv.py) streams int4 at 55-63 % on the large layers
+with plain FMAs; its cost is instructions, ~16 to turn a word of 8 nibbles into fp32 and 8
+multiply-adds.  Here the same loop serves BLOCK_M rows: the conversion is paid once per weight,
+the multiply-adds once per weight and row, so a word costs ~16 + 10 M instructions where M
+matrix-vector calls cost M (16 + 10).  That stays under an H100's bandwidth budget up to M ~ 8;
+past that the tiled kernel wins, and the launcher (triton_mm._launch) times both per shape and
+batch size and keeps the faster.
+
+Layout as triton_gemv's int4 kernel: int32 words of 8 columns read one per thread and row, the
+warps side by side along K; column 2i in the high nibble of byte i.  A word's 8 columns lie
+inside one group, so x . (q s + m) = s (x . q) + m sum(x) per word and row; the nibbles become
+1024 + q by Marlin's lop3 trick (`_nibble_pair`), and 1024 sum(x) comes off with the offset.
+Rows past M read row M - 1 and are not stored; rows past N likewise.
+
+Import only where Triton and a CUDA GPU exist (TRITON_INTERPRET=1 on a CPU runs the arithmetic).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from quantserve.server.fastcore.triton_dequant import AUTOTUNE_OPTIONS
+from quantserve.server.fastcore.triton_gemv import _nibble_pair
+
+# (BLOCK_N, BLOCK_K, warps): one word per thread and row, BLOCK_K = 256 * warps; the accumulators
+# are BLOCK_M x BLOCK_N fp32 a thread, twice (the word's sum and the running one), so wide row
+# blocks pair with few weight rows (_prune)
+_SHAPES = ((4, 1024, 4), (8, 1024, 4), (16, 1024, 4), (8, 512, 2), (16, 512, 2), (8, 2048, 8))
+
+
+def _configs():
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1}, num_warps=w, num_stages=1)
+            for bn, bk, w in _SHAPES]
+
+
+def _prune(configs, named_args, **kwargs):
+    K = named_args["K"]
+    block_m = kwargs.get("BLOCK_M") or named_args.get("BLOCK_M") or 1
+    return [c for c in configs if K % c.kwargs["BLOCK_K"] == 0 and block_m * c.kwargs["BLOCK_N"] <= 64]
+
+
+def fits(K: int) -> bool:
+    """Whether a config covers K in whole blocks (K a multiple of 512)."""
+    return any(K % bk == 0 for _, bk, _ in _SHAPES)
+
+
+def block_m(M: int) -> int:
+    """Rows a program takes: M rounded up to a power of two, at most 8 (more programs past that)."""
+    return min(8, 1 << (M - 1).bit_length())
+
+
+@triton.jit(do_not_specialize=["M"], do_not_specialize_on_alignment=["K"])
+def _int4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, stride_om,
+                      GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      SPLIT_K: tl.constexpr):
+    W: tl.constexpr = BLOCK_K // 8
+    pid_n, pid_m = tl.program_id(0), tl.program_id(2)
+    rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)  # weight rows, clamped
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    x_rows = x_ptr + tl.minimum(rm, M - 1)[:, None] * stride_xm  # [BM, 1], activation rows clamped
+    rw = tl.arange(0, W)
+    w_ptrs = w_ptr.to(tl.pointer_type(tl.int32)) + rw[:, None] + rows[None, :] * (K // 8)  # [W, BN]
+    sz_off = (8 * rw[:, None]) // GROUP + rows[None, :] * (K // GROUP)
+    acc = tl.zeros((BLOCK_M, W, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        k = tl.multiple_of(k, BLOCK_K)
+        words = tl.load(w_ptrs + k // 8, eviction_policy="evict_first")  # [W, BN] int32
+        s = tl.load(s_ptr + sz_off + k // GROUP).to(tl.float32)
+        z = tl.load(z_ptr + sz_off + k // GROUP).to(tl.float32) - 1024.0 * s  # the 1024 of 1024 + q
+        part = tl.zeros((BLOCK_M, W, BLOCK_N), dtype=tl.float32)
+        xsum = tl.zeros((BLOCK_M, W), dtype=tl.float32)
+        for p in tl.static_range(4):
+            # the columns of bits 4p and 16 + 4p: 2 (p // 2) + 1 - p % 2 and 4 more
+            c = 2 * (p // 2) + 1 - p % 2
+            x_lo = tl.load(x_rows + (k + 8 * rw + c)[None, :]).to(tl.float32)  # [BM, W]
+            x_hi = tl.load(x_rows + (k + 8 * rw + c + 4)[None, :]).to(tl.float32)
+            q_lo, q_hi = _nibble_pair(words, 4 * p)  # [W, BN], 1024 + q
+            part += q_lo[None, :, :] * x_lo[:, :, None]
+            part += q_hi[None, :, :] * x_hi[:, :, None]
+            xsum += x_lo + x_hi
+        acc += part * s[None, :, :]
+        acc += xsum[:, :, None] * z[None, :, :]
+    y = tl.sum(acc, axis=1)  # [BM, BN]
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+int4_rows_kernel = triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K"],
+                                   prune_configs_by={"early_config_prune": _prune}, **AUTOTUNE_OPTIONS)(
+    _int4_rows_kernel)
