@@ -124,7 +124,7 @@ def _ours(arch: str = "sm_75") -> dict[str, tuple]:
     8B shape (the int4 tiles with their sum of x on `tl.dot` only where that is tensor-core work)."""
     from triton.compiler import ASTSource
 
-    from quantserve.server.fastcore import triton_gemv, triton_mm
+    from quantserve.server.fastcore import triton_gemv, triton_mm, triton_rows
 
     base, int4 = _signature("int8"), _signature("int4")
     meta = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "BIT_DEQUANT")
@@ -138,6 +138,11 @@ def _ours(arch: str = "sm_75") -> dict[str, tuple]:
         const = {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1, "BIT_DEQUANT": True, **extra}
         out[name] = (ASTSource(fn=fn, signature={**sig, **{m: "constexpr" for m in meta + tuple(extra)}}, constexprs=const),
                      {"num_warps": 4})
+    rows = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "GROUP")  # the few-rows kernel: 8 rows x 8 weight rows, 4 warps
+    const = {"BLOCK_M": 8, "BLOCK_N": 8, "BLOCK_K": 1024, "SPLIT_K": 1, "GROUP": 128}
+    out["ours int4 2-16 rows (FMAs)"] = (ASTSource(fn=triton_rows._int4_rows_kernel, signature={
+        **{n: t for n, t in int4.items() if t != "constexpr"}, **{m: "constexpr" for m in rows}}, constexprs=const),
+        {"num_warps": 4, "num_stages": 1})
     return out
 
 
@@ -244,6 +249,7 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", default="sm_75,sm_90", help="comma list, e.g. sm_75,sm_90")
     ap.add_argument("--gemv-forms", action="store_true", help="instead: the batch-1 kernels' loop body (one K step) "
                     "in each fused form and int4's packed fp16 variant")
+    ap.add_argument("--loop", action="store_true", help="count the longest loop's body (one K step) only")
     args = ap.parse_args(argv)
     if args.gemv_forms:
         for arch in [a.strip() for a in args.arch.split(",") if a.strip()]:
@@ -260,7 +266,7 @@ def main(argv=None) -> int:
         print(f"GemLite left out: {e}")
     for arch in [a.strip() for a in args.arch.split(",") if a.strip()]:
         for name, (src, options) in {**_ours(arch), **gemlite}.items():
-            c = compile_for(src, arch, options)
+            c = compile_for(src, arch, options, loop=args.loop)
             shown = " ".join(f"{k} {c.get(k, 0)}" for k in WATCH)
             print(f"{arch}  {name:40} {'tensor cores' if c.get('HMMA') or c.get('IMMA') else 'no tensor cores':16} {shown}")
     return 0

@@ -7,15 +7,16 @@ At batch 8 the tiled int4 kernel (triton_mm.py: `tl.dot` on 16-row tiles) stream
 layout.  The matrix-vector kernel (triton_gemv.py) streams int4 at 55-63 % on the large layers
 with plain FMAs; its cost is instructions, ~16 to turn a word of 8 nibbles into fp32 and 8
 multiply-adds.  Here the same loop serves BLOCK_M rows: the conversion is paid once per weight,
-the multiply-adds once per weight and row, so a word costs ~16 + 10 M instructions where M
-matrix-vector calls cost M (16 + 10).  That stays under an H100's bandwidth budget up to M ~ 8;
-past that the tiled kernel wins, and the launcher (triton_mm._launch) times both per shape and
-batch size and keeps the faster.
+the multiply-adds once per weight and row: each weight becomes fp32 (one lop3 per two, one
+conversion, one fused multiply-add with its scale and offset) once, then costs one FMA per row,
+~2.5 + M instructions a weight where M matrix-vector calls cost ~3.3 M.  Past M ~ 8 that outgrows
+an H100's bandwidth budget and the tiled kernel wins; the launcher (triton_mm._launch) times both
+per shape and batch size and keeps the faster.
 
 Layout as triton_gemv's int4 kernel: int32 words of 8 columns read one per thread and row, the
 warps side by side along K; column 2i in the high nibble of byte i.  A word's 8 columns lie
-inside one group, so x . (q s + m) = s (x . q) + m sum(x) per word and row; the nibbles become
-1024 + q by Marlin's lop3 trick (`_nibble_pair`), and 1024 sum(x) comes off with the offset.
+inside one group (one scale and offset per word and row); the nibbles become 1024 + q by
+Marlin's lop3 trick (`_nibble_pair`), and the 1024 comes off with the offset.
 Rows past M read row M - 1 and are not stored; rows past N likewise.
 
 Import only where Triton and a CUDA GPU exist (TRITON_INTERPRET=1 on a CPU runs the arithmetic).
@@ -30,9 +31,12 @@ from quantserve.server.fastcore.triton_dequant import AUTOTUNE_OPTIONS
 from quantserve.server.fastcore.triton_gemv import _nibble_pair
 
 # (BLOCK_N, BLOCK_K, warps): one word per thread and row, BLOCK_K = 256 * warps; the accumulators
-# are BLOCK_M x BLOCK_N fp32 a thread, twice (the word's sum and the running one), so wide row
-# blocks pair with few weight rows (_prune)
-_SHAPES = ((4, 1024, 4), (8, 1024, 4), (16, 1024, 4), (8, 512, 2), (16, 512, 2), (8, 2048, 8))
+# are BLOCK_M x BLOCK_N fp32 a thread, so wide row blocks pair with few weight rows (_prune)
+_SHAPES = ((4, 1024, 4), (8, 1024, 4), (16, 1024, 4), (8, 512, 2), (16, 512, 2), (8, 2048, 8), (8, 256, 1),
+           (16, 256, 1))
+
+
+MAX_ACC = 128  # accumulators a thread (BLOCK_M x BLOCK_N), under the 255 registers with the rest
 
 
 def _configs():
@@ -43,11 +47,11 @@ def _configs():
 def _prune(configs, named_args, **kwargs):
     K = named_args["K"]
     block_m = kwargs.get("BLOCK_M") or named_args.get("BLOCK_M") or 1
-    return [c for c in configs if K % c.kwargs["BLOCK_K"] == 0 and block_m * c.kwargs["BLOCK_N"] <= 64]
+    return [c for c in configs if K % c.kwargs["BLOCK_K"] == 0 and block_m * c.kwargs["BLOCK_N"] <= MAX_ACC]
 
 
 def fits(K: int) -> bool:
-    """Whether a config covers K in whole blocks (K a multiple of 512)."""
+    """Whether a config covers K in whole blocks (K a multiple of 256)."""
     return any(K % bk == 0 for _, bk, _ in _SHAPES)
 
 
@@ -60,34 +64,36 @@ def block_m(M: int) -> int:
 def _int4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, stride_om,
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       SPLIT_K: tl.constexpr):
+    # Every tensor is 3-D, [rows of x, weight rows, words] with size-1 axes where it does not vary,
+    # the words (K) last: so the loads, the weights' conversion and the products share one layout,
+    # the threads along K.  With 2-D loads broadcast into 3-D products, or K in the middle, Triton
+    # moved x or the weights through shared memory on every K step (32-52 barriers a step in the
+    # sm_90 SASS; now none: `bench sass --loop`).
     W: tl.constexpr = BLOCK_K // 8
     pid_n, pid_m = tl.program_id(0), tl.program_id(2)
-    rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)  # weight rows, clamped
+    rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)[None, :, None]  # weight rows, clamped
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    x_rows = x_ptr + tl.minimum(rm, M - 1)[:, None] * stride_xm  # [BM, 1], activation rows clamped
-    rw = tl.arange(0, W)
-    w_ptrs = w_ptr.to(tl.pointer_type(tl.int32)) + rw[:, None] + rows[None, :] * (K // 8)  # [W, BN]
-    sz_off = (8 * rw[:, None]) // GROUP + rows[None, :] * (K // GROUP)
-    acc = tl.zeros((BLOCK_M, W, BLOCK_N), dtype=tl.float32)
+    x_rows = x_ptr + tl.minimum(rm, M - 1)[:, None, None] * stride_xm  # [BM, 1, 1], rows of x clamped
+    rw = tl.arange(0, W)[None, None, :]
+    w_ptrs = w_ptr.to(tl.pointer_type(tl.int32)) + rw + rows * (K // 8)  # [1, BN, W]
+    sz_off = (8 * rw) // GROUP + rows * (K // GROUP)
+    acc = tl.zeros((BLOCK_M, BLOCK_N, W), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         k = tl.multiple_of(k, BLOCK_K)
-        words = tl.load(w_ptrs + k // 8, eviction_policy="evict_first")  # [W, BN] int32
+        words = tl.load(w_ptrs + k // 8, eviction_policy="evict_first")  # [1, BN, W] int32
         s = tl.load(s_ptr + sz_off + k // GROUP).to(tl.float32)
-        z = tl.load(z_ptr + sz_off + k // GROUP).to(tl.float32) - 1024.0 * s  # the 1024 of 1024 + q
-        part = tl.zeros((BLOCK_M, W, BLOCK_N), dtype=tl.float32)
-        xsum = tl.zeros((BLOCK_M, W), dtype=tl.float32)
+        m = tl.load(z_ptr + sz_off + k // GROUP).to(tl.float32) - 1024.0 * s  # the 1024 of 1024 + q
         for p in tl.static_range(4):
             # the columns of bits 4p and 16 + 4p: 2 (p // 2) + 1 - p % 2 and 4 more
             c = 2 * (p // 2) + 1 - p % 2
-            x_lo = tl.load(x_rows + (k + 8 * rw + c)[None, :]).to(tl.float32)  # [BM, W]
-            x_hi = tl.load(x_rows + (k + 8 * rw + c + 4)[None, :]).to(tl.float32)
-            q_lo, q_hi = _nibble_pair(words, 4 * p)  # [W, BN], 1024 + q
-            part += q_lo[None, :, :] * x_lo[:, :, None]
-            part += q_hi[None, :, :] * x_hi[:, :, None]
-            xsum += x_lo + x_hi
-        acc += part * s[None, :, :]
-        acc += xsum[:, :, None] * z[None, :, :]
-    y = tl.sum(acc, axis=1)  # [BM, BN]
+            x_lo = tl.load(x_rows + (k + 8 * rw + c)).to(tl.float32)  # [BM, 1, W]
+            x_hi = tl.load(x_rows + (k + 8 * rw + c + 4)).to(tl.float32)
+            q_lo, q_hi = _nibble_pair(words, 4 * p)  # [1, BN, W], 1024 + q
+            # the weight itself, once for all rows: (1024 + q) s + (m - 1024 s) in one fused
+            # multiply-add, rounded once (= q s + m to fp32's precision); then one FMA a row
+            acc += (q_lo * s + m) * x_lo
+            acc += (q_hi * s + m) * x_hi
+    y = tl.sum(acc, axis=2)  # [BM, BN]
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], y.to(out_ptr.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))

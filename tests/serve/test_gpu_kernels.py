@@ -53,7 +53,7 @@ def test_every_few_rows_config():
         x = x + 2.0
         ref = reference(q4, x)
         bm = triton_rows.block_m(M)
-        configs = [c for c in triton_rows.int4_rows_kernel.configs if bm * c.kwargs["BLOCK_N"] <= 64]
+        configs = [c for c in triton_rows.int4_rows_kernel.configs if bm * c.kwargs["BLOCK_N"] <= triton_rows.MAX_ACC]
         assert configs
         for config in configs:
             y = triton_mm.run_choice(triton_rows.int4_rows_kernel.fn, config, bm, M, N, K, x,
