@@ -7,8 +7,8 @@
 #                              from those two starts' choices (bench/kernel_table.py) into the
 #                              installed package and OUT; the 8B started cold with it, then warm,
 #                              a greedy reply from each 8B server; the 1B cold with it
-#   bench/cold_start.sh OUT 2  the same machine: the GPU tests of the weight kernels with the new table;
-#                              the 8B cold without the table again (a second sample, after the others)
+#   bench/cold_start.sh OUT 2  the same machine (bench/rows_gpu.sh runs the kernels' GPU tests with the table
+#                              between the two): the 8B cold without the table, then with it (second samples)
 # "Cold": a QUANTSERVE_HOME of its own (no compile cache, no bytecode cache, no kernel choices).
 # Ours: --engine fast --weight-quant int8 --gpu-profile t4 --max-batch 64 --context 2048 (64: the
 # decode batches' largest tile bucket, so the table covers it).  Run from the repo root with
@@ -86,9 +86,6 @@ fi
 if [ "$phase" = 2 ]; then
   [ -f /tmp/kernel-tables/*.json ] || { log "phase 2 needs phase 1's table in /tmp/kernel-tables"; exit 3; }
   install; machine
-  (cd /tmp && timeout 300 python3 -m pytest --import-mode=append -q -p no:cacheprovider -rf \
-      "$repo/tests/serve/test_gpu_kernels.py") > "$out/gpu-tests.log" 2>&1 || log "gpu tests: rc=$?"
-  grep -E "^FAILED|^SKIPPED|passed|failed" "$out/gpu-tests.log" >> "$out/bench.txt"; log "tests done"
   start ours-8b-cold-notable-2 /tmp/qs-8b-c /tmp/ck-llama-3.1-8b QUANTSERVE_KERNEL_TABLES=0 && stop
   start ours-8b-cold-table-2 /tmp/qs-8b-d /tmp/ck-llama-3.1-8b && stop
   finish

@@ -3,7 +3,7 @@
 # .devwheels carried; a machine bench/cold_start.sh left warm saves the install):
 #   the GPU tests of the weight kernels (every few-rows config against the dequantized matmul, the
 #   launcher at 1-512 rows, the shipped kernel table where there is one for this GPU);
-#   the per-layer race on the 8B shape at 2, 4, 8, 16 and 32 rows: fp16 (cuBLAS), int4 as the launcher
+#   the per-layer race on the 8B shape at 4, 8 and 16 rows ($RACE_BATCHES): fp16 (cuBLAS), int4 as the launcher
 #   chooses, the tiled `tl.dot` kernel alone and the few-rows kernel alone;
 #   bench decode of the 8B shape at batch 8 and 32 under the T4 profile, int4 then fp16 (the baseline,
 #   same call): the "no quantized path slower per step than fp16".
@@ -20,7 +20,7 @@ log "installed"
 (cd /tmp && PYTHONPATH=$site timeout 200 python3 -m pytest --import-mode=append -q -p no:cacheprovider -rfs \
     "$repo/tests/serve/test_gpu_kernels.py") > "$out/gpu-tests.log" 2>&1 || log "gpu tests: rc=$?"
 grep -E "^FAILED|^SKIPPED|passed|failed" "$out/gpu-tests.log" >> "$out/bench.txt"; log "tests done"
-(cd /tmp && PYTHONPATH=$site timeout $(left 380) python3 -m quantserve.bench.kernel_race --shapes 8b --batches 2,4,8,16,32 \
+(cd /tmp && PYTHONPATH=$site timeout $(left 380) python3 -m quantserve.bench.kernel_race --shapes 8b --batches ${RACE_BATCHES:-4,8,16} \
     --kinds fp16,int4,int4-tiled,int4-rows --out "$out/race-8b.json") > "$out/race-8b.log" 2>&1 || log "race: rc=$?"
 sed -n '/^| layer/,$p' "$out/race-8b.log" >> "$out/bench.txt"; log "race done"
 decode $(left 500) 8b-int4 --models 8b --quants int4 --kernels triton --batches 8,32
