@@ -138,11 +138,13 @@ def _ours(arch: str = "sm_75") -> dict[str, tuple]:
         const = {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1, "BIT_DEQUANT": True, **extra}
         out[name] = (ASTSource(fn=fn, signature={**sig, **{m: "constexpr" for m in meta + tuple(extra)}}, constexprs=const),
                      {"num_warps": 4})
-    rows = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "GROUP")  # the few-rows kernel: 8 rows x 8 weight rows, 4 warps
-    const = {"BLOCK_M": 8, "BLOCK_N": 8, "BLOCK_K": 1024, "SPLIT_K": 1, "GROUP": 128}
-    out["ours int4 2-16 rows (FMAs)"] = (ASTSource(fn=triton_rows._int4_rows_kernel, signature={
-        **{n: t for n, t in int4.items() if t != "constexpr"}, **{m: "constexpr" for m in rows}}, constexprs=const),
-        {"num_warps": 4, "num_stages": 1})
+    rows = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "GROUP", "K_FIRST")  # the few-rows kernel: 8 x 8, 4 warps
+    for first in (True, False):
+        const = {"BLOCK_M": 8, "BLOCK_N": 8, "BLOCK_K": 1024, "SPLIT_K": 1, "GROUP": 128, "K_FIRST": first}
+        out[f"ours int4 2-16 rows (FMAs), K {'first' if first else 'last'}"] = (ASTSource(
+            fn=triton_rows._int4_rows_kernel, signature={**{n: t for n, t in int4.items() if t != "constexpr"},
+                                                         **{m: "constexpr" for m in rows}}, constexprs=const),
+            {"num_warps": 4, "num_stages": 1})
     return out
 
 

@@ -22,9 +22,6 @@ those first calls before any request arrives.
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import os
 import sys
 
 import torch
@@ -33,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from quantserve.server.fastcore.triton_dequant import (AUTOTUNE_OPTIONS, dequantize_int4, dequantize_int8, int8_to,
-                                                       nibbles_to_fp16, quick_bench)
+from quantserve.server.fastcore.triton_dequant import (AUTOTUNE_OPTIONS, compiling_ahead, dequantize_int4,
+                                                       dequantize_int8, int8_to, nibbles_to_fp16, quick_bench)
 from quantserve.server.fastcore.triton_gemv import fits as gemv_fits, int4_gemv_kernel, int8_gemv_kernel
 from quantserve.server.fastcore.triton_rows import block_m as rows_block_m, fits as rows_fit, int4_rows_kernel
 
@@ -242,30 +239,16 @@ def _tune(tuned, block_m: int, M: int, N: int, K: int, x: torch.Tensor, args: tu
     return (tuned.fn, tuned.best_config, block_m, {})
 
 
-def compiling_ahead():
-    """A context in which Triton kernels asked for with `.warmup` compile on threads, all of them
-    done when it exits.  A Triton compile takes ~0.2-3 s, most of it in LLVM and ptxas, which run
-    outside the GIL (8 configs of the int8 kernel for sm_90: 6.6 s one by one, 3.5 s on 2 threads);
-    a cold start compiles dozens (an 8B cold start's tuning: 23 s before, 14 s with this).  Kernels
-    found in Triton's disk cache load in milliseconds either way.  A config that fails to compile
-    is left to its first real call, which compiles it again and reports (or skips) it as before.
-    Where Triton cannot compile ahead (no AsyncCompileMode before 3.4), nothing happens here."""
-    mode = getattr(triton, "AsyncCompileMode", None)
-    if mode is None or _compile_threads() < 2:
-        return contextlib.nullcontext()
-    return mode(_compile_pool(), ignore_errors=True)
-
-
-@functools.cache
-def _compile_threads() -> int:
-    return min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-
-
-@functools.cache
-def _compile_pool():
-    from concurrent.futures import ThreadPoolExecutor
-
-    return ThreadPoolExecutor(_compile_threads(), thread_name_prefix="triton-compile")
+def _optional(tune) -> list[tuple]:
+    """[the candidate `tune` returns], or [] with a warning on stderr where it fails to build or run
+    on this GPU and Triton: a newer kernel (triton_rows.py) is a candidate beside the tiled one,
+    never a new way for a layer to fail."""
+    try:
+        return [tune()]
+    except Exception as e:  # noqa: BLE001  (Triton's compile and launch errors have no common base)
+        print(f"warning: a weight-kernel candidate failed ({type(e).__name__}: {str(e)[:200]}); "
+              "the tiled kernel serves that shape", file=sys.stderr)
+        return []
 
 
 def _fastest(choices: list[tuple], M: int, N: int, K: int, x: torch.Tensor, args: tuple, extra: dict) -> tuple:
@@ -329,7 +312,7 @@ def _launch(kernel, M: int, N: int, x: torch.Tensor, args: tuple, gemv=None, den
         else:
             choices = [_tune(kernel, _block_m(M), M, N, K, x, args, extra, bucket)]
             if rows is not None and 1 < M <= 16 and rows_fit(K):
-                choices.append(_tune(rows, rows_block_m(M), M, N, K, x, args, extra, bucket))
+                choices += _optional(lambda: _tune(rows, rows_block_m(M), M, N, K, x, args, extra, bucket))
             if gemv is not None and M == 1 and gemv_fits(gemv, K):
                 fn, config, block_m, _ = _tune(gemv, 1, M, N, K, x, args, extra)
                 choices += [(fn, config, 1, {"BIT_DEQUANT": bits}) for bits in (True, False)]

@@ -32,16 +32,15 @@ from quantserve.server.fastcore.triton_gemv import _nibble_pair
 
 # (BLOCK_N, BLOCK_K, warps): one word per thread and row, BLOCK_K = 256 * warps; the accumulators
 # are BLOCK_M x BLOCK_N fp32 a thread, so wide row blocks pair with few weight rows (_prune)
-_SHAPES = ((4, 1024, 4), (8, 1024, 4), (16, 1024, 4), (8, 512, 2), (16, 512, 2), (8, 2048, 8), (8, 256, 1),
-           (16, 256, 1))
+_SHAPES = ((4, 1024, 4), (8, 1024, 4), (16, 1024, 4), (8, 512, 2), (16, 512, 2), (8, 256, 1))
 
 
 MAX_ACC = 128  # accumulators a thread (BLOCK_M x BLOCK_N), under the 255 registers with the rest
 
 
 def _configs():
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1}, num_warps=w, num_stages=1)
-            for bn, bk, w in _SHAPES]
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1, "K_FIRST": first}, num_warps=w, num_stages=1)
+            for bn, bk, w in _SHAPES for first in (True, False)]
 
 
 def _prune(configs, named_args, **kwargs):
@@ -63,38 +62,51 @@ def block_m(M: int) -> int:
 @triton.jit(do_not_specialize=["M"], do_not_specialize_on_alignment=["K"])
 def _int4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, stride_om,
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      SPLIT_K: tl.constexpr):
-    # Every tensor is 3-D, [rows of x, weight rows, words] with size-1 axes where it does not vary,
-    # the words (K) last: so the loads, the weights' conversion and the products share one layout,
-    # the threads along K.  With 2-D loads broadcast into 3-D products, or K in the middle, Triton
-    # moved x or the weights through shared memory on every K step (32-52 barriers a step in the
-    # sm_90 SASS; now none: `bench sass --loop`).
+                      SPLIT_K: tl.constexpr, K_FIRST: tl.constexpr = True):
+    # Every tensor is 3-D, with size-1 axes where it does not vary, so that the loads, the weights'
+    # conversion and the products can share one layout with the threads along K.  Which order of
+    # the axes gets it is up to Triton's choice of layout for loads whose addresses are no more
+    # contiguous along one axis than another (x's, the scales'): Triton 3.6 puts the threads along
+    # the first axis, 3.9 along the last.  In the other order it moved x or the weights through
+    # shared memory on every K step (24-52 barriers a step in the sm_90 SASS, `bench sass --loop`;
+    # none in the right one), so both orders are configs and the autotuner keeps the faster.
     W: tl.constexpr = BLOCK_K // 8
     pid_n, pid_m = tl.program_id(0), tl.program_id(2)
-    rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)[None, :, None]  # weight rows, clamped
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    x_rows = x_ptr + tl.minimum(rm, M - 1)[:, None, None] * stride_xm  # [BM, 1, 1], rows of x clamped
-    rw = tl.arange(0, W)[None, None, :]
-    w_ptrs = w_ptr.to(tl.pointer_type(tl.int32)) + rw + rows * (K // 8)  # [1, BN, W]
+    # 3-D index tensors, weight rows and rows of x clamped (read, never stored): [words, weight
+    # rows, rows of x] with K_FIRST, else [rows of x, weight rows, words]
+    rows = tl.minimum(rn, N - 1)[None, :, None]
+    if K_FIRST:
+        xm, rw = tl.minimum(rm, M - 1)[None, None, :], tl.arange(0, W)[:, None, None]
+    else:
+        xm, rw = tl.minimum(rm, M - 1)[:, None, None], tl.arange(0, W)[None, None, :]
+    x_rows = x_ptr + xm * stride_xm
+    w_ptrs = w_ptr.to(tl.pointer_type(tl.int32)) + rw + rows * (K // 8)
     sz_off = (8 * rw) // GROUP + rows * (K // GROUP)
-    acc = tl.zeros((BLOCK_M, BLOCK_N, W), dtype=tl.float32)
+    if K_FIRST:
+        acc = tl.zeros((W, BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N, W), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         k = tl.multiple_of(k, BLOCK_K)
-        words = tl.load(w_ptrs + k // 8, eviction_policy="evict_first")  # [1, BN, W] int32
+        words = tl.load(w_ptrs + k // 8, eviction_policy="evict_first")  # int32, varying along words and weight rows
         s = tl.load(s_ptr + sz_off + k // GROUP).to(tl.float32)
         m = tl.load(z_ptr + sz_off + k // GROUP).to(tl.float32) - 1024.0 * s  # the 1024 of 1024 + q
         for p in tl.static_range(4):
             # the columns of bits 4p and 16 + 4p: 2 (p // 2) + 1 - p % 2 and 4 more
             c = 2 * (p // 2) + 1 - p % 2
-            x_lo = tl.load(x_rows + (k + 8 * rw + c)).to(tl.float32)  # [BM, 1, W]
+            x_lo = tl.load(x_rows + (k + 8 * rw + c)).to(tl.float32)  # varying along words and rows of x
             x_hi = tl.load(x_rows + (k + 8 * rw + c + 4)).to(tl.float32)
-            q_lo, q_hi = _nibble_pair(words, 4 * p)  # [1, BN, W], 1024 + q
+            q_lo, q_hi = _nibble_pair(words, 4 * p)  # 1024 + q
             # the weight itself, once for all rows: (1024 + q) s + (m - 1024 s) in one fused
             # multiply-add, rounded once (= q s + m to fp32's precision); then one FMA a row
             acc += (q_lo * s + m) * x_lo
             acc += (q_hi * s + m) * x_hi
-    y = tl.sum(acc, axis=2)  # [BM, BN]
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if K_FIRST:
+        y = tl.trans(tl.sum(acc, axis=0))  # [BM, BN]
+    else:
+        y = tl.sum(acc, axis=2)
     tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], y.to(out_ptr.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
