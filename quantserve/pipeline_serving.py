@@ -8,25 +8,18 @@ from __future__ import annotations
 
 import json
 import shlex
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from quantserve.settings import UserError
+from quantserve.settings import UserError, free_port
 
 if TYPE_CHECKING:
     from quantserve.pipeline import PipelineConfig
 
 TOOL_MAX_TOKENS = 64  # a call of the default corpus's tool is ~31 tokens
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:

@@ -24,6 +24,15 @@ def cache_dir() -> Path:
     return Path(base) / "quantserve"
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (the OS's pick), for a child server or a process group's rendezvous."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
 def make_readable(folder: Path) -> None:
     """Give every file in `folder` the mode the umask allows (0644 by default).
 

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-from quantserve.settings import UserError
+from quantserve.settings import UserError, free_port
 
 
 def world() -> tuple[int, int, int]:
@@ -34,12 +33,6 @@ def log(msg: str) -> None:
 
 def launched() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def single_process_env() -> None:

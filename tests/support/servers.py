@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,15 +12,10 @@ from pathlib import Path
 
 import httpx
 
+from quantserve.settings import free_port
 from tests.support import REPO
 PROMPTS = ["Sort: d a c b", "What is 12 + 30?", "Repeat: k q m", "What comes after g?",
            "How many letters in: a b c", "What is the capital of Keltria?"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def unlabelled_metrics(text: str) -> dict[str, float]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -18,12 +17,7 @@ import pytest
 
 from quantserve.bench import serve as bs
 from quantserve.bench import serve_client as sc
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from quantserve.settings import free_port
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +30,7 @@ def llama_server(default_model, tmp_path_factory):
 
     out = convert(default_model, "gguf-f16", tmp_path_factory.mktemp("gguf") / "f16", progress=False)
     gguf = next(out.glob("*.gguf"))
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path_factory.mktemp("log") / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--port", str(port),
                              "--host", "127.0.0.1", "--n_ctx", "512", "--n_threads", "1",
