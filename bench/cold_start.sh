@@ -8,16 +8,18 @@
 #                              installed package and OUT; the 8B started cold with it, then warm,
 #                              a greedy reply from each 8B server; the 1B cold with it
 #   bench/cold_start.sh OUT 2  the same machine (bench/rows_gpu.sh runs the kernels' GPU tests with the table
-#                              between the two): the 8B cold without the table, then with it (second samples)
+#                              between the two, ~5 min): the 8B cold without the table, then with it (second
+#                              samples); the 8B in int4 cold without a table, its choices merged into the
+#                              table, then cold with it
 # "Cold": a QUANTSERVE_HOME of its own (no compile cache, no bytecode cache, no kernel choices).
-# Ours: --engine fast --weight-quant int8 --gpu-profile t4 --max-batch 64 --context 2048 (64: the
+# Ours: --engine fast --weight-quant int8 (WQ) --gpu-profile t4 --max-batch 64 --context 2048 (64: the
 # decode batches' largest tile bucket, so the table covers it).  Run from the repo root with
 # .devwheels carried.
 set -uo pipefail
 out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
 export PYTHONPATH=$site QUANTSERVE_TEST_CWD=/tmp
 log() { echo "[$(date +%T) +${SECONDS}s] $*" | tee -a "$out/bench.txt"; }
-ours=(--engine fast --weight-quant int8 --gpu-profile t4 --max-batch 64 --context 2048)
+ours=(--engine fast --gpu-profile t4 --max-batch 64 --context 2048)
 tables=$site/quantserve/server/fastcore/kernel_tables
 
 install() {
@@ -35,9 +37,11 @@ checkpoint() {  # SHAPE -> /tmp/ck-SHAPE (the public model's vocabulary)
   [ -f "/tmp/ck-$1/config.json" ] || (cd /tmp && python3 -m quantserve.bench.make_checkpoint --shape "$1" --shape-vocab \
       --out "/tmp/ck-$1" --context 8192) >> "$out/checkpoints.log" 2>&1
 }
-start() {  # LABEL HOME CHECKPOINT [env...]: our server on :8000 with its own QUANTSERVE_HOME; seconds to a 200 on /health
+start() {  # LABEL HOME CHECKPOINT [env...]: our server on :8000 (weights $WQ, default int8) with its own
+           # QUANTSERVE_HOME; seconds to a 200 on /health
   local label=$1 home=$2 ck=$3 t0=$SECONDS; shift 3
-  (cd /tmp && exec env QUANTSERVE_HOME="$home" "$@" python3 -m quantserve serve "$ck" --port 8000 "${ours[@]}") \
+  (cd /tmp && exec env QUANTSERVE_HOME="$home" "$@" python3 -m quantserve serve "$ck" --port 8000 "${ours[@]}" \
+      --weight-quant "${WQ:-int8}") \
       > "$out/$label.log" 2>&1 &
   PID=$!
   until curl -sf -o /dev/null http://127.0.0.1:8000/health; do
@@ -88,6 +92,12 @@ if [ "$phase" = 2 ]; then
   install; machine
   start ours-8b-cold-notable-2 /tmp/qs-8b-c /tmp/ck-llama-3.1-8b QUANTSERVE_KERNEL_TABLES=0 && stop
   start ours-8b-cold-table-2 /tmp/qs-8b-d /tmp/ck-llama-3.1-8b && stop
+  # int4: its choices added to the table, then a cold start with it
+  WQ=int4 start ours-8b-int4-cold-notable /tmp/qs-8b-int4-a /tmp/ck-llama-3.1-8b QUANTSERVE_KERNEL_TABLES=0 && stop
+  (cd /tmp && python3 -m quantserve.bench.kernel_table --gpu "$(python3 -c "import torch; print(torch.cuda.get_device_name())")" \
+      --out /tmp/kernel-tables /tmp/qs-8b-int4-a/compile/*/weight-kernels.json) | tee -a "$out/bench.txt"
+  cp /tmp/kernel-tables/*.json "$tables/" && cp /tmp/kernel-tables/*.json "$out/"
+  WQ=int4 start ours-8b-int4-cold-table /tmp/qs-8b-int4-b /tmp/ck-llama-3.1-8b && stop
   finish
 fi
 
