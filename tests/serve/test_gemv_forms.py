@@ -4,7 +4,8 @@ products), every config, against the separate ops in fp32.
 
 On a CUDA GPU the kernels run for real, on an 8B-sized layer.  On a CPU they run in Triton's
 interpreter where Triton is installed (the inline PTX bit tricks become the same arithmetic in
-Triton ops there), on a small layer; the CPU test environment has no Triton: skipped.
+Triton ops there), on a small layer (the test extra installs Triton on a CPU machine too; without it:
+skipped).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Both read the same paged cache through the same block table for flattened batche
 decodes and prompt chunks: GQA group sizes 1, 4 and 7, head sizes 64 and 96 (not a power of two),
 int8 caches with their scales, Gemma's soft-capping and sliding windows, and decode batches whose
 keys are split over several programs.  On a CUDA GPU the kernel runs for real; on a CPU it runs in
-Triton's interpreter where Triton is installed (the CPU test environment has no Triton: skipped).
+Triton's interpreter (the test extra installs Triton on a CPU machine too; without it: skipped).
 """
 
 from __future__ import annotations

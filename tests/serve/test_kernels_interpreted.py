@@ -1,0 +1,114 @@
+"""The int4 few-rows kernel (fastcore/triton_rows.py) and the weight kernels' choices kept between
+starts (fastcore/kernel_choices.py), run for real: on a CUDA GPU as compiled kernels, on a CPU in
+Triton's interpreter (the inline PTX bit tricks become the same arithmetic in Triton ops there).
+
+What the interpreter cannot do is time kernels, so here the launcher never tunes: a table of
+choices is loaded, compiled ahead and launched through the layers' own ops, which is the path a
+start with a shipped table (fastcore/kernel_tables.py) takes.  tests/serve/test_gpu_kernels.py
+checks the same on the GPU's own sizes, with tuning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+pytest.importorskip("triton", reason="Triton is not installed (a CUDA GPU or the interpreter runs this)")
+DEVICE, DTYPE = ("cuda", torch.float16) if CUDA else ("cpu", torch.float32)
+DT = "float16" if CUDA else "float32"
+N, K = 40, 2048  # N not a multiple of any BLOCK_N: the clamped last rows
+
+
+def _layers(seed: int = 0):
+    from quantserve.server.fastcore.quant import make_linear
+
+    torch.manual_seed(seed)
+    w = torch.randn(N, K, device=DEVICE, dtype=DTYPE) * 0.02
+    q8, q4 = make_linear(w, None, "int8", DTYPE, "torch"), make_linear(w, None, "int4", DTYPE, "torch")
+    q8.kernel = q4.kernel = "triton"  # what kernel_choices.compile_chosen and the ops serve
+    return q8, q4
+
+
+def _close(y: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    err = (y.float() - ref).abs().max().item()
+    assert err <= 2e-3 * ref.abs().max().item() + 1e-4, (what, err)
+
+
+@pytest.mark.parametrize("M", [2, 3, 8, 11, 16])
+def test_every_few_rows_config(M):
+    """Each config of the few-rows kernel that fits M's row block (both axis orders), rows of x not
+    a power of two, activations with outlier columns and a large mean."""
+    from quantserve.server.fastcore import triton_mm, triton_rows
+
+    _, q4 = _layers(M)
+    x = torch.randn(M, K, device=DEVICE, dtype=DTYPE)
+    x[:, ::97] *= 50
+    x = x + 2.0
+    ref = x.float() @ q4.dequantize(torch.float32).t()
+    bm = triton_rows.block_m(M)
+    configs = [c for c in triton_rows.int4_rows_kernel.configs if bm * c.kwargs["BLOCK_N"] <= triton_rows.MAX_ACC
+               and K % c.kwargs["BLOCK_K"] == 0]
+    assert {c.kwargs["K_FIRST"] for c in configs} == {True, False}
+    for config in configs:
+        y = triton_mm.run_choice(triton_rows.int4_rows_kernel.fn, config, bm, M, N, K, x,
+                                 (x, q4.weight, q4.scales, q4.mins), {"GROUP": q4.group_size})
+        _close(y, ref, f"M={M} {config}")
+
+
+def _row(weights: str, bucket: int, batch1: bool, kernel: str, kwargs: dict | None, warps: int, block_m: int,
+         flags: dict) -> dict:
+    return {"key": [f"_{weights}_kernel", bucket, batch1, N, K, DT, 128 if weights == "int4" else None],
+            "kernel": kernel, "config": None if kwargs is None else {"kwargs": kwargs, "num_warps": warps, "num_stages": 1},
+            "block_m": block_m, "flags": flags}
+
+
+def test_a_table_of_choices_is_loaded_compiled_ahead_and_launched_untuned(tmp_path):
+    """A table naming every kind of choice (matrix-vector, tiled with split-K, few-rows, dequantize
+    + matmul) and one row this version's kernel cannot take: the others are loaded, the Triton
+    ones compiled ahead, and the layers' ops then launch exactly those choices (nothing is tuned:
+    the interpreter could not time a candidate) with the reference's results."""
+    from quantserve.server.fastcore import kernel_choices, triton_mm
+    from quantserve.server.fastcore.quant import triton_layers
+
+    q8, q4 = _layers()
+    rows = [
+        _row("int8", 16, True, "_int8_gemv_kernel", {"BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 1}, 4, 1,
+             {"BIT_DEQUANT": True}),
+        _row("int8", 16, False, "_int8_kernel", {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "SWAP": False}, 4, 16, {}),
+        _row("int8", 256, False, "_int8_dense", None, 0, 0, {}),
+        _row("int4", 1, True, "_int4_gemv_kernel", {"BLOCK_N": 8, "BLOCK_K": 1024, "SPLIT_K": 1}, 4, 1,
+             {"BIT_DEQUANT": True}),
+        _row("int4", 8, False, "_int4_rows_kernel", {"BLOCK_N": 8, "BLOCK_K": 1024, "SPLIT_K": 1, "K_FIRST": True},
+             4, 8, {}),
+        _row("int4", 4, False, "_int4_kernel", {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1, "NO_SUCH_FLAG": 1},
+             4, 16, {}),  # written for another version of the kernel: skipped
+    ]
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"gpu": "test", "rows": rows}))
+    saved = dict(triton_mm._chosen)
+    triton_mm._chosen.clear()
+    try:
+        assert kernel_choices.load_choices(tmp_path / "missing.json", table) == 5
+        assert kernel_choices.compile_chosen(triton_layers(torch.nn.ModuleList([q8, q4]))) == 4
+        loaded = dict(triton_mm._chosen)
+        w8, w4 = q8.weight.float() * q8.scales.float()[:, None], q4.dequantize(torch.float32)
+        for M in (1, 9, 200):
+            x = torch.randn(M, K, device=DEVICE, dtype=DTYPE)
+            _close(triton_mm.int8_weight_mm(x, q8.weight, q8.scales), x.float() @ w8.t(), f"int8 M={M}")
+        for M in (1, 7):
+            x = torch.randn(M, K, device=DEVICE, dtype=DTYPE)
+            _close(triton_mm.int4_weight_mm(x, q4.weight, q4.scales, q4.mins, q4.group_size), x.float() @ w4.t(),
+                   f"int4 M={M}")
+        assert triton_mm._chosen == loaded  # every call took a loaded choice: none was tuned
+        kernel_choices.save_choices(tmp_path / "kept.json")  # and what a warm start would read back
+        assert {json.dumps(r["key"]) for r in json.loads((tmp_path / "kept.json").read_text())} == \
+            {json.dumps(r["key"]) for r in rows[:5]}
+    finally:
+        triton_mm._chosen.clear()
+        triton_mm._chosen.update(saved)
