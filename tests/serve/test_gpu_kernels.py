@@ -41,7 +41,7 @@ def test_every_matrix_vector_config():
 def test_every_few_rows_config():
     """The int4 kernel for 2-16 rows (triton_rows.py) at each of its configs that fits the rows,
     M not a power of two and N not a whole block (clamped rows on both sides), activations up to
-    ~1e3 with a large mean (its 1024 + q offset is taken off through sum(x))."""
+    ~1e3 with a large mean (the 1024 of its 1024 + q comes off inside each weight's offset)."""
     from quantserve.server.fastcore import triton_mm, triton_rows
 
     N, K = 1000, 4096
