@@ -1,6 +1,7 @@
-"""The int4 few-rows kernel (fastcore/triton_rows.py) and the weight kernels' choices kept between
-starts (fastcore/kernel_choices.py), run for real: on a CUDA GPU as compiled kernels, on a CPU in
-Triton's interpreter (the inline PTX bit tricks become the same arithmetic in Triton ops there).
+"""The tiled weight kernels (fastcore/triton_mm.py) and the int4 few-rows kernel (triton_rows.py) at
+every config, and the weight kernels' choices kept between starts (kernel_choices.py), run for real:
+on a CUDA GPU as compiled kernels, on a CPU in Triton's interpreter (the inline PTX bit tricks
+become the same arithmetic in Triton ops there).
 
 What the interpreter cannot do is time kernels, so here the launcher never tunes: a table of
 choices is loaded, compiled ahead and launched through the layers' own ops, which is the path a
@@ -112,3 +113,41 @@ def test_a_table_of_choices_is_loaded_compiled_ahead_and_launched_untuned(tmp_pa
     finally:
         triton_mm._chosen.clear()
         triton_mm._chosen.update(saved)
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_every_tiled_config(weights):
+    """The tiled `tl.dot` kernels (triton_mm.py) at each decode config and each 128-row prompt
+    config, both orientations (SWAP), split-K's atomic adds; int4 with its offsets' term on
+    `tl.dot` and as a sum (Z_DOT, chosen by the GPU's tensor cores).  Rows of x not a whole tile."""
+    from quantserve.server.fastcore import triton_mm
+
+    n, k = 64, 512  # every config's K split is whole blocks of this K (the launcher's prune)
+    q8, q4 = _layers_of(n, k)
+    layer = q8 if weights == "int8" else q4
+    args = (layer.weight, layer.scales) + ((layer.mins,) if weights == "int4" else ())
+    ref_w = q8.weight.float() * q8.scales.float()[:, None] if weights == "int8" else q4.dequantize(torch.float32)
+    tuned = (triton_mm.int8_kernel, triton_mm.int8_prompt_kernel) if weights == "int8" else (triton_mm.int4_kernel,
+                                                                                          triton_mm.int4_prompt_kernel)
+    flags = [{}] if weights == "int8" else [{"GROUP": 128, "Z_DOT": True}, {"GROUP": 128, "Z_DOT": False}]
+    checked = 0
+    for kernel, M, block_m in ((tuned[0], 3, 16), (tuned[0], 40, 64), (tuned[1], 130, triton_mm.PROMPT_BLOCK_M)):
+        x = torch.randn(M, k, device=DEVICE, dtype=DTYPE)
+        ref = x.float() @ ref_w.t()
+        for config in kernel.configs:
+            bk, split = config.kwargs["BLOCK_K"], config.kwargs["SPLIT_K"]
+            if k % (bk * split) or (weights == "int4" and bk > 128):
+                continue
+            for extra in flags:
+                y = triton_mm.run_choice(kernel.fn, config, block_m, M, n, k, x, (x, *args), extra)
+                _close(y, ref, f"{weights} M={M} {config} {extra}")
+                checked += 1
+    assert checked >= 10
+
+
+def _layers_of(n: int, k: int):
+    from quantserve.server.fastcore.quant import make_linear
+
+    torch.manual_seed(n + k)
+    w = torch.randn(n, k, device=DEVICE, dtype=DTYPE) * 0.02
+    return make_linear(w, None, "int8", DTYPE, "torch"), make_linear(w, None, "int4", DTYPE, "torch")
