@@ -39,6 +39,8 @@ from quantserve.server.fastcore.triton_rows import block_m as rows_block_m, fits
 # M (the rows: a decode batch, a forward's tokens) is not specialized on: Triton compiles a kernel
 # per divisibility class of its integer arguments, and a prompt of 716 tokens after warm-up's
 # 512 and 1024 compiled new kernels while requests waited (a quarter of a server's time, py-spy).
+# Nor is M_BUCKET, the autotuners' key alone (unused in the kernels): tuning passes the choice's
+# bucket (int4's 2, 4, 8), a launch the tile height (16), and each would be a compile of its own.
 
 
 def _configs():
@@ -91,7 +93,7 @@ def _store(out_ptr, acc, rm, rn, M, N, stride_om, SPLIT_K: tl.constexpr, SWAP: t
 # second operand it is written back to shared memory each K step and every wgmma is waited for.
 # On a GPU without wgmma the launcher times both orientations.
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "M_BUCKET"])
 def _int8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, stride_om,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                  BIT_DEQUANT: tl.constexpr = True, SWAP: tl.constexpr = False):
@@ -121,7 +123,7 @@ def _int8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, str
     _store(out_ptr, acc, rm, rn, M, N, stride_om, SPLIT_K, SWAP)
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "M_BUCKET"])
 def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, stride_om,
                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, BIT_DEQUANT: tl.constexpr = True, SWAP: tl.constexpr = False,

@@ -59,7 +59,7 @@ def block_m(M: int) -> int:
     return min(8, 1 << (M - 1).bit_length())
 
 
-@triton.jit(do_not_specialize=["M"], do_not_specialize_on_alignment=["K"])
+@triton.jit(do_not_specialize=["M", "M_BUCKET"], do_not_specialize_on_alignment=["K"])
 def _int4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, stride_om,
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       SPLIT_K: tl.constexpr, K_FIRST: tl.constexpr = True):
