@@ -13,13 +13,11 @@ Import only where Triton and a CUDA GPU exist (as triton_mm).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import triton
 
 from quantserve.server.fastcore import triton_mm
-from quantserve.server.fastcore.kernel_tables import read_rows
+from quantserve.server.fastcore.kernel_tables import read_rows, write_json
 from quantserve.server.fastcore.triton_gemv import int4_gemv_kernel, int8_gemv_kernel
 from quantserve.server.fastcore.triton_rows import int4_rows_kernel
 
@@ -35,24 +33,17 @@ def _rows() -> list[dict]:
 def save_choices(path) -> None:
     """Write the kernel choices made so far to `path` (JSON), for `load_choices` at the next start:
     timing the candidates again took ~35 s of a warm start on the 1B shape."""
-    import json
-
-    tmp = Path(path).with_suffix(".tmp")
-    tmp.write_text(json.dumps(_rows()))
-    tmp.replace(path)  # whole or not at all: a server killed mid-write leaves the old file
+    write_json(path, _rows())
 
 
 def _kernels() -> dict:
-    return {triton_mm._kernel_name(fn): fn for fn in (triton_mm._int8_kernel, triton_mm._int4_kernel,
-                                                      triton_mm._int8_dense, triton_mm._int4_dense,
-                                                      int8_gemv_kernel.fn, int4_gemv_kernel.fn,
-                                                      int4_rows_kernel.fn)}
-
-
-def _parameters(fn) -> set[str]:
+    """Kernel name -> (the kernel, its parameters' names: what a row's config and flags may set)."""
     import inspect
 
-    return set(inspect.signature(getattr(fn, "fn", fn)).parameters)  # a JITFunction's Python function
+    fns = (triton_mm._int8_kernel, triton_mm._int4_kernel, triton_mm._int8_dense, triton_mm._int4_dense,
+           int8_gemv_kernel.fn, int4_gemv_kernel.fn, int4_rows_kernel.fn)
+    # a JITFunction's own Python function has the signature
+    return {triton_mm._kernel_name(fn): (fn, set(inspect.signature(getattr(fn, "fn", fn)).parameters)) for fn in fns}
 
 
 def load_choices(*paths) -> int:
@@ -66,14 +57,14 @@ def load_choices(*paths) -> int:
     for path in paths:
         for row in read_rows(path) if path is not None else ():
             try:
-                fn = kernels[row["kernel"]]
+                fn, parameters = kernels[row["kernel"]]
                 cfg, flags = row["config"], dict(row["flags"])
                 if cfg is None:
                     config = None
                 else:
                     config = triton.Config(dict(cfg["kwargs"]), num_warps=int(cfg["num_warps"]),
                                            num_stages=int(cfg["num_stages"]))
-                    if not set(config.kwargs) | set(flags) <= _parameters(fn):
+                    if not set(config.kwargs) | set(flags) <= parameters:
                         continue  # written for another version of the kernel
                 name, bucket, batch1, n, k, dtype, group = row["key"]
                 key = (name, int(bucket), bool(batch1), int(n), int(k), getattr(torch, dtype), group)

@@ -65,9 +65,13 @@ def merge_rows(*row_lists: list[dict]) -> list[dict]:
     return [merged[k] for k in sorted(merged)]
 
 
-def write_table(path: Path, gpu_name: str, rows: list[dict], made_with: dict) -> None:
-    """A shipped table at `path`, written whole or not at all."""
-    path = Path(path)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"gpu": gpu_name, "made_with": made_with, "rows": rows}, indent=1) + "\n")
+def write_json(path: Path, data, indent: int | None = None) -> None:
+    """`data` as JSON at `path`, whole or not at all: a process killed mid-write leaves the old file."""
+    tmp = Path(path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=indent) + "\n")
     tmp.replace(path)
+
+
+def write_table(path: Path, gpu_name: str, rows: list[dict], made_with: dict) -> None:
+    """A shipped table at `path` (indented: its diff in a commit shows what changed)."""
+    write_json(path, {"gpu": gpu_name, "made_with": made_with, "rows": rows}, indent=1)
