@@ -181,51 +181,6 @@ def _decode_side_by_side(core_a, core_b, prompts, steps: int = 4):
         yield core_a.decode(slots, tokens), core_b.decode(slots, tokens)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton int8/int4 kernels run on a CUDA GPU only")
-@pytest.mark.parametrize("mode", ["int8", "int4"])
-@pytest.mark.parametrize("kernel", ["triton", "gemlite"])
-def test_triton_weight_kernels_match_torch_ops(mode, kernel):
-    from quantserve.server.fastcore.quant import gemlite_available, make_linear
-
-    if kernel == "gemlite" and not gemlite_available():
-        pytest.skip("gemlite is not installed")
-    torch.manual_seed(0)
-    for N, K in ((3072, 2048), (2048, 8192), (1000, 256)):
-        w = torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02
-        ref = make_linear(w, None, mode, torch.float16, "torch")
-        tri = make_linear(w, None, mode, torch.float16, kernel)
-        assert tri.kernel == kernel
-        # 200, 512: prompts (tiled or dequantize + cuBLAS, whichever is faster)
-        for M in (1, 2, 8, 33, 64, 200, 512):
-            x = torch.randn(M, K, device="cuda", dtype=torch.float16)
-            torch.testing.assert_close(tri(x), ref(x), atol=2e-2, rtol=2e-2)
-        if mode == "int4":  # the same integers: the unpacked weights agree too
-            torch.testing.assert_close(tri.dequantize(torch.float16), ref.dequantize(torch.float16), atol=2e-3, rtol=0)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton int8/int4 kernels run on a CUDA GPU only")
-def test_every_batch1_matrix_vector_config_matches_torch_ops():
-    """Each config of the batch-1 matrix-vector kernels, launched directly (the launcher only keeps
-    whichever config and kernel kind is fastest, so the others would otherwise go unchecked)."""
-    from quantserve.server.fastcore import triton_gemv, triton_mm
-    from quantserve.server.fastcore.quant import make_linear
-
-    torch.manual_seed(0)
-    N, K = 3072, 4096
-    w = torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02
-    x = torch.randn(1, K, device="cuda", dtype=torch.float16)
-    q8, q4 = make_linear(w, None, "int8", torch.float16, "torch"), make_linear(w, None, "int4", torch.float16, "torch")
-    for config in triton_gemv._configs():
-        for bits in (True, False):  # the bit-pattern dequantization and Triton's plain conversion
-            y8 = triton_mm.run_choice(triton_gemv.int8_gemv_kernel.fn, config, 1, 1, N, K, x, (x, q8.weight, q8.scales),
-                                {"BIT_DEQUANT": bits})
-            torch.testing.assert_close(y8, q8(x), atol=2e-2, rtol=2e-2)
-            if config.kwargs["BLOCK_K"] <= q4.group_size:
-                y4 = triton_mm.run_choice(triton_gemv.int4_gemv_kernel.fn, config, 1, 1, N, K, x,
-                                    (x, q4.weight, q4.scales, q4.mins), {"GROUP": q4.group_size, "BIT_DEQUANT": bits})
-                torch.testing.assert_close(y4, q4(x), atol=2e-2, rtol=2e-2)
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.compile + CUDA graph decode needs a CUDA GPU")
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("kernel", ["triton", "gemlite"])

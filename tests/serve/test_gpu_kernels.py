@@ -300,3 +300,26 @@ def test_the_shipped_table_for_this_gpu_loads_compiles_and_computes():
     finally:
         triton_mm._chosen.clear()
         triton_mm._chosen.update(saved)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("kernel", ["triton", "gemlite"])
+def test_triton_and_gemlite_layers_match_the_torch_layers(mode, kernel):
+    """The layers as the model builds them (make_linear), each kernel family against the plain torch
+    layer of the same weights, at decode batches and prompt sizes."""
+    from quantserve.server.fastcore.quant import gemlite_available, make_linear
+
+    if kernel == "gemlite" and not gemlite_available():
+        pytest.skip("gemlite is not installed")
+    torch.manual_seed(0)
+    for N, K in ((3072, 2048), (2048, 8192), (1000, 256)):
+        w = torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02
+        ref = make_linear(w, None, mode, torch.float16, "torch")
+        tri = make_linear(w, None, mode, torch.float16, kernel)
+        assert tri.kernel == kernel
+        # 200, 512: prompts (tiled or dequantize + cuBLAS, whichever is faster)
+        for M in (1, 2, 8, 33, 64, 200, 512):
+            x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+            torch.testing.assert_close(tri(x), ref(x), atol=2e-2, rtol=2e-2)
+        if mode == "int4":  # the same integers: the unpacked weights agree too
+            torch.testing.assert_close(tri.dequantize(torch.float16), ref.dequantize(torch.float16), atol=2e-3, rtol=0)
