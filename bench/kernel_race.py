@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 
 # the layer shapes and the copy bandwidth as bench/kernels.py measures them
-from quantserve.bench.kernels import SHAPES, copy_bandwidth
+from quantserve.bench.decode_device import copy_bandwidth
+from quantserve.bench.kernels import SHAPES
 
 KINDS = ("fp16", "int8", "int8-old", "int8-gemv", "int8-gemlite", "int8-dense", "int8-tiles", "int4", "int4-old",
          "int4-gemv", "int4-halfdot", "int4-gemlite", "int4-dense", "int4-tiles", "int4-tiled", "int4-rows")
@@ -194,7 +195,7 @@ def run(shapes, kinds, batches, out: str, old_path: str | None, budget_mb: int =
     old = _old_module(old_path)
     kinds = [k for k in kinds if not (k.endswith("-old") and old is None)
              and not (k.endswith("-gemlite") and not gemlite_available())]
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(torch.device("cuda"))
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_GBps": bw / 1e9,
               "kinds": kinds, "rows": []}
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s on {result['gpu']}; kinds {kinds}", flush=True)

@@ -29,6 +29,7 @@ import json
 import time
 from pathlib import Path
 
+from quantserve.bench.decode_device import copy_bandwidth
 from quantserve.settings import UserError
 
 # (name, N out, K in): fused qkv, o, fused gate+up, down; layers; lm_head
@@ -78,17 +79,6 @@ def gpu_time(fn) -> tuple[float, str]:
 
         torch.cuda.synchronize()
         return triton.testing.do_bench(fn, rep=100), "eager"
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes/s (each byte read and written)."""
-    import torch
-    import triton.testing
-
-    src = torch.ones(2**29, dtype=torch.float16, device="cuda")
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src))
-    return 2 * src.numel() * 2 / (ms / 1e3)
 
 
 def available(kinds: list[str]) -> tuple[list[str], dict]:
@@ -211,7 +201,7 @@ def run(shapes: tuple[str, ...], kinds: tuple[str, ...], batches: tuple[int, ...
     kinds, skipped = available(kinds)
     for kind, why in skipped.items():
         print(f"{kind}: left out ({why})")
-    copy_bw = copy_bandwidth()
+    copy_bw = copy_bandwidth(torch.device("cuda"))
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s on {torch.cuda.get_device_name()}")
     rows = []
     partial = {"gpu": torch.cuda.get_device_name(), "copy_GBps": copy_bw / 1e9, "skipped": skipped, "rows": rows}
