@@ -150,7 +150,8 @@ def _ours(arch: str = "sm_75") -> dict[str, tuple]:
 
 def _gemv_forms() -> dict[str, tuple]:
     """(ASTSource, options) of the batch-1 matrix-vector kernels in each form a decode step runs
-    (fastcore/fused.py: the norm, the gate, the residual; int4's packed fp16 products), at the
+    (fastcore/fused.py: the norm, the gate, the residual; int4's packed fp16 products; x rounded to
+    int8 for dp4a products, triton_dp4a.py), at the
     configs the 8B shape's layers take (int8: 16 rows x 512 columns, int4: 16 x 1024, 4 warps)."""
     from triton.compiler import ASTSource
 
@@ -158,7 +159,8 @@ def _gemv_forms() -> dict[str, tuple]:
 
     forms = {"plain": {}, "norm": {"NORM": True}, "norm + gate": {"NORM": True, "GATED": True},
              "residual": {"RESIDUAL": True}, "packed fp16": {"HALF_DOT": True},
-             "packed fp16, norm": {"HALF_DOT": True, "NORM": True}}
+             "packed fp16, norm": {"HALF_DOT": True, "NORM": True}, "int8 x, dp4a": {"DOT4": True},
+             "int8 x, dp4a, norm": {"DOT4": True, "NORM": True}}
     out = {}
     for kind, fn, block_k in (("int8", triton_gemv._int8_gemv_kernel, 512), ("int4", triton_gemv._int4_gemv_kernel, 1024)):
         sig = {n: t for n, t in _signature(kind).items() if t != "constexpr"}
@@ -166,7 +168,7 @@ def _gemv_forms() -> dict[str, tuple]:
             if kind == "int8" and form.get("HALF_DOT"):
                 continue
             const = {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": block_k, "SPLIT_K": 1, "BIT_DEQUANT": True,
-                     **{flag: form.get(flag, False) for flag in ("NORM", "GATED", "RESIDUAL")}}
+                     **{flag: form.get(flag, False) for flag in ("NORM", "GATED", "RESIDUAL", "DOT4")}}
             const.update({"GROUP": 128, "HALF_DOT": form.get("HALF_DOT", False)} if kind == "int4" else {})
             full = dict(sig, eps="fp32", **{n: "constexpr" for n in const})
             for ptr, flag in (("norm_ptr", "NORM"), ("res_ptr", "RESIDUAL")):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from quantserve.server.fastcore import triton_mm
+from quantserve.server.fastcore import triton_dp4a as dp4a, triton_mm
 from quantserve.server.fastcore.kernel_tables import read_rows, write_json
 from quantserve.server.fastcore.triton_gemv import int4_gemv_kernel, int8_gemv_kernel
 from quantserve.server.fastcore.triton_rows import int4_rows_kernel
@@ -50,8 +50,8 @@ def load_choices(*paths) -> int:
     """Take the choices the files at `paths` hold (save_choices' files, shipped tables; keyed by
     kernel, shape and dtype), the first file's winning where two name one shape; returns how many
     were taken.  A missing or unreadable file is skipped, and so is a row this version cannot run
-    as written (a kernel it lacks, a config or flag its kernel does not take): those shapes are
-    tuned again."""
+    as written (a kernel it lacks, a config or flag its kernel does not take) or that rounds x to
+    int8 where QUANTSERVE_INT8_ACTIVATIONS=0: those shapes are tuned again."""
     kernels = _kernels()
     taken = 0
     for path in paths:
@@ -66,6 +66,8 @@ def load_choices(*paths) -> int:
                                            num_stages=int(cfg["num_stages"]))
                     if not set(config.kwargs) | set(flags) <= parameters:
                         continue  # written for another version of the kernel
+                if flags.get(dp4a.FLAG) and not dp4a.enabled():
+                    continue  # x rounded to int8, turned off here: tuned again without it
                 name, bucket, batch1, n, k, dtype, group = row["key"]
                 key = (name, int(bucket), bool(batch1), int(n), int(k), getattr(torch, dtype), group)
                 if key not in triton_mm._chosen:

@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from quantserve.server.fastcore.triton_dequant import AUTOTUNE_OPTIONS, PTX as _PTX
+from quantserve.server.fastcore.triton_dp4a import dot_int4, dot_int8, quantize4, quantize8_for_nibbles
 
 # (BLOCK_N, BLOCK_K, warps): one 4-byte word per thread and row, the warps side by side along K,
 # so BLOCK_K = 128 * warps (int8: 4 columns a word) or 256 * warps (int4: 8 columns a word)
@@ -158,7 +159,8 @@ def _int8_quad(words):
 def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, stride_om,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                       BIT_DEQUANT: tl.constexpr = True, norm_ptr=None, res_ptr=None, eps=0.0,
-                      NORM: tl.constexpr = False, GATED: tl.constexpr = False, RESIDUAL: tl.constexpr = False):
+                      NORM: tl.constexpr = False, GATED: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
+                      DOT4: tl.constexpr = False):
     # The int8 weights are read as int32 words of 4 columns, one word per thread and row (K is
     # not specialised on 16, so the loads stay one word wide); column c of x for each word is a
     # strided load of its own, one per thread, shared by the thread's rows, in the words' layout.
@@ -185,19 +187,23 @@ def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm
         x3, sq3 = _activation(x_ptr, norm_ptr, k + 4 * rw + 3, NORM)
         if NORM:
             sq += (sq0 + sq1) + (sq2 + sq3)
-        if BIT_DEQUANT:
-            w0, w1, w2, w3 = _int8_quad(words)
-            xacc += (x0 + x1) + (x2 + x3)
+        if DOT4:  # x rounded to int8, the word's 4 products in one dp4a (triton_dp4a.py)
+            xq, xs = quantize4(x0, x1, x2, x3)
+            acc += dot_int8(words, tl.broadcast_to(xq[None, :], (BLOCK_N, W))) * xs[None, :]
         else:
-            w0 = ((words << 24) >> 24).to(tl.float32)
-            w1 = ((words << 16) >> 24).to(tl.float32)
-            w2 = ((words << 8) >> 24).to(tl.float32)
-            w3 = (words >> 24).to(tl.float32)
-        acc += w0 * x0[None, :]
-        acc += w1 * x1[None, :]
-        acc += w2 * x2[None, :]
-        acc += w3 * x3[None, :]
-    if BIT_DEQUANT:
+            if BIT_DEQUANT:
+                w0, w1, w2, w3 = _int8_quad(words)
+                xacc += (x0 + x1) + (x2 + x3)
+            else:
+                w0 = ((words << 24) >> 24).to(tl.float32)
+                w1 = ((words << 16) >> 24).to(tl.float32)
+                w2 = ((words << 8) >> 24).to(tl.float32)
+                w3 = (words >> 24).to(tl.float32)
+            acc += w0 * x0[None, :]
+            acc += w1 * x1[None, :]
+            acc += w2 * x2[None, :]
+            acc += w3 * x3[None, :]
+    if BIT_DEQUANT and not DOT4:
         acc -= 1152.0 * xacc[None, :]
     scale = tl.load(s_ptr + rows).to(tl.float32)
     _finish_row(out_ptr, tl.sum(acc, axis=1) * scale, pid_n, N, K, sq, eps, res_ptr, BLOCK_N, NORM, GATED, RESIDUAL,
@@ -302,7 +308,7 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, st
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       SPLIT_K: tl.constexpr, BIT_DEQUANT: tl.constexpr = True, norm_ptr=None, res_ptr=None,
                       eps=0.0, NORM: tl.constexpr = False, GATED: tl.constexpr = False,
-                      RESIDUAL: tl.constexpr = False, HALF_DOT: tl.constexpr = False):
+                      RESIDUAL: tl.constexpr = False, HALF_DOT: tl.constexpr = False, DOT4: tl.constexpr = False):
     # The packed bytes are read as int32 words of 8 columns, one word per thread and row: byte i
     # of a word holds columns 2i (high nibble) and 2i + 1 (low), so column j of the word sits at
     # bit 8 * (j // 2) + 4 * (1 - j % 2).  Column j of x for each word is a strided load of its
@@ -327,7 +333,22 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, st
         z = tl.load(z_ptr + sz_off + k // GROUP).to(tl.float32)
         part = tl.zeros((W, BLOCK_N), dtype=tl.float32)
         xsum = tl.zeros((W,), dtype=tl.float32)
-        if HALF_DOT:  # the products in packed fp16 (_nibble_dot), x scaled down for them
+        if DOT4:  # x rounded to int8, the word's 8 products in two dp4a (triton_dp4a.py)
+            x0, sq0 = _activation(x_ptr, norm_ptr, k + 8 * rw, NORM)
+            x1, sq1 = _activation(x_ptr, norm_ptr, k + 8 * rw + 1, NORM)
+            x2, sq2 = _activation(x_ptr, norm_ptr, k + 8 * rw + 2, NORM)
+            x3, sq3 = _activation(x_ptr, norm_ptr, k + 8 * rw + 3, NORM)
+            x4, sq4 = _activation(x_ptr, norm_ptr, k + 8 * rw + 4, NORM)
+            x5, sq5 = _activation(x_ptr, norm_ptr, k + 8 * rw + 5, NORM)
+            x6, sq6 = _activation(x_ptr, norm_ptr, k + 8 * rw + 6, NORM)
+            x7, sq7 = _activation(x_ptr, norm_ptr, k + 8 * rw + 7, NORM)
+            low, high, xs = quantize8_for_nibbles(x0, x1, x2, x3, x4, x5, x6, x7)
+            part = dot_int4(words, tl.broadcast_to(low[:, None], (W, BLOCK_N)),
+                            tl.broadcast_to(high[:, None], (W, BLOCK_N))) * xs[:, None]
+            xsum += ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))  # the zero points' term, from x itself
+            if NORM:
+                sq += ((sq0 + sq1) + (sq2 + sq3)) + ((sq4 + sq5) + (sq6 + sq7))
+        elif HALF_DOT:  # the products in packed fp16 (_nibble_dot), x scaled down for them
             a0, b0, s0, sq0 = _x_pair(x_ptr, norm_ptr, k, rw, 0, W, BLOCK_N, NORM)
             a1, b1, s1, sq1 = _x_pair(x_ptr, norm_ptr, k, rw, 1, W, BLOCK_N, NORM)
             a2, b2, s2, sq2 = _x_pair(x_ptr, norm_ptr, k, rw, 2, W, BLOCK_N, NORM)

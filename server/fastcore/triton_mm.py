@@ -32,6 +32,7 @@ import triton.language as tl
 
 from quantserve.server.fastcore.triton_dequant import (AUTOTUNE_OPTIONS, compiling_ahead, dequantize_int4,
                                                        dequantize_int8, int8_to, nibbles_to_fp16, quick_bench)
+from quantserve.server.fastcore import triton_dp4a as dp4a
 from quantserve.server.fastcore.triton_gemv import fits as gemv_fits, int4_gemv_kernel, int8_gemv_kernel
 from quantserve.server.fastcore.triton_rows import block_m as rows_block_m, fits as rows_fit, int4_rows_kernel
 
@@ -299,9 +300,9 @@ def _launch(kernel, M: int, N: int, x: torch.Tensor, args: tuple, gemv=None, den
 
     The first call for a shape tunes: each autotuner picks its best config, then the kinds'
     winners are timed against each other (at batch 1: tiled, matrix-vector with and without the
-    bit-pattern dequantization, and int4's packed fp16 products; at 2-16 rows: tiled and the
-    few-rows kernel; for M > 64: tiled on 64 rows, 128-row tiles, dequantize-then-cuBLAS) and the
-    fastest is kept.  Later calls launch the choice directly."""
+    bit-pattern dequantization, int4's packed fp16 products, x rounded to int8 for dp4a; at 2-16
+    rows: tiled and the few-rows kernel; for M > 64: tiled on 64 rows, 128-row tiles,
+    dequantize-then-cuBLAS) and the fastest is kept.  Later calls launch the choice directly."""
     K = x.shape[1]
     bucket = _m_bucket(M, fine=rows is not None)
     key = (kernel.fn.__name__, bucket, M == 1, N, K, x.dtype, extra.get("GROUP"))  # batch 1 has its own choice
@@ -320,6 +321,8 @@ def _launch(kernel, M: int, N: int, x: torch.Tensor, args: tuple, gemv=None, den
                 choices += [(fn, config, 1, {"BIT_DEQUANT": bits}) for bits in (True, False)]
                 if gemv is int4_gemv_kernel:  # products in packed fp16 (triton_gemv._nibble_dot)
                     choices.append((fn, config, 1, {"BIT_DEQUANT": True, "HALF_DOT": True}))
+                if dp4a.enabled():  # x rounded to int8, integer products (triton_dp4a.py)
+                    choices.append((fn, config, 1, {"BIT_DEQUANT": True, dp4a.FLAG: True}))
         _chosen[key] = _fastest(choices, M, N, K, x, args, extra)
     fn, config, block_m, flags = _chosen[key]
     return run_choice(fn, config, block_m, M, N, K, x, args, {**extra, **flags})

@@ -1,6 +1,6 @@
 """The batch-1 matrix-vector kernels in each form a decode step runs them (fastcore/fused.py: the
 norm taken in, silu(gate) * up paired after gate-up, the residual added; int4's packed fp16
-products), every config, against the separate ops in fp32.
+products; x rounded to int8 for dp4a), every config, against the separate ops in fp32.
 
 On a CUDA GPU the kernels run for real, on an 8B-sized layer.  On a CPU they run in Triton's
 interpreter where Triton is installed (the inline PTX bit tricks become the same arithmetic in
@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from tests.support.weight_kernels import FUSED_FORMS, INT4_VARIANTS, bound, check, fused_reference, layers
+from tests.support.weight_kernels import FUSED_FORMS, INT4_VARIANTS, INT8_VARIANTS, bound, check, fused_reference, layers
 
 CUDA = torch.cuda.is_available()
 if not CUDA:
@@ -40,12 +40,12 @@ def _cases(q8, q4, x, norm, eps):
         ref8 = fused_reference(q8, x, norm if normed else None, eps, gated, residual)
         ref4 = fused_reference(q4, x, norm if normed else None, eps, gated, residual)
         int8, int4 = triton_gemv.int8_gemv_kernel, triton_gemv.int4_gemv_kernel
-        for i, variant in enumerate(({"BIT_DEQUANT": True}, {"BIT_DEQUANT": False})):
+        for i, variant in enumerate(INT8_VARIANTS):
             cases += [(f"int8 {form} {c} {variant}", int8.fn, c, (x, q8.weight, q8.scales), {**variant, **flags},
-                       ref8, 2e-3) for c in (int8.configs if i == 0 else int8.configs[:1])]
+                       ref8, bound({**variant, **flags})) for c in (int8.configs if i == 0 else int8.configs[:1])]
         for i, variant in enumerate(INT4_VARIANTS):
             cases += [(f"int4 {form} {c} {variant}", int4.fn, c, (x, q4.weight, q4.scales, q4.mins),
-                       {"GROUP": q4.group_size, **variant, **flags}, ref4, bound(variant))
+                       {"GROUP": q4.group_size, **variant, **flags}, ref4, bound({**variant, **flags}))
                       for c in (int4.configs if i == 0 else int4.configs[:1])]
     return cases
 

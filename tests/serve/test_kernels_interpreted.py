@@ -16,6 +16,7 @@ import os
 
 import pytest
 import torch
+from tests.support.weight_kernels import bound, reference
 
 CUDA = torch.cuda.is_available()
 if not CUDA:
@@ -110,6 +111,35 @@ def test_a_table_of_choices_is_loaded_compiled_ahead_and_launched_untuned(tmp_pa
         kernel_choices.save_choices(tmp_path / "kept.json")  # and what a warm start would read back
         assert {json.dumps(r["key"]) for r in json.loads((tmp_path / "kept.json").read_text())} == \
             {json.dumps(r["key"]) for r in rows[:5]}
+    finally:
+        triton_mm._chosen.clear()
+        triton_mm._chosen.update(saved)
+
+
+@pytest.mark.parametrize("allowed", [True, False])
+def test_a_kept_choice_that_rounds_x_to_int8_is_loaded_only_where_allowed(tmp_path, monkeypatch, allowed):
+    """Batch-1 choices with x rounded to int8 (dp4a, triton_dp4a.py) load and launch as kept;
+    QUANTSERVE_INT8_ACTIVATIONS=0 skips them (those shapes are tuned again, without that form)."""
+    from quantserve.server.fastcore import kernel_choices, triton_mm
+
+    monkeypatch.setenv("QUANTSERVE_INT8_ACTIVATIONS", "1" if allowed else "0")
+    q8, q4 = _layers(3)
+    rows = [_row("int8", 16, True, "_int8_gemv_kernel", {"BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 1}, 4, 1,
+                 {"BIT_DEQUANT": True, "DOT4": True}),
+            _row("int4", 1, True, "_int4_gemv_kernel", {"BLOCK_N": 8, "BLOCK_K": 1024, "SPLIT_K": 1}, 4, 1,
+                 {"BIT_DEQUANT": True, "DOT4": True})]
+    (tmp_path / "kept.json").write_text(json.dumps(rows))
+    saved = dict(triton_mm._chosen)
+    triton_mm._chosen.clear()
+    try:
+        assert kernel_choices.load_choices(tmp_path / "kept.json") == (2 if allowed else 0)
+        if allowed:
+            x = torch.randn(1, K, device=DEVICE, dtype=DTYPE) * 2 + 0.3
+            for y, ref in ((triton_mm.int8_weight_mm(x, q8.weight, q8.scales), reference(q8, x)),
+                           (triton_mm.int4_weight_mm(x, q4.weight, q4.scales, q4.mins, q4.group_size),
+                            reference(q4, x))):
+                err = (y.float() - ref).abs().max().item() / ref.abs().max().item()
+                assert 1e-4 < err < bound({"DOT4": True}), err  # x was rounded (not exact), within the bound
     finally:
         triton_mm._chosen.clear()
         triton_mm._chosen.update(saved)

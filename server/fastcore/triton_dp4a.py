@@ -1,0 +1,132 @@
+"""Integer dot products for the batch-1 matrix-vector kernels: x rounded to int8, then 4 products a
+instruction (`dp4a`), the way llama.cpp's matrix-vector kernels multiply its quantized weights.
+
+Why: at batch 1 the int4 kernel is bound by instructions, not bytes (bench/RESULTS.md: 36-64 % of
+copy bandwidth on the 8B layers).  Turning each weight into a float costs ~3.5-4.5 instructions a
+weight in the SASS (a conversion and a fused multiply-add each, plus the unpacking); `dp4a`
+multiplies 4 bytes by 4 bytes and adds them into an int32 in one instruction, so a word of 8
+nibbles costs a shift, two masks and two `dp4a`, and one float conversion for all 8.
+
+x is rounded to int8 by each thread for its own columns (the 4 or 8 columns of its weight word),
+with one fp32 scale for those columns: no exchange between threads, and a finer grid than
+llama.cpp's one scale per 32 columns.  The rounding is the kernels' only new error: |x - x̂| ≤
+scale / 2 = max|x| / 254 over the word's columns.  The products are exact in int32 (|sum| ≤
+8 · 15 · 127 for int4, 4 · 127 · 127 for int8, both < 2^22).
+
+Both steps are bit tricks in fp32: v · (127 / max|x|) + 1.5 · 2^23 rounds v to the nearest integer
+and leaves it in the float's low bits (two's complement in the low byte), and an int32 sum s < 2^22
+added to the bits of 1.5 · 2^23 is that float plus s, so one subtraction gives float(s) without a
+conversion instruction (which runs at 1/8 of the fused multiply-add's rate on sm_80 / sm_90).
+
+The launcher (triton_mm.py) times this form beside the float ones at batch 1 and keeps whichever
+is fastest per layer shape; `QUANTSERVE_INT8_ACTIVATIONS=0` leaves it out (and ignores kept
+choices that use it), for x exactly as the float kernels take it.  Quality on the default model
+(CPU, x rounded as here before each layer; bench/RESULTS.md): top-1 agreement and perplexity
+change within noise of the float kernels'.  Under Triton's interpreter (CPU tests) the same
+integer arithmetic runs in Triton ops.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+from quantserve.server.fastcore.triton_dequant import PTX as _PTX
+
+FLAG = "DOT4"  # the kernels' parameter for this form
+
+
+def enabled() -> bool:
+    """Whether the launcher may choose x rounded to int8 (on unless QUANTSERVE_INT8_ACTIVATIONS=0)."""
+    return os.environ.get("QUANTSERVE_INT8_ACTIVATIONS", "1") != "0"
+
+
+ROUNDER = tl.constexpr(12582912.0)  # 1.5 * 2^23 (bits 0x4B400000): float + it rounds to an integer
+
+
+@triton.jit
+def _byte(v, inv):
+    """round(v * inv) in the low byte of an int32 (two's complement, |v * inv| <= 127)."""
+    return (v * inv + ROUNDER).to(tl.int32, bitcast=True) & 0xFF
+
+
+@triton.jit
+def _pack(b0, b1, b2, b3):
+    return b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
+
+
+@triton.jit
+def _inverse_and_scale(amax):
+    amax = tl.maximum(amax, 1e-30)  # all-zero columns round to 0, not 0 * inf
+    return 127.0 / amax, amax * (1.0 / 127.0)
+
+
+@triton.jit
+def quantize4(x0, x1, x2, x3):
+    """4 columns of x (fp32) -> (their int8 values packed in an int32, byte i = column i; the scale)."""
+    amax = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3)))
+    inv, scale = _inverse_and_scale(amax)
+    return _pack(_byte(x0, inv), _byte(x1, inv), _byte(x2, inv), _byte(x3, inv)), scale
+
+
+@triton.jit
+def quantize8_for_nibbles(x0, x1, x2, x3, x4, x5, x6, x7):
+    """8 columns of x -> (int8 of columns 1, 3, 5, 7 packed; of columns 0, 2, 4, 6; the scale): the
+    order of an int4 word's low nibbles and of its high ones (byte i holds column 2i high, 2i + 1 low)."""
+    amax = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
+                      tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))
+    inv, scale = _inverse_and_scale(amax)
+    low = _pack(_byte(x1, inv), _byte(x3, inv), _byte(x5, inv), _byte(x7, inv))
+    high = _pack(_byte(x0, inv), _byte(x2, inv), _byte(x4, inv), _byte(x6, inv))
+    return low, high, scale
+
+
+@triton.jit
+def _signed_byte(v, i: tl.constexpr):
+    return (v << (24 - 8 * i)) >> 24
+
+
+@triton.jit
+def dot_int8(words, xq):
+    """sum_i w_i * x_i over the 4 signed bytes of each int32 word and of xq, as fp32."""
+    if _PTX:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 d;
+            mov.b32 d, 0x4B400000;
+            dp4a.s32.s32 d, $1, $2, d;
+            sub.f32 $0, d, 0f4B400000;
+            }""",
+            constraints="=r,r,r", args=[words, xq], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        acc = _signed_byte(words, 0) * _signed_byte(xq, 0)
+        for i in tl.static_range(1, 4):
+            acc += _signed_byte(words, i) * _signed_byte(xq, i)
+        return acc.to(tl.float32)
+
+
+@triton.jit
+def dot_int4(words, low, high):
+    """sum_j q_j * x_j over an int32 word's 8 nibbles (unsigned) against the int8 columns `low`
+    and `high` (quantize8_for_nibbles), as fp32."""
+    if _PTX:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 lo, hi, d;
+            and.b32 lo, $1, 0x0F0F0F0F;
+            shr.u32 hi, $1, 4;
+            and.b32 hi, hi, 0x0F0F0F0F;
+            mov.b32 d, 0x4B400000;
+            dp4a.u32.s32 d, lo, $2, d;
+            dp4a.u32.s32 d, hi, $3, d;
+            sub.f32 $0, d, 0f4B400000;
+            }""",
+            constraints="=r,r,r,r", args=[words, low, high], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        acc = ((words >> 0) & 0xF) * _signed_byte(low, 0) + ((words >> 4) & 0xF) * _signed_byte(high, 0)
+        for i in tl.static_range(1, 4):
+            acc += ((words >> (8 * i)) & 0xF) * _signed_byte(low, i)
+            acc += ((words >> (8 * i + 4)) & 0xF) * _signed_byte(high, i)
+        return acc.to(tl.float32)
