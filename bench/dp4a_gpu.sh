@@ -2,15 +2,16 @@
 # The batch-1 kernels with x rounded to int8 and dp4a products (server/fastcore/triton_dp4a.py) on
 # the lent GPU, in two back-to-back calls (the machine stays warm between them and keeps /tmp and
 # the detached llama.cpp build):
-#   bench/dp4a_gpu.sh OUT 1   install; llama.cpp's build, a random 8B checkpoint and its GGUFs (F16
-#                             by us, Q8_0 / Q4_K_M by llama-quantize) start detached; the GPU tests
-#                             of the weight kernels (every config and form, dp4a included); the
-#                             per-layer race on the 8B shape at batch 1 (fp16, the launcher's
-#                             int8 / int4, each batch-1 form alone); bench decode 8B at batch 1:
-#                             int8, int4 and fp16 with the dp4a form allowed
-#   bench/dp4a_gpu.sh OUT 2   llama-bench on the Q8_0 / Q4_K_M GGUFs, then in the same call bench
-#                             decode 8B at batch 1, int8 and int4, with the dp4a form allowed and
-#                             with QUANTSERVE_INT8_ACTIVATIONS=0 (the float forms only: the baseline)
+#   bench/dp4a_gpu.sh OUT 1      install; the GPU tests of the batch-1 kernels (every config, dp4a
+#                                included) and the launcher; the per-layer race on the 8B shape at
+#                                batch 1 (fp16, the launcher's int8 / int4, each batch-1 form alone);
+#                                bench decode 8B at batch 1, int8 and int4, with the dp4a form allowed,
+#                                then with QUANTSERVE_INT8_ACTIVATIONS=0 (the float forms only: the
+#                                baseline, same call)
+#   bench/dp4a_gpu.sh OUT llama  llama.cpp's build, a random 8B checkpoint and its GGUFs (F16 by us,
+#                                Q8_0 / Q4_K_M by llama-quantize), detached (~10 min of the machine)
+#   bench/dp4a_gpu.sh OUT 2      after those: llama-bench on Q8_0 / Q4_K_M, then in the same call bench
+#                                decode 8B at batch 1 with and without the dp4a form
 # Run from the repo root with .devwheels and .devllama (the slimmed llama-cpp-python sdist) carried.
 set -uo pipefail
 out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
@@ -22,23 +23,25 @@ if [ "$phase" = 1 ]; then
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target "$site" . 2>&1 | grep -v WARNING
   (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) > "$out/bench.txt"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$out/bench.txt" 2>&1
+  log "installed"
+  # from /tmp: in the source tree `quantserve` would be the bare folder, not the installed package
+  (cd /tmp && QUANTSERVE_HOME=/tmp/qs-tests timeout 110 python3 -m pytest --import-mode=append -q -p no:cacheprovider -rfs \
+      "$repo/tests/serve/test_gpu_kernels.py" -k "matrix_vector or launcher") > "$out/gpu-tests.log" 2>&1 || log "gpu tests: rc=$?"
+  grep -E "^FAILED|^SKIPPED|passed|failed" "$out/gpu-tests.log" >> "$out/bench.txt"; log "tests done"
+  (cd /tmp && QUANTSERVE_HOME=/tmp/qs-race timeout $(left 260) python3 -m quantserve.bench.kernel_race --shapes 8b --batches 1 \
+      --kinds fp16,int8,int8-gemv,int8-dp4a,int4,int4-gemv,int4-halfdot,int4-dp4a --out "$out/race-8b.json") \
+      > "$out/race-8b.log" 2>&1 || log "race: rc=$?"
+  sed -n '/^| layer/,$p' "$out/race-8b.log" >> "$out/bench.txt"; log "race done"
+  QUANTSERVE_HOME=/tmp/qs-on1 decode $(left 420) 8b-b1-dp4a --models 8b --quants int8,int4 --kernels triton --batches 1
+  (export QUANTSERVE_INT8_ACTIVATIONS=0
+   QUANTSERVE_HOME=/tmp/qs-off1 decode $(left 580) 8b-b1-float --models 8b --quants int8,int4 --kernels triton --batches 1)
+elif [ "$phase" = llama ]; then  # a later call: llama.cpp's build and the 8B GGUFs, detached (~10 min)
   [ -x /tmp/llama-cpp/bin/llama-bench ] || setsid nohup nice -n 19 bash .devwheels/device-llama-cpp.sh \
       .devllama/llama_cpp_python-0.3.36.tar.gz /tmp/llama-cpp 90 > /tmp/llama-build.out 2>&1 < /dev/null &
   setsid nohup bash -c "cd /tmp && { [ -d /tmp/gguf-llama-3.1-8b ] || nice -n 10 python3 -m quantserve.bench.make_checkpoint \
       --shape llama-3.1-8b --shape-vocab --out /tmp/ck-llama-3.1-8b --context 4096; } && \
       GGUF_SHAPES=llama-3.1-8b nice -n 10 bash $repo/bench/llama_ggufs.sh $site" > /tmp/ggufs.log 2>&1 < /dev/null &
-  log "installed"
-  # from /tmp: in the source tree `quantserve` would be the bare folder, not the installed package
-  (cd /tmp && QUANTSERVE_HOME=/tmp/qs-tests timeout 200 python3 -m pytest --import-mode=append -q -p no:cacheprovider -rfs \
-      "$repo/tests/serve/test_gpu_kernels.py" "$repo/tests/serve/test_gemv_forms.py" -k "not gemlite") \
-      > "$out/gpu-tests.log" 2>&1 || log "gpu tests: rc=$?"
-  grep -E "^FAILED|^SKIPPED|passed|failed" "$out/gpu-tests.log" >> "$out/bench.txt"; log "tests done"
-  (cd /tmp && QUANTSERVE_HOME=/tmp/qs-race timeout 150 python3 -m quantserve.bench.kernel_race --shapes 8b --batches 1 \
-      --kinds fp16,int8,int8-gemv,int8-dp4a,int4,int4-gemv,int4-halfdot,int4-dp4a --out "$out/race-8b.json") \
-      > "$out/race-8b.log" 2>&1 || log "race: rc=$?"
-  sed -n '/^| layer/,$p' "$out/race-8b.log" >> "$out/bench.txt"; log "race done"
-  QUANTSERVE_HOME=/tmp/qs-on1 decode $(left 585) 8b-b1-dp4a --models 8b --quants int8,int4,none --kernels triton --batches 1
-  tail -n 3 /tmp/llama-build.out /tmp/ggufs.log >> "$out/bench.txt" 2>&1
+  log "llama.cpp build and GGUFs started"
 elif [ "$phase" = 2 ]; then
   for i in $(seq 60); do [ -f /tmp/ggufs.done ] && break; sleep 2; done
   tail -n 6 /tmp/ggufs.log >> "$out/bench.txt"
@@ -48,6 +51,6 @@ elif [ "$phase" = 2 ]; then
   (export QUANTSERVE_INT8_ACTIVATIONS=0
    QUANTSERVE_HOME=/tmp/qs-off decode $(left 585) 8b-b1-float --models 8b --quants int8,int4 --kernels triton --batches 1)
 else
-  echo "dp4a_gpu.sh: unknown phase '$phase' (1 or 2)" >&2; exit 2
+  echo "dp4a_gpu.sh: unknown phase '$phase' (1, llama or 2)" >&2; exit 2
 fi
 cat "$out/bench.txt"
