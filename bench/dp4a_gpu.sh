@@ -3,11 +3,10 @@
 # the lent GPU, in two back-to-back calls (the machine stays warm between them and keeps /tmp and
 # the detached llama.cpp build):
 #   bench/dp4a_gpu.sh OUT 1      install; the GPU tests of the batch-1 kernels (every config, dp4a
-#                                included) and the launcher; the per-layer race on the 8B shape at
-#                                batch 1 (fp16, the launcher's int8 / int4, each batch-1 form alone);
-#                                bench decode 8B at batch 1, int8 and int4, with the dp4a form allowed,
-#                                then with QUANTSERVE_INT8_ACTIVATIONS=0 (the float forms only: the
-#                                baseline, same call)
+#                                included); bench decode 8B at batch 1, int8 and int4, with the dp4a
+#                                form allowed, then with QUANTSERVE_INT8_ACTIVATIONS=0 (the float forms
+#                                only: the baseline, same call); the per-layer race on the 8B shape at
+#                                batch 1 (fp16, the launcher's int8 / int4, each batch-1 form alone)
 #   bench/dp4a_gpu.sh OUT llama  llama.cpp's build, a random 8B checkpoint and its GGUFs (F16 by us,
 #                                Q8_0 / Q4_K_M by llama-quantize), detached (~10 min of the machine)
 #   bench/dp4a_gpu.sh OUT 2      after those: llama-bench on Q8_0 / Q4_K_M, then in the same call bench
@@ -25,16 +24,16 @@ if [ "$phase" = 1 ]; then
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$out/bench.txt" 2>&1
   log "installed"
   # from /tmp: in the source tree `quantserve` would be the bare folder, not the installed package
-  (cd /tmp && QUANTSERVE_HOME=/tmp/qs-tests timeout 110 python3 -m pytest --import-mode=append -q -p no:cacheprovider -rfs \
-      "$repo/tests/serve/test_gpu_kernels.py" -k "matrix_vector or launcher") > "$out/gpu-tests.log" 2>&1 || log "gpu tests: rc=$?"
+  (cd /tmp && QUANTSERVE_HOME=/tmp/qs-tests timeout 70 python3 -m pytest --import-mode=append -q -p no:cacheprovider -rfs \
+      "$repo/tests/serve/test_gpu_kernels.py" -k "matrix_vector") > "$out/gpu-tests.log" 2>&1 || log "gpu tests: rc=$?"
   grep -E "^FAILED|^SKIPPED|passed|failed" "$out/gpu-tests.log" >> "$out/bench.txt"; log "tests done"
-  (cd /tmp && QUANTSERVE_HOME=/tmp/qs-race timeout $(left 260) python3 -m quantserve.bench.kernel_race --shapes 8b --batches 1 \
-      --kinds fp16,int8,int8-gemv,int8-dp4a,int4,int4-gemv,int4-halfdot,int4-dp4a --out "$out/race-8b.json") \
+  QUANTSERVE_HOME=/tmp/qs-on1 decode $(left 300) 8b-b1-dp4a --models 8b --quants int8,int4 --kernels triton --batches 1
+  (export QUANTSERVE_INT8_ACTIVATIONS=0
+   QUANTSERVE_HOME=/tmp/qs-off1 decode $(left 500) 8b-b1-float --models 8b --quants int8,int4 --kernels triton --batches 1)
+  (cd /tmp && QUANTSERVE_HOME=/tmp/qs-race timeout $(left 585) python3 -m quantserve.bench.kernel_race --shapes 8b --batches 1 \
+      --kinds fp16,int8,int8-gemv,int8-dp4a,int4,int4-gemv,int4-dp4a --out "$out/race-8b.json") \
       > "$out/race-8b.log" 2>&1 || log "race: rc=$?"
   sed -n '/^| layer/,$p' "$out/race-8b.log" >> "$out/bench.txt"; log "race done"
-  QUANTSERVE_HOME=/tmp/qs-on1 decode $(left 420) 8b-b1-dp4a --models 8b --quants int8,int4 --kernels triton --batches 1
-  (export QUANTSERVE_INT8_ACTIVATIONS=0
-   QUANTSERVE_HOME=/tmp/qs-off1 decode $(left 580) 8b-b1-float --models 8b --quants int8,int4 --kernels triton --batches 1)
 elif [ "$phase" = llama ]; then  # a later call: llama.cpp's build and the 8B GGUFs, detached (~10 min)
   [ -x /tmp/llama-cpp/bin/llama-bench ] || setsid nohup nice -n 19 bash .devwheels/device-llama-cpp.sh \
       .devllama/llama_cpp_python-0.3.36.tar.gz /tmp/llama-cpp 90 > /tmp/llama-build.out 2>&1 < /dev/null &

@@ -12,6 +12,7 @@ values are written to the cache and read back from it, so the int8 KV rounding i
     python -m quantserve.bench.quality --shape 1b            # random weights of the Llama-3.2-1B layout
     python -m quantserve.bench.quality --weights int4        # int4 weights (group 128), KV cache as the model
     python -m quantserve.bench.quality --weights int4 --decode   # the same, one token per step (batch 1)
+    python -m quantserve.bench.quality --weights int8 --round-x-to-int8  # CPU: x rounded as the dp4a kernels do
 
 --decode scores each window one token per step instead (its first token as a prompt, then each
 next one fed as a decode step of batch 1, teacher-forced): on a GPU that is the batch-1 path, whose
@@ -95,13 +96,54 @@ def compare(ref, got, wins) -> dict:
 
 
 def run(shape: str | None, n_windows: int, length: int, weights: str = "none", kv: str = "int8",
-        decoding: bool = False) -> dict:
+        decoding: bool = False, round_x: bool = False) -> dict:
     """One comparison: weights `weights` ("none", "int8", "int4") with a KV cache of `kv` ("auto":
-    the model's dtype, or "int8") against no quantization at all; `decoding`: one token a step."""
+    the model's dtype, or "int8") against no quantization at all; `decoding`: one token a step;
+    `round_x`: the quantized layers' inputs rounded to int8 as the dp4a kernels do (CPU only)."""
+    import contextlib
+
     import torch
 
-    with torch.no_grad():  # here, not process-wide: a caller in the same process keeps its grad mode
-        return _compare(shape, n_windows, length, weights, kv, decoding)
+    with torch.no_grad(), (rounded_x() if round_x else contextlib.nullcontext()):
+        # no_grad here, not process-wide: a caller in the same process keeps its grad mode
+        row = _compare(shape, n_windows, length, weights, kv, decoding)
+    return {**row, "x_rounded_to_int8": round_x}
+
+
+def _round(x, group: int):
+    """x rounded to int8 with one scale per `group` columns: max|x| / 127 (triton_dp4a.py's grid)."""
+    g = x.float().reshape(*x.shape[:-1], -1, group)
+    scale = g.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 127
+    return (g / scale).round().mul(scale).reshape(x.shape).to(x.dtype)
+
+
+def rounded_x():
+    """The batch-1 dp4a kernels' numerics (server/fastcore/triton_dp4a.py) on a CPU, in torch: each
+    int8 layer's input rounded per 4 columns, each int4 layer's per 8, before the layer; int4's
+    zero-point term taken from x itself, as the kernel does.  On a GPU the kernels run it."""
+    import contextlib
+
+    from quantserve.server.fastcore import quant
+
+    int8_forward, int4_forward = quant.Int8Linear.forward, quant.Int4Linear.forward
+
+    def int8(self, x):
+        return int8_forward(self, _round(x, 4))
+
+    def int4(self, x):
+        xr = _round(x, 8)
+        y = int4_forward(self, xr)
+        lost = (x - xr).float().reshape(*x.shape[:-1], -1, self.group_size).sum(-1)  # per group
+        return y + (lost @ self.mins.float().t()).to(y.dtype)
+
+    @contextlib.contextmanager
+    def patched():
+        quant.Int8Linear.forward, quant.Int4Linear.forward = int8, int4
+        try:
+            yield
+        finally:
+            quant.Int8Linear.forward, quant.Int4Linear.forward = int8_forward, int4_forward
+    return patched()
 
 
 def _compare(shape: str | None, n_windows: int, length: int, weights: str, kv: str, decoding: bool) -> dict:
@@ -150,13 +192,24 @@ def main(argv=None) -> int:
     ap.add_argument("--length", type=int, default=256, help="tokens per window")
     ap.add_argument("--decode", action="store_true", help="score one token per step (batch-1 decode steps) "
                     "instead of each window in one prefill")
+    ap.add_argument("--round-x-to-int8", action="store_true", help="CPU: the quantized layers' inputs rounded "
+                    "to int8 as the batch-1 dp4a kernels do (emulated in torch; on a GPU the kernels run it)")
     args = ap.parse_args(argv)
     kv = args.kv or ("int8" if args.weights == "none" else "auto")
+    if args.round_x_to_int8 and args.weights == "none":
+        ap.error("--round-x-to-int8 needs --weights int8|int4 (it rounds the quantized layers' inputs)")
+    if args.round_x_to_int8:
+        import torch
+
+        if torch.cuda.is_available():
+            ap.error("--round-x-to-int8 emulates the dp4a kernels on a CPU; on a GPU they run for real "
+                     "(--decode, wherever the launcher keeps them)")
     if args.weights == "none" and kv == "auto":
         ap.error("nothing to measure: give --weights int8|int4 or --kv int8")
     if args.windows < 1 or args.length < 2:
         ap.error("--windows must be >= 1 and --length >= 2 (a window predicts its tokens after the first)")
-    print(json.dumps(run(args.shape, args.windows, args.length, args.weights, kv, args.decode), indent=1))
+    print(json.dumps(run(args.shape, args.windows, args.length, args.weights, kv, args.decode, args.round_x_to_int8),
+                     indent=1))
     return 0
 
 
