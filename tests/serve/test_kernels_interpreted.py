@@ -145,6 +145,20 @@ def test_a_kept_choice_that_rounds_x_to_int8_is_loaded_only_where_allowed(tmp_pa
         triton_mm._chosen.update(saved)
 
 
+def test_the_dp4a_form_is_timed_at_the_float_forms_config_and_twice_its_rows():
+    from quantserve.server.fastcore import triton_dp4a, triton_gemv
+
+    for gemv in (triton_gemv.int8_gemv_kernel, triton_gemv.int4_gemv_kernel):
+        for config in gemv.configs:
+            got = triton_dp4a.configs_to_time(gemv, config)
+            assert got[0] is config and len(got) <= 2
+            for wider in got[1:]:
+                assert wider in gemv.configs and wider.num_warps == config.num_warps
+                assert wider.kwargs == {**config.kwargs, "BLOCK_N": 2 * config.kwargs["BLOCK_N"]}
+    widened = triton_dp4a.configs_to_time(triton_gemv.int4_gemv_kernel, triton_gemv._config(16, 1024, 4))
+    assert [c.kwargs["BLOCK_N"] for c in widened] == [16, 32]
+
+
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_every_tiled_config(weights):
     """The tiled `tl.dot` kernels (triton_mm.py) at each decode config and each 128-row prompt
