@@ -217,6 +217,9 @@ def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], p
             row.update(step_ms=step * 1e3, tok_s=b / step, step_bytes=step_bytes)
             if device.type == "cuda":
                 row["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+            if b == 1 and quant in ("int8", "int4") and device.type == "cuda":
+                row["batch1_forms"] = batch1_forms(quant)
+                print(f"  batch 1 kernels kept: {row['batch1_forms']}", file=sys.stderr, flush=True)
             if profile_steps and b == batches[0]:
                 fixed = inputs.clone()
 
@@ -231,6 +234,20 @@ def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], p
             core.release(s)
         yield row
     del core
+
+
+def batch1_forms(quant: str) -> dict:
+    """Layer shapes per kernel and form the launcher kept at batch 1 for `quant` weights (the tiled
+    kernel, or the matrix-vector one with its float, packed fp16 or dp4a products)."""
+    from quantserve.server.fastcore import triton_mm
+
+    forms: dict[str, int] = {}
+    for (name, _, batch1, *_), (fn, _, _, flags) in list(triton_mm._chosen.items()):
+        if name == f"_{quant}_kernel" and batch1:
+            on = [k for k, v in sorted(flags.items()) if v is True]
+            form = triton_mm._kernel_name(fn) + (f" {'+'.join(on)}" if on else "")
+            forms[form] = forms.get(form, 0) + 1
+    return forms
 
 
 def fit_check(cfg, device, caps, quant: str, kernel: str, slots: int = 8, seq: int = 2048) -> dict:
