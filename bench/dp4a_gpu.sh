@@ -23,20 +23,24 @@ if [ "$phase" = 1 ]; then
   (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) > "$out/bench.txt"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$out/bench.txt" 2>&1
   log "installed"
+  # $SHORT=1 (little device time left): no race, and the two decode runs end by $END s (default 450);
+  # with END < 450 the tests are left out too
+  end=${END:-450}; [ "${SHORT:-0}" = 1 ] || end=500
   # from /tmp: in the source tree `quantserve` would be the bare folder, not the installed package
-  (cd /tmp && QUANTSERVE_HOME=/tmp/qs-tests timeout 70 python3 -m pytest --import-mode=append -q -p no:cacheprovider -rfs \
-      "$repo/tests/serve/test_gpu_kernels.py" -k "matrix_vector") > "$out/gpu-tests.log" 2>&1 || log "gpu tests: rc=$?"
-  grep -E "^FAILED|^SKIPPED|passed|failed" "$out/gpu-tests.log" >> "$out/bench.txt"; log "tests done"
-  # $SHORT=1 (little device time left): the two decode runs in ~450 s, no race
-  QUANTSERVE_HOME=/tmp/qs-on1 decode $(left $([ "${SHORT:-0}" = 1 ] && echo 270 || echo 300)) 8b-b1-dp4a --models 8b \
+  [ "$end" -lt 450 ] || { (cd /tmp && QUANTSERVE_HOME=/tmp/qs-tests timeout 70 python3 -m pytest --import-mode=append -q \
+      -p no:cacheprovider -rfs "$repo/tests/serve/test_gpu_kernels.py" -k "matrix_vector") > "$out/gpu-tests.log" 2>&1 \
+      || log "gpu tests: rc=$?"
+    grep -E "^FAILED|^SKIPPED|passed|failed" "$out/gpu-tests.log" >> "$out/bench.txt"; log "tests done"; }
+  QUANTSERVE_HOME=/tmp/qs-on1 decode $(left $(( SECONDS + (end - SECONDS) / 2 ))) 8b-b1-dp4a --models 8b \
       --quants int8,int4 --kernels triton --batches 1
   (export QUANTSERVE_INT8_ACTIVATIONS=0
-   QUANTSERVE_HOME=/tmp/qs-off1 decode $(left $([ "${SHORT:-0}" = 1 ] && echo 450 || echo 500)) 8b-b1-float --models 8b \
-       --quants int8,int4 --kernels triton --batches 1)
-  [ "${SHORT:-0}" = 1 ] || (cd /tmp && QUANTSERVE_HOME=/tmp/qs-race timeout $(left 585) python3 -m quantserve.bench.kernel_race --shapes 8b --batches 1 \
-      --kinds fp16,int8,int8-gemv,int8-dp4a,int4,int4-gemv,int4-dp4a --out "$out/race-8b.json") \
-      > "$out/race-8b.log" 2>&1 || log "race: rc=$?"
-  sed -n '/^| layer/,$p' "$out/race-8b.log" >> "$out/bench.txt"; log "race done"
+   QUANTSERVE_HOME=/tmp/qs-off1 decode $(left "$end") 8b-b1-float --models 8b --quants int8,int4 --kernels triton --batches 1)
+  if [ "${SHORT:-0}" != 1 ]; then
+    (cd /tmp && QUANTSERVE_HOME=/tmp/qs-race timeout $(left 585) python3 -m quantserve.bench.kernel_race --shapes 8b \
+        --batches 1 --kinds fp16,int8,int8-gemv,int8-dp4a,int4,int4-gemv,int4-dp4a --out "$out/race-8b.json") \
+        > "$out/race-8b.log" 2>&1 || log "race: rc=$?"
+    sed -n '/^| layer/,$p' "$out/race-8b.log" >> "$out/bench.txt"; log "race done"
+  fi
 elif [ "$phase" = llama ]; then  # a later call: llama.cpp's build and the 8B GGUFs, detached (~10 min)
   [ -x /tmp/llama-cpp/bin/llama-bench ] || setsid nohup nice -n 19 bash .devwheels/device-llama-cpp.sh \
       .devllama/llama_cpp_python-0.3.36.tar.gz /tmp/llama-cpp 90 > /tmp/llama-build.out 2>&1 < /dev/null &
