@@ -24,7 +24,7 @@ if [ "$phase" = 1 ]; then
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$out/bench.txt" 2>&1
   log "installed"
   # $SHORT=1 (little device time left): no race, and the two decode runs end by $END s (default 450);
-  # with END < 450 the tests are left out too
+  # with END < 450 the tests are left out too; $QUANTS (default int8,int4) the weights decoded
   end=${END:-450}; [ "${SHORT:-0}" = 1 ] || end=500
   # from /tmp: in the source tree `quantserve` would be the bare folder, not the installed package
   [ "$end" -lt 450 ] || { (cd /tmp && QUANTSERVE_HOME=/tmp/qs-tests timeout 70 python3 -m pytest --import-mode=append -q \
@@ -32,9 +32,10 @@ if [ "$phase" = 1 ]; then
       || log "gpu tests: rc=$?"
     grep -E "^FAILED|^SKIPPED|passed|failed" "$out/gpu-tests.log" >> "$out/bench.txt"; log "tests done"; }
   QUANTSERVE_HOME=/tmp/qs-on1 decode $(left $(( SECONDS + (end - SECONDS) / 2 ))) 8b-b1-dp4a --models 8b \
-      --quants int8,int4 --kernels triton --batches 1
+      --quants ${QUANTS:-int8,int4} --kernels triton --batches 1
   (export QUANTSERVE_INT8_ACTIVATIONS=0
-   QUANTSERVE_HOME=/tmp/qs-off1 decode $(left "$end") 8b-b1-float --models 8b --quants int8,int4 --kernels triton --batches 1)
+   QUANTSERVE_HOME=/tmp/qs-off1 decode $(left "$end") 8b-b1-float --models 8b --quants ${QUANTS:-int8,int4} --kernels triton \
+       --batches 1)
   if [ "${SHORT:-0}" != 1 ]; then
     (cd /tmp && QUANTSERVE_HOME=/tmp/qs-race timeout $(left 585) python3 -m quantserve.bench.kernel_race --shapes 8b \
         --batches 1 --kinds fp16,int8,int8-gemv,int8-dp4a,int4,int4-gemv,int4-dp4a --out "$out/race-8b.json") \
