@@ -7,6 +7,7 @@
 #                                form allowed, then with QUANTSERVE_INT8_ACTIVATIONS=0 (the float forms
 #                                only: the baseline, same call); the per-layer race on the 8B shape at
 #                                batch 1 (fp16, the launcher's int8 / int4, each batch-1 form alone)
+#   bench/dp4a_gpu.sh OUT race   install and the per-layer race alone ($KINDS, by $END s): the least device time
 #   bench/dp4a_gpu.sh OUT llama  llama.cpp's build, a random 8B checkpoint and its GGUFs (F16 by us,
 #                                Q8_0 / Q4_K_M by llama-quantize), detached (~10 min of the machine)
 #   bench/dp4a_gpu.sh OUT 2      after those: llama-bench on Q8_0 / Q4_K_M, then in the same call bench
@@ -42,6 +43,15 @@ if [ "$phase" = 1 ]; then
         > "$out/race-8b.log" 2>&1 || log "race: rc=$?"
     sed -n '/^| layer/,$p' "$out/race-8b.log" >> "$out/bench.txt"; log "race done"
   fi
+elif [ "$phase" = race ]; then  # the least device time: install, then the per-layer race alone (errors included)
+  [ -d "$site/fastapi" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .devwheels/*.whl
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target "$site" . 2>&1 | grep -v WARNING
+  (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) > "$out/bench.txt"
+  log "installed"
+  (cd /tmp && QUANTSERVE_HOME=/tmp/qs-race timeout $(left ${END:-170}) python3 -m quantserve.bench.kernel_race --shapes 8b \
+      --batches 1 --kinds ${KINDS:-int4-gemv,int4-dp4a,int8-gemv,int8-dp4a} --out "$out/race-8b.json") \
+      > "$out/race-8b.log" 2>&1 || log "race: rc=$?"
+  sed -n '/^| layer/,$p' "$out/race-8b.log" >> "$out/bench.txt"; log "race done"
 elif [ "$phase" = llama ]; then  # a later call: llama.cpp's build and the 8B GGUFs, detached (~10 min)
   [ -x /tmp/llama-cpp/bin/llama-bench ] || setsid nohup nice -n 19 bash .devwheels/device-llama-cpp.sh \
       .devllama/llama_cpp_python-0.3.36.tar.gz /tmp/llama-cpp 90 > /tmp/llama-build.out 2>&1 < /dev/null &
@@ -58,6 +68,6 @@ elif [ "$phase" = 2 ]; then
   (export QUANTSERVE_INT8_ACTIVATIONS=0
    QUANTSERVE_HOME=/tmp/qs-off decode $(left 585) 8b-b1-float --models 8b --quants int8,int4 --kernels triton --batches 1)
 else
-  echo "dp4a_gpu.sh: unknown phase '$phase' (1, llama or 2)" >&2; exit 2
+  echo "dp4a_gpu.sh: unknown phase '$phase' (1, race, llama or 2)" >&2; exit 2
 fi
 cat "$out/bench.txt"
