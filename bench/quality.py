@@ -119,8 +119,8 @@ def _round(x, group: int):
 
 def rounded_x():
     """The batch-1 dp4a kernels' numerics (server/fastcore/triton_dp4a.py) on a CPU, in torch: each
-    int8 layer's input rounded per 4 columns, each int4 layer's per 8, before the layer; int4's
-    zero-point term taken from x itself, as the kernel does.  On a GPU the kernels run it."""
+    int8 layer's input rounded per 4 columns, each int4 layer's per 8, before the layer (int4's
+    zero-point term too, as the kernel takes it).  On a GPU the kernels run it."""
     import contextlib
 
     from quantserve.server.fastcore import quant
@@ -131,10 +131,7 @@ def rounded_x():
         return int8_forward(self, _round(x, 4))
 
     def int4(self, x):
-        xr = _round(x, 8)
-        y = int4_forward(self, xr)
-        lost = (x - xr).float().reshape(*x.shape[:-1], -1, self.group_size).sum(-1)  # per group
-        return y + (lost @ self.mins.float().t()).to(y.dtype)
+        return int4_forward(self, _round(x, 8))
 
     @contextlib.contextmanager
     def patched():

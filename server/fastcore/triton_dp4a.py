@@ -139,3 +139,11 @@ def dot_int4(words, low, high):
             acc += ((words >> (8 * i)) & 0xF) * _signed_byte(low, i)
             acc += ((words >> (8 * i + 4)) & 0xF) * _signed_byte(high, i)
         return acc.to(tl.float32)
+
+
+@triton.jit
+def column_sum(low, high):
+    """The sum of the 8 int8 values packed in `low` and `high` (quantize8_for_nibbles), as fp32: a
+    dp4a of each against bytes of 1."""
+    ones = tl.full(low.shape, 0x01010101, tl.int32)
+    return dot_int8(ones, low) + dot_int8(ones, high)

@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from quantserve.server.fastcore.triton_dequant import AUTOTUNE_OPTIONS, PTX as _PTX
-from quantserve.server.fastcore.triton_dp4a import dot_int4, dot_int8, quantize4, quantize8_for_nibbles
+from quantserve.server.fastcore.triton_dp4a import column_sum, dot_int4, dot_int8, quantize4, quantize8_for_nibbles
 
 # (BLOCK_N, BLOCK_K, warps): one 4-byte word per thread and row, the warps side by side along K,
 # so BLOCK_K = 128 * warps (int8: 4 columns a word) or 256 * warps (int4: 8 columns a word)
@@ -345,7 +345,9 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, st
             low, high, xs = quantize8_for_nibbles(x0, x1, x2, x3, x4, x5, x6, x7)
             part = dot_int4(words, tl.broadcast_to(low[:, None], (W, BLOCK_N)),
                             tl.broadcast_to(high[:, None], (W, BLOCK_N))) * xs[:, None]
-            xsum += ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))  # the zero points' term, from x itself
+            # the zero points' term from the rounded x too: the error is then sum w (x̂ - x) with w
+            # centred, not sum q s (x̂ - x) with q in [0, 15] (~half the error, bench/RESULTS.md)
+            xsum += column_sum(low, high) * xs
             if NORM:
                 sq += ((sq0 + sq1) + (sq2 + sq3)) + ((sq4 + sq5) + (sq6 + sq7))
         elif HALF_DOT:  # the products in packed fp16 (_nibble_dot), x scaled down for them
