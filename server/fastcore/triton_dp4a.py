@@ -18,6 +18,11 @@ and leaves it in the float's low bits (two's complement in the low byte), and an
 added to the bits of 1.5 · 2^23 is that float plus s, so one subtraction gives float(s) without a
 conversion instruction (which runs at 1/8 of the fused multiply-add's rate on sm_80 / sm_90).
 
+int4's zero-point term (m · Σx per word) is taken from the rounded x too, so the error is
+Σ w (x̂ - x) with w centred, not Σ q s (x̂ - x) with q in [0, 15]: half the error.
+
+Measured on an H100 (bench/RESULTS.md, 2026-12-05): int4's weight kernels of an 8B decode step in
+0.93× the float form's time; int8 gains nothing (it already streams at 63-84 % of copy bandwidth).
 The launcher (triton_mm.py) times this form beside the float ones at batch 1 and keeps whichever
 is fastest per layer shape; `QUANTSERVE_INT8_ACTIVATIONS=0` leaves it out (and ignores kept
 choices that use it), for x exactly as the float kernels take it.  Quality on the default model
