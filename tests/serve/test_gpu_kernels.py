@@ -325,6 +325,12 @@ def test_triton_and_gemlite_layers_match_the_torch_layers(mode, kernel):
         # 200, 512: prompts (tiled or dequantize + cuBLAS, whichever is faster)
         for M in (1, 2, 8, 33, 64, 200, 512):
             x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+            if M == 1 and kernel == "triton":  # the launcher may round x to int8 (dp4a): that form's bound
+                from quantserve.server.fastcore import triton_mm
+
+                y = tri(x)
+                check(y, ref(x).float(), f"{mode} {N}x{K} M=1", bound(triton_mm.chosen(mode, 1, N, K)[3]))
+                continue
             torch.testing.assert_close(tri(x), ref(x), atol=2e-2, rtol=2e-2)
         if mode == "int4":  # the same integers: the unpacked weights agree too
             torch.testing.assert_close(tri.dequantize(torch.float16), ref.dequantize(torch.float16), atol=2e-3, rtol=0)
