@@ -11,8 +11,8 @@ The tiled kernels (triton_mm.py) use these (`nibbles_to_fp16`: four packed bytes
 inline PTX); BIT_DEQUANT=False keeps Triton's plain `.to()` conversion.  The batch-1
 matrix-vector kernels (triton_gemv.py) do the same trick two columns at a time in inline PTX, of
 their own.  Last, `dequantize_int8` / `dequantize_int4`: the whole weight to fp16 in one pass, for
-prompts through cuBLAS.  Also here, what every weight kernel's tuning shares: the quick timer, the
-autotuners' options and `compiling_ahead` (candidates compiled on threads).
+prompts through cuBLAS.  Also here, what every weight kernel's tuning shares: the autotuners'
+options (their timer: kernel_timing.py) and `compiling_ahead` (candidates compiled on threads).
 """
 
 from __future__ import annotations
@@ -25,19 +25,10 @@ import os
 import triton
 import triton.language as tl
 
+from quantserve.server.fastcore.kernel_timing import quick_bench
+
 # the interpreter (TRITON_INTERPRET=1, CPU checks) runs no PTX: the same arithmetic in Triton ops there
 PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
-
-
-def quick_bench(kernel_call, quantiles=None):
-    """The weight kernels' timer at start-up.  Triton's default runs every candidate for 25 ms of
-    warm-up and 100 ms of timing; over the ~50 (layer shape, forward size) pairs a model tunes,
-    with 3-7 candidates each, that was most of a cold start's ~30 s of tuning.  A weight kernel
-    runs for 5-600 µs, so 20 ms still averages 30 or more calls (the L2 cache flushed between
-    them, as do_bench does)."""
-    from triton.testing import do_bench
-
-    return do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
 
 
 # The autotuners' options, where this Triton has them: the quick timer, and the choices kept on

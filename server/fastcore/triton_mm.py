@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 
 from quantserve.server.fastcore.triton_dequant import (AUTOTUNE_OPTIONS, compiling_ahead, dequantize_int4,
-                                                       dequantize_int8, int8_to, nibbles_to_fp16, quick_bench)
+                                                       dequantize_int8, int8_to, nibbles_to_fp16)
+from quantserve.server.fastcore.kernel_timing import graph_times, quick_bench
 from quantserve.server.fastcore import triton_dp4a as dp4a
 from quantserve.server.fastcore.triton_gemv import fits as gemv_fits, int4_gemv_kernel, int8_gemv_kernel
 from quantserve.server.fastcore.triton_rows import block_m as rows_block_m, fits as rows_fit, int4_rows_kernel
@@ -257,14 +258,18 @@ def _optional(tune) -> list[tuple]:
 def _fastest(choices: list[tuple], M: int, N: int, K: int, x: torch.Tensor, args: tuple, extra: dict) -> tuple:
     """The choice whose whole call (output allocation, zero-fill and cast where split-K needs them)
     takes least GPU time, timed with the L2 cache flushed between calls as a decode step sees it,
-    among those whose result agrees with the first choice's (_agreeing)."""
+    among those whose result agrees with the first choice's (_agreeing).  Decode-sized calls
+    (M <= 64) are timed inside a CUDA graph, as a decode step replays them: one call at a time, a
+    three-launch split-K call lost to a one-launch kernel 1.7x slower on the GPU
+    (kernel_timing.py).  Prompt-sized calls run for 100 µs or more, where launches cost little."""
     if len(choices) == 1:
         return choices[0]
     with compiling_ahead():  # the batch-1 kernels' variants (BIT_DEQUANT, HALF_DOT) are new compiles
         for c in choices:
             run_choice(*c[:3], M, N, K, x, args, {**extra, **c[3]}, warmup=True)
-    choices = _agreeing(choices, M, N, K, x, args, extra)
-    times = [quick_bench(lambda c=c: run_choice(*c[:3], M, N, K, x, args, {**extra, **c[3]})) for c in choices]
+    choices = _agreeing(choices, M, N, K, x, args, extra)  # runs each once: loaded before any capture
+    calls = [lambda c=c: run_choice(*c[:3], M, N, K, x, args, {**extra, **c[3]}) for c in choices]
+    times = graph_times(calls) if M <= 64 and x.is_cuda else [quick_bench(call) for call in calls]
     return choices[times.index(min(times))]
 
 

@@ -269,6 +269,33 @@ def test_a_candidate_that_disagrees_is_never_chosen():
     assert triton_mm._agreeing([tiled, wrong, right], 1, N, K, x, args, {}) == [tiled, right]
 
 
+def test_candidates_are_timed_as_a_cuda_graph_replays_them():
+    """kernel_timing.graph_times counts GPU time only: a call of many tiny launches (a split-K
+    call's shape: allocation, zero-fill, kernel, cast) is timed well below what one call at a time
+    shows (the CPU's launches), and twice the work times about twice."""
+    from quantserve.server.fastcore.kernel_timing import graph_times, quick_bench
+
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)
+    small = torch.zeros(16, device="cuda")
+
+    def many_launches():
+        for _ in range(100):
+            small.add_(1.0)
+
+    def one():
+        torch.mm(a, a)
+
+    def two():
+        torch.mm(a, a)
+        torch.mm(a, a)
+
+    for call in (many_launches, one, two):
+        call()
+    t_many, t_one, t_two = graph_times([many_launches, one, two])
+    assert 0 < t_many < 0.6 * quick_bench(many_launches)
+    assert 1.6 < t_two / t_one < 2.4
+
+
 def test_the_shipped_table_for_this_gpu_loads_compiles_and_computes():
     """The choices shipped for this GPU model (fastcore/kernel_tables.py) are taken by the launcher
     as they are (nothing timed), compile ahead on threads, and every one of them, called through
