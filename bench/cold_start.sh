@@ -11,6 +11,8 @@
 #                              between the two, ~5 min): the 8B cold without the table, then with it (second
 #                              samples); the 8B in int4 cold without a table, its choices merged into the
 #                              table, then cold with it
+#   bench/cold_start.sh OUT shipped  the 8B int8 cold with the table the package ships for this GPU, then
+#                              warm (same home: a greedy reply from each, compared), the 8B int4 cold with it
 # "Cold": a QUANTSERVE_HOME of its own (no compile cache, no bytecode cache, no kernel choices).
 # Ours: --engine fast --weight-quant int8 (WQ) --gpu-profile t4 --max-batch 64 --context 2048 (64: the
 # decode batches' largest tile bucket, so the table covers it).  Run from the repo root with
@@ -101,4 +103,16 @@ if [ "$phase" = 2 ]; then
   finish
 fi
 
-echo "cold_start.sh: unknown phase '$phase' (1 or 2)" >&2; exit 2
+if [ "$phase" = shipped ]; then  # what a user gets: the table as the package ships it, no table written here
+  rm -f /tmp/kernel-tables/*.json  # a table an earlier call of this machine wrote is not the shipped one
+  install; machine
+  checkpoint llama-3.1-8b || { log "no checkpoint"; tail "$out/checkpoints.log"; exit 1; }
+  start ours-8b-cold-shipped /tmp/qs-8b-s1 /tmp/ck-llama-3.1-8b && { probe ours-8b-cold-shipped; stop; }
+  start ours-8b-warm-shipped /tmp/qs-8b-s1 /tmp/ck-llama-3.1-8b && { probe ours-8b-warm-shipped; stop; }
+  cmp -s "$out/ours-8b-cold-shipped-greedy.txt" "$out/ours-8b-warm-shipped-greedy.txt" \
+      && log "greedy replies of the two starts: the same" || log "greedy replies of the two starts: they differ"
+  WQ=int4 start ours-8b-int4-cold-shipped /tmp/qs-8b-int4-s1 /tmp/ck-llama-3.1-8b && stop
+  finish
+fi
+
+echo "cold_start.sh: unknown phase '$phase' (1, 2 or shipped)" >&2; exit 2
