@@ -63,6 +63,7 @@ test: install
 # fault injection, a replica SIGKILLed under load and autoscaling 1 -> 2 -> 1 (Ray, the
 # 'replicas' extra); then the figures as one table.
 RELIABILITY_TESTS := tests/reliability/test_fuzz.py tests/reliability/test_hostile.py tests/reliability/test_security.py tests/reliability/test_soak.py tests/reliability/test_faults.py \
+	tests/reliability/test_server_faults.py \
 	tests/serve/test_replicas.py tests/serve/test_replicas_autoscale.py
 reliability: install
 	QUANTSERVE_RELIABILITY=full $(PY) -m pytest -q $(RELIABILITY_TESTS)

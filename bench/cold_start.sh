@@ -71,7 +71,7 @@ finish() { (cd "$out" && tar czf results.tgz *.log *.txt *.json 2>/dev/null); lo
 
 if [ "$phase" = 1 ]; then
   install; machine
-  rm -f "$tables"/*.json /tmp/kernel-tables/*.json  # nothing shipped: this call writes the table
+  rm -f "$tables"/*.json /tmp/kernel-tables/*.json  # the shipped tables set aside: this call writes the table anew
   checkpoint llama-3.1-8b && checkpoint llama-3.2-1b || { log "no checkpoint"; tail "$out/checkpoints.log"; exit 1; }
   log "checkpoints written"
   start ours-8b-cold-notable /tmp/qs-8b-a /tmp/ck-llama-3.1-8b QUANTSERVE_KERNEL_TABLES=0 && { probe ours-8b-cold-notable; stop; }

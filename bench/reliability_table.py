@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-SUITES = ("fuzz", "hostile", "security", "soak", "faults", "replicas", "replicas-autoscale")
+SUITES = ("fuzz", "hostile", "security", "soak", "faults", "server-faults", "replicas", "replicas-autoscale")
 
 
 def table(folder: Path) -> str:

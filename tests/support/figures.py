@@ -1,4 +1,4 @@
-"""Shared by the reliability tests (test_soak.py, test_faults.py, and the replica tests in
+"""Shared by the reliability tests (test_soak.py, test_faults.py, test_server_faults.py and the replica tests in
 tests/serve/): the size they run at, and the figures each suite writes to
 runs/reliability/<suite>.json.
 
