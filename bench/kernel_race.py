@@ -152,6 +152,8 @@ def graph_us(calls, x, replays: int = 5) -> float:
     """µs per call: one CUDA graph calling each of `calls` once on x, best of `replays` replays."""
     import torch
 
+    from quantserve.server.fastcore.kernel_timing import best_replay_ms
+
     for fn in calls:  # first calls outside the capture (autotuning, allocations)
         fn(x)
     torch.cuda.synchronize()
@@ -159,16 +161,7 @@ def graph_us(calls, x, replays: int = 5) -> float:
     with torch.cuda.graph(graph):
         for fn in calls:
             fn(x)
-    graph.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / len(calls))
+    best = best_replay_ms(graph, replays) * 1e3 / len(calls)
     del graph
     return best
 

@@ -44,8 +44,25 @@ def _flush_buffer():
     return torch.empty(max(2 * l2, 32 << 20) // 4, dtype=torch.int32, device="cuda")
 
 
+def best_replay_ms(graph, replays: int = REPLAYS) -> float:
+    """ms of the best of `replays` replays of a captured CUDA graph, after one untimed replay."""
+    import torch
+
+    graph.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end))
+    return best
+
+
 def _replay_ms(body, flush) -> float:
-    """ms of the best of REPLAYS replays of one CUDA graph of REPS (flush, body()) pairs."""
+    """ms of the best replay of one CUDA graph of REPS (flush, body()) pairs."""
     import torch
 
     graph = torch.cuda.CUDAGraph()
@@ -54,18 +71,7 @@ def _replay_ms(body, flush) -> float:
         for _ in range(REPS):
             flush.zero_()
             body()
-    graph.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end))
-    del graph
-    return best
+    return best_replay_ms(graph)
 
 
 def graph_times(calls: list) -> list[float]:
