@@ -33,8 +33,8 @@ kernels can take it in (`quant.*.fused`, model.py's blocks through fused.py):
   silu cost ~1 instruction a weight inside its loop (+27 % for int8 in the sm_90 SASS);
 - RESIDUAL: the output row is added to `res` before the store (the o and down layers).
 
-The signatures match the tiled kernels' (BLOCK_M is accepted and ignored; SPLIT_K > 1 adds
-atomically, for a caller that asks for it: the configs here keep 1), so one launcher serves both.
+The signatures match the tiled kernels' (BLOCK_M is accepted and ignored; SPLIT_K > 1 stores
+partial sums, for a caller that asks for it: the configs here keep 1), so one launcher serves both.
 `triton_mm._launch` times these against the tiled kernels per layer shape at start-up and keeps
 the faster.  Import only where Triton and a CUDA GPU exist (TRITON_INTERPRET=1 on a CPU runs the
 same arithmetic without the PTX).
@@ -47,6 +47,7 @@ import triton.language as tl
 
 from quantserve.server.fastcore.triton_dequant import AUTOTUNE_OPTIONS, PTX as _PTX
 from quantserve.server.fastcore.triton_dp4a import column_sum, dot_int4, dot_int8, quantize4, quantize8_for_nibbles
+from quantserve.server.fastcore.triton_splits import store_row
 
 # (BLOCK_N, BLOCK_K, warps): one 4-byte word per thread and row, the warps side by side along K,
 # so BLOCK_K = 128 * warps (int8: 4 columns a word) or 256 * warps (int4: 8 columns a word)
@@ -74,16 +75,6 @@ def fits(tuned, K: int) -> bool:
     """Whether one of `tuned`'s configs covers K in whole blocks (its BLOCK_K is >= 256: a K such as
     896 or 1152 has none, and the launcher then keeps the tiled kernel at batch 1 too)."""
     return bool(_prune(tuned.configs, {"K": K}))
-
-
-@triton.jit
-def _store_row(out_ptr, acc, rn, N, SPLIT_K: tl.constexpr):
-    if SPLIT_K == 1:
-        tl.store(out_ptr + rn, acc.to(out_ptr.dtype.element_ty), mask=rn < N)
-    else:
-        tl.atomic_add(out_ptr + rn, acc, mask=rn < N, sem="relaxed")
-
-
 
 
 @triton.jit
@@ -125,7 +116,7 @@ def _finish_row(out_ptr, y, pid_n, N, K, sq, eps, res_ptr, BLOCK_N: tl.constexpr
         n_out = N
     if RESIDUAL:
         y += tl.load(res_ptr + rn, mask=rn < n_out, other=0.0).to(tl.float32)
-    _store_row(out_ptr, y, rn, n_out, SPLIT_K)
+    store_row(out_ptr, y, rn, n_out, SPLIT_K)
 
 
 @triton.jit
@@ -394,7 +385,7 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, st
 
 def _tuned(kernel, shapes):
     return triton.autotune(configs=_configs(shapes), key=["N", "K"], prune_configs_by={"early_config_prune": _prune},
-                           reset_to_zero=["out_ptr"], **AUTOTUNE_OPTIONS)(kernel)
+                           **AUTOTUNE_OPTIONS)(kernel)
 
 
 int8_gemv_kernel, int4_gemv_kernel = _tuned(_int8_gemv_kernel, _INT8), _tuned(_int4_gemv_kernel, _INT4)

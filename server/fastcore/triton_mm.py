@@ -10,8 +10,8 @@ pick per shape.  Batch 1 has kernels of its own (triton_gemv.py); prompts (M > 6
 tiles or dequantize-then-cuBLAS (triton_dequant.py), whichever is faster for the shape.
 
 Skinny layers (the 8B model's down projection: N = 4096 outputs, K = 14336) give too few output
-tiles to keep every multiprocessor busy, so K is split over SPLIT_K programs that add their
-partial results atomically into an fp32 buffer.
+tiles to keep every multiprocessor busy, so K may be split over SPLIT_K programs, whose partial
+sums are added in a fixed order afterwards (triton_splits.py).
 
 Import this module only where Triton and a CUDA GPU exist (quant.py checks first).
 Each op is a `torch.library.custom_op`: torch.compile treats it as one opaque call, and the CUDA
@@ -33,9 +33,10 @@ import triton.language as tl
 from quantserve.server.fastcore.triton_dequant import (AUTOTUNE_OPTIONS, compiling_ahead, dequantize_int4,
                                                        dequantize_int8, int8_to, nibbles_to_fp16)
 from quantserve.server.fastcore.kernel_timing import graph_times, quick_bench
-from quantserve.server.fastcore import triton_dp4a as dp4a
+from quantserve.server.fastcore import triton_dp4a as dp4a, triton_splits as splits
 from quantserve.server.fastcore.triton_gemv import fits as gemv_fits, int4_gemv_kernel, int8_gemv_kernel
 from quantserve.server.fastcore.triton_rows import block_m as rows_block_m, fits as rows_fit, int4_rows_kernel
+from quantserve.server.fastcore.triton_splits import store_tile
 
 
 # M (the rows: a decode batch, a forward's tokens) is not specialized on: Triton compiles a kernel
@@ -75,21 +76,6 @@ def _prune(configs, named_args, **kwargs):
 TENSOR_CORE_DOT = not torch.cuda.is_available() or torch.cuda.get_device_capability() >= (8, 0)
 
 
-@triton.jit
-def _store(out_ptr, acc, rm, rn, M, N, stride_om, SPLIT_K: tl.constexpr, SWAP: tl.constexpr):
-    # acc is [BM, BN], or [BN, BM] when the kernel computed the transposed product
-    if SWAP:
-        ptrs = out_ptr + rm[None, :] * stride_om + rn[:, None]
-        mask = (rm[None, :] < M) & (rn[:, None] < N)
-    else:
-        ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-    if SPLIT_K == 1:
-        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
-
-
 # SWAP: compute y.T = W @ x.T, the converted weight tile as `tl.dot`'s first operand.  On sm_90
 # Triton then feeds the tile to wgmma from registers and keeps several wgmmas in flight; as the
 # second operand it is written back to shared memory each K step and every wgmma is waited for.
@@ -122,7 +108,7 @@ def _int8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, str
         acc = acc * scale[:, None]
     else:
         acc = acc * scale[None, :]
-    _store(out_ptr, acc, rm, rn, M, N, stride_om, SPLIT_K, SWAP)
+    store_tile(out_ptr, acc, rm, rn, M, N, stride_om, SPLIT_K, SWAP)
 
 
 @triton.jit(do_not_specialize=["M", "M_BUCKET"])
@@ -172,7 +158,7 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, stride_
                 acc += tl.dot(x, tl.broadcast_to(z.to(x.dtype)[None, :], (BLOCK_K, BLOCK_N)))
             else:
                 acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * z.to(tl.float32)[None, :]
-    _store(out_ptr, acc, rm, rn, M, N, stride_om, SPLIT_K, SWAP)
+    store_tile(out_ptr, acc, rm, rn, M, N, stride_om, SPLIT_K, SWAP)
 
 
 def _prompt_configs():
@@ -189,7 +175,7 @@ PROMPT_BLOCK_M = 128
 
 def _tuned(kernel, configs=_configs):
     return triton.autotune(configs=configs(), key=["M_BUCKET", "N", "K"],
-                           prune_configs_by={"early_config_prune": _prune}, reset_to_zero=["out_ptr"], **AUTOTUNE_OPTIONS)(kernel)
+                           prune_configs_by={"early_config_prune": _prune}, **AUTOTUNE_OPTIONS)(kernel)
 
 
 int8_kernel, int4_kernel = _tuned(_int8_kernel), _tuned(_int4_kernel)
@@ -228,10 +214,12 @@ _chosen: dict[tuple, tuple] = {}
 
 def _tune(tuned, block_m: int, M: int, N: int, K: int, x: torch.Tensor, args: tuple, extra: dict,
           bucket: int | None = None) -> tuple:
-    """Run `tuned`'s autotuner for this shape (it times its configs into a zeroed fp32 buffer;
-    split-K configs add atomically; `bucket`: its key's M, _m_bucket(M) unless given) -> (kernel,
-    best config, BLOCK_M, {})."""
-    out = torch.zeros((M, N), device=x.device, dtype=torch.float32)
+    """Run `tuned`'s autotuner for this shape (it times its configs into an fp32 buffer with room
+    for the most splits of K any of them takes; `bucket`: its key's M, _m_bucket(M) unless given)
+    -> (kernel, best config, BLOCK_M, {})."""
+    most = max([c.kwargs["SPLIT_K"] for c in _prune(tuned.configs, {"N": N, "K": K, **extra})] or [1]) \
+        if tuned in (int8_kernel, int4_kernel) else 1  # the others' configs never split K
+    out = torch.empty((most * M, N), device=x.device, dtype=torch.float32)
 
     def grid(meta):
         return (-(-N // meta["BLOCK_N"]), meta["SPLIT_K"], -(-M // block_m))
@@ -354,21 +342,18 @@ def run_choice(fn, config, block_m: int, M: int, N: int, K: int, x: torch.Tensor
     GATED flag (triton_gemv.py) the output is N / 2 wide: silu(gate) * up of the two halves."""
     if config is None:  # dequantize + cuBLAS
         return None if warmup else fn(*args, *([extra["GROUP"]] if "GROUP" in extra else []))
-    # Without split-K the kernel writes x's dtype into an uninitialised tensor: no zero-fill and
-    # no cast, two kernels fewer per linear layer, which a decode step of small matmuls pays for.
     meta = config.kwargs
     split = meta["SPLIT_K"]
-    if split == 1:
-        out = torch.empty((M, N // 2 if extra.get("GATED") else N), device=x.device, dtype=x.dtype)
-    else:
-        out = torch.zeros((M, N), device=x.device, dtype=torch.float32)
+    out, part = splits.buffers(M, N, split, x, bool(extra.get("GATED")))
     grid = (-(-N // meta["BLOCK_N"]), split, -(-M // block_m))
-    call = (*args, out, M, N, K, _block_m(M), x.stride(0), out.stride(0))
+    call = (*args, part, M, N, K, _block_m(M), x.stride(0), part.stride(0))
     options = dict(BLOCK_M=block_m, **meta, **extra, num_warps=config.num_warps, num_stages=config.num_stages)
     if warmup:
+        splits.add_splits(part, out, split, warmup=True)
         return fn.warmup(*call, grid=grid, **options)
     fn[grid](*call, **options)
-    return out if split == 1 else out.to(x.dtype)
+    splits.add_splits(part, out, split)
+    return out
 
 
 @torch.library.custom_op("quantserve::int8_weight_mm", mutates_args=())

@@ -269,6 +269,24 @@ def test_a_candidate_that_disagrees_is_never_chosen():
     assert triton_mm._agreeing([tiled, wrong, right], 1, N, K, x, args, {}) == [tiled, right]
 
 
+def test_split_k_gives_the_same_bits_every_run():
+    """Split-K's partial sums are added in a fixed order (triton_splits.py), not atomically in
+    whatever order the blocks finish: one call repeated gives the same bits every time, and the
+    dequantized matmul's result."""
+    from quantserve.server.fastcore import triton_mm
+
+    N, K, M = 4096, 14336, 16  # the 8B down projection at a decode batch: a shape that splits K
+    q8, q4 = layers(N, K, seed=5)
+    x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+    for layer, kernel, extra in ((q8, triton_mm.int8_kernel, {}), (q4, triton_mm.int4_kernel, {"GROUP": q4.group_size})):
+        args = (x, layer.weight, layer.scales) + ((layer.mins,) if extra else ())
+        for config in [c for c in kernel.configs if c.kwargs["SPLIT_K"] > 1]:
+            first = triton_mm.run_choice(kernel.fn, config, 16, M, N, K, x, args, extra)
+            check(first, reference(layer, x), f"{config} {extra}", bound({}))
+            for _ in range(10):
+                assert torch.equal(triton_mm.run_choice(kernel.fn, config, 16, M, N, K, x, args, extra), first), config
+
+
 def test_candidates_are_timed_as_a_cuda_graph_replays_them():
     """kernel_timing.graph_times counts GPU time only: a call of many tiny launches (a split-K
     call's shape: allocation, zero-fill, kernel, cast) is timed well below what one call at a time

@@ -162,7 +162,7 @@ def test_the_dp4a_form_is_timed_at_the_float_forms_config_and_twice_its_rows():
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_every_tiled_config(weights):
     """The tiled `tl.dot` kernels (triton_mm.py) at each decode config and each 128-row prompt
-    config, both orientations (SWAP), split-K's atomic adds; int4 with its offsets' term on
+    config, both orientations (SWAP), split-K's partial sums; int4 with its offsets' term on
     `tl.dot` and as a sum (Z_DOT, chosen by the GPU's tensor cores).  Rows of x not a whole tile."""
     from quantserve.server.fastcore import triton_mm
 
