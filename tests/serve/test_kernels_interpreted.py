@@ -195,3 +195,22 @@ def _layers_of(n: int, k: int):
     torch.manual_seed(n + k)
     w = torch.randn(n, k, device=DEVICE, dtype=DTYPE) * 0.02
     return make_linear(w, None, "int8", DTYPE, "torch"), make_linear(w, None, "int4", DTYPE, "torch")
+
+
+def test_split_k_partial_sums_are_added_in_split_order():
+    """triton_splits: each split's rows of the fp32 buffer, added into x's dtype in split order (not
+    atomically); the gated form, which pairs rows after the whole of K, cannot split."""
+    from quantserve.server.fastcore import triton_splits
+
+    x = torch.zeros(3, 8, device=DEVICE, dtype=DTYPE)
+    out, part = triton_splits.buffers(3, 40, 4, x)
+    assert out.shape == (3, 40) and out.dtype == DTYPE and part.shape == (12, 40) and part.dtype == torch.float32
+    part.copy_(torch.randn(12, 40, device=DEVICE) * 10)
+    triton_splits.add_splits(part, out, 4)
+    view = part.view(4, 3, 40)
+    expected = ((view[0] + view[1]) + view[2]) + view[3]
+    torch.testing.assert_close(out, expected.to(DTYPE), atol=0, rtol=0)
+    same, _ = triton_splits.buffers(3, 40, 1, x)
+    assert same.shape == (3, 40)
+    with pytest.raises(ValueError, match="gated"):
+        triton_splits.buffers(3, 40, 4, x, gated=True)
