@@ -253,11 +253,11 @@ def _optional(tune) -> list[tuple]:
 
 
 def _fastest(choices: list[tuple], M: int, N: int, K: int, x: torch.Tensor, args: tuple, extra: dict) -> tuple:
-    """The choice whose whole call (output allocation, zero-fill and cast where split-K needs them)
-    takes least GPU time, timed with the L2 cache flushed between calls as a decode step sees it,
+    """The choice whose whole call (output allocation, and the adding of the splits where it splits
+    K) takes least GPU time, timed with the L2 cache flushed between calls as a decode step sees it,
     among those whose result agrees with the first choice's (_agreeing).  Decode-sized calls
     (M <= 64) are timed inside a CUDA graph, as a decode step replays them: one call at a time, a
-    three-launch split-K call lost to a one-launch kernel 1.7x slower on the GPU
+    split-K call of several launches lost to a one-launch kernel 1.7x slower on the GPU
     (kernel_timing.py).  Prompt-sized calls run for 100 µs or more, where launches cost little."""
     if len(choices) == 1:
         return choices[0]
