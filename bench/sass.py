@@ -107,6 +107,24 @@ def recompile_all(arch: str) -> list[dict]:
 
 # ---- without a GPU: our decode kernels and GemLite's batch-1 4-bit kernel, at 8B qkv's shape ----
 
+# The integer arguments a launch on the 8B and 1B shapes passes as multiples of 16 (so the JIT
+# specializes them, as it does every 16-byte-aligned pointer); M and M_BUCKET it never specializes.
+ALIGNED_INTS = ("N", "K", "stride_xm", "stride_om")
+
+
+def as_launched(fn, signature: dict, constexprs: dict):
+    """An ASTSource of `fn` with the divisibility facts a real launch gives the compiler (pointers
+    16-byte aligned, ALIGNED_INTS multiples of 16): without them every load of a row at a runtime
+    stride is compiled byte by byte, and the tiled kernels' K step counted 631 instructions
+    instead of 343 (sm_90, int4)."""
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in signature.items()
+             if t.startswith("*") or a in ALIGNED_INTS}
+    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+
+
 def _signature(weights: str) -> dict[str, str]:
     """The tensor and integer arguments our int8 / int4 weight kernels share, in their order (the
     int4 ones with the zero points and the group)."""
@@ -122,8 +140,6 @@ def _signature(weights: str) -> dict[str, str]:
 def _ours(arch: str = "sm_75") -> dict[str, tuple]:
     """(ASTSource, options) of each of our weight kernels for `arch`, at a config the tuners pick on the
     8B shape (the int4 tiles with their sum of x on `tl.dot` only where that is tensor-core work)."""
-    from triton.compiler import ASTSource
-
     from quantserve.server.fastcore import triton_gemv, triton_mm, triton_rows
 
     base, int4 = _signature("int8"), _signature("int4")
@@ -136,14 +152,13 @@ def _ours(arch: str = "sm_75") -> dict[str, tuple]:
             ("ours int4 batch-1 matrix-vector", triton_gemv._int4_gemv_kernel, int4, 1, {"GROUP": 128}),
             ("ours int4 tiled (tl.dot)", triton_mm._int4_kernel, int4, 16, {"GROUP": 128, **z_dot})):
         const = {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1, "BIT_DEQUANT": True, **extra}
-        out[name] = (ASTSource(fn=fn, signature={**sig, **{m: "constexpr" for m in meta + tuple(extra)}}, constexprs=const),
-                     {"num_warps": 4})
+        out[name] = (as_launched(fn, {**sig, **{m: "constexpr" for m in meta + tuple(extra)}}, const), {"num_warps": 4})
     rows = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "GROUP", "K_FIRST")  # the few-rows kernel: 8 x 8, 4 warps
     for first in (True, False):
         const = {"BLOCK_M": 8, "BLOCK_N": 8, "BLOCK_K": 1024, "SPLIT_K": 1, "GROUP": 128, "K_FIRST": first}
-        out[f"ours int4 2-16 rows (FMAs), K {'first' if first else 'last'}"] = (ASTSource(
-            fn=triton_rows._int4_rows_kernel, signature={**{n: t for n, t in int4.items() if t != "constexpr"},
-                                                         **{m: "constexpr" for m in rows}}, constexprs=const),
+        out[f"ours int4 2-16 rows (FMAs), K {'first' if first else 'last'}"] = (as_launched(
+            triton_rows._int4_rows_kernel, {**{n: t for n, t in int4.items() if t != "constexpr"},
+                                            **{m: "constexpr" for m in rows}}, const),
             {"num_warps": 4, "num_stages": 1})
     return out
 
@@ -153,8 +168,6 @@ def _gemv_forms() -> dict[str, tuple]:
     (fastcore/fused.py: the norm, the gate, the residual; int4's packed fp16 products; x rounded to
     int8 for dp4a products, triton_dp4a.py), at the
     configs the 8B shape's layers take (int8: 16 rows x 512 columns, int4: 16 x 1024, 4 warps)."""
-    from triton.compiler import ASTSource
-
     from quantserve.server.fastcore import triton_gemv
 
     forms = {"plain": {}, "norm": {"NORM": True}, "norm + gate": {"NORM": True, "GATED": True},
@@ -176,15 +189,13 @@ def _gemv_forms() -> dict[str, tuple]:
                 if not form.get(flag):
                     const[ptr] = None
             full = {n: full[n] for n in fn.arg_names if n in full}
-            out[f"ours {kind} batch-1, {name}"] = (ASTSource(fn=fn, signature=full, constexprs=const),
-                                                   {"num_warps": 4, "num_stages": 1})
+            out[f"ours {kind} batch-1, {name}"] = (as_launched(fn, full, const), {"num_warps": 4, "num_stages": 1})
     return out
 
 
 def _gemlite_gemv(N: int = 6144, K: int = 4096) -> tuple:
     """GemLite's batch-1 4-bit kernel (GEMV_REVSPLITK) as its forward launches it for our int4 layer."""
     import triton.language as tl
-    from triton.compiler import ASTSource
 
     from gemlite.triton_kernels import gemv_revsplitK_kernels as rk
 
@@ -199,8 +210,7 @@ def _gemlite_gemv(N: int = 6144, K: int = 4096) -> tuple:
                  A_load_order=0, dot_prod_mode=0, data_contiguous=True, dump_b_val=0, meta_evict_policy="",
                  atomic_mode="relaxed", a_evict="evict_last", b_evict="evict_first", EVEN_K=True, EVEN_N=True,
                  block_quant_size=rk.BLOCK_QUANT_SIZE)
-    return ASTSource(fn=fn, signature={n: ptrs.get(n, "constexpr") for n in fn.arg_names}, constexprs=const), \
-        {"num_warps": 2, "num_stages": 1}
+    return as_launched(fn, {n: ptrs.get(n, "constexpr") for n in fn.arg_names}, const), {"num_warps": 2, "num_stages": 1}
 
 
 def _import_gemlite_without_a_gpu() -> None:
