@@ -246,8 +246,8 @@ def _nibble_dot(words, x0, x1, x2, x3, x4, x5, x6, x7):
     (scaled) fp16 activations of the columns of bits 0, 16, 4, 20, 8, 24, 12, 28 (pair p: bits 4p
     and 16 + 4p).  Per word: 3 shifts and 4 lop3 make 1024 + q in both halves (Marlin's trick),
     4 sub.f16x2 take 1024 off exactly, 4 HFMA2 multiply-add both lanes, one add joins them in
-    fp32.  With the loads, addresses and scales, a K step of 16 rows x 1,024 columns is 495
-    instructions against 585 for fp32 products (sm_90 SASS, `bench sass --gemv-forms`).  Each
+    fp32.  With the loads, addresses and scales, a K step of 16 rows x 1,024 columns is 484
+    instructions against 572 for fp32 products (sm_90 SASS, `bench sass --gemv-forms`).  Each
     product and each lane's sum of 4 is rounded to fp16: ~1e-3 of the output's scale."""
     if _PTX:
         return tl.inline_asm_elementwise(
