@@ -6,12 +6,12 @@ Two timers, for two kinds of question:
   single launch.  Every call is timed by its own pair of CUDA events after an L2-flushing memset;
   while the GPU clears that buffer the CPU has queued the launch, so the events see GPU time.
 - `graph_times` (CUDA graphs): whole calls that differ in how many kernels they launch, such as a
-  split-K tiled kernel (the kernel and the adding of its splits, triton_splits.py; then a zero-fill,
-  the kernel and a cast) against the few-rows kernel (one).  Timed one by one, a call whose Python and launches take longer than
-  the flush runs with gaps the events count: on an H200 the launcher kept the few-rows kernel for
-  the 8B's o layer at 16 rows (27.6 µs as a decode step replays it) over the tiled one (16.6 µs),
-  and more such choices at 8 and 16 rows during a cold start, while compile threads held the GIL
-  (bench/RESULTS.md, 2026-12-06).  A decode step replays its kernels from a CUDA graph, with no
+  split-K tiled kernel (the kernel and the adding of its splits, triton_splits.py; then a
+  zero-fill, the kernel and a cast) against the few-rows kernel (one).  Timed one by one, a call
+  whose Python and launches take longer than the flush runs with gaps the events count: on an
+  H200 the launcher kept the few-rows kernel for the 8B's o layer at 16 rows (27.6 µs as a decode
+  step replays it) over the tiled one (16.6 µs), and more such choices at 8 and 16 rows during a
+  cold start, while compile threads held the GIL (bench/RESULTS.md, 2026-12-06).  A decode step replays its kernels from a CUDA graph, with no
   launch gaps; so these candidates are timed the same way: `REPS` calls, each after the flush, in
   one graph, less the same graph of flushes alone.
 """
