@@ -53,6 +53,9 @@ elif [ "$phase" = race ]; then  # the least device time: install, then the per-l
       > "$out/race-8b.log" 2>&1 || log "race: rc=$?"
   sed -n '/^| layer/,$p' "$out/race-8b.log" >> "$out/bench.txt"; log "race done"
 elif [ "$phase" = llama ]; then  # a later call: llama.cpp's build and the 8B GGUFs, detached (~10 min)
+  # the GGUF writer, where an earlier script (bench/cold_start.sh) installed the package without it
+  [ -d "$site/gguf" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" \
+      .devwheels/llama/gguf-*.whl .devwheels/llama/diskcache-*.whl
   [ -x /tmp/llama-cpp/bin/llama-bench ] || setsid nohup nice -n 19 bash .devwheels/device-llama-cpp.sh \
       .devllama/llama_cpp_python-0.3.36.tar.gz /tmp/llama-cpp 90 > /tmp/llama-build.out 2>&1 < /dev/null &
   # an 8B checkpoint that bench/cold_start.sh left on this machine is used as it is

@@ -181,6 +181,7 @@ def _gemv_forms() -> dict[str, tuple]:
             if kind == "int8" and form.get("HALF_DOT"):
                 continue
             const = {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": block_k, "SPLIT_K": 1, "BIT_DEQUANT": True,
+                     "AHEAD": triton_gemv.LOAD_AHEAD,
                      **{flag: form.get(flag, False) for flag in ("NORM", "GATED", "RESIDUAL", "DOT4")}}
             const.update({"GROUP": 128, "HALF_DOT": form.get("HALF_DOT", False)} if kind == "int4" else {})
             full = dict(sig, eps="fp32", **{n: "constexpr" for n in const})

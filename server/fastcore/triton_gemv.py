@@ -15,7 +15,8 @@ bandwidth on the 8B model's small layers), each seen in the SASS Triton makes fo
 - int8 -> fp16 and int4 -> fp16 by the bit tricks of FasterTransformer / Marlin in inline PTX
   (`_int8_quad`, `_nibble_pair`: one prmt or lop3 per two columns), widened to fp32 exactly, so a
   weight costs ~3.5 instructions instead of ~5 (BIT_DEQUANT=False: Triton's own conversion);
-- rows past N read row N - 1 (clamped, unmasked loads) and are not stored.
+- rows past N read row N - 1 (clamped, unmasked loads) and are not stored;
+- with LOAD_AHEAD, each step's weights are loaded a step ahead.
 
 int4 (group g): w = q * s + m with one (s, m) per row and group; a word's 8 columns lie inside one
 group, so x . w = s * (x . q) + m * sum(x) per word.  Packing as in triton_mm: column 2j in the high
@@ -41,6 +42,7 @@ same arithmetic without the PTX).
 """
 from __future__ import annotations
 
+import os
 
 import triton
 import triton.language as tl
@@ -55,6 +57,21 @@ _INT8 = ((8, 512, 4), (16, 512, 4), (32, 512, 4), (4, 512, 4), (8, 1024, 8), (16
          (16, 256, 2))
 _INT4 = ((8, 1024, 4), (16, 1024, 4), (32, 1024, 4), (4, 1024, 4), (8, 2048, 8), (16, 2048, 8), (16, 512, 2),
          (8, 256, 1))
+
+
+# AHEAD: each K step's weight words (int4: and their scales and zero points) are loaded one step
+# before they are used, so a thread has the next step's loads in flight while it computes this
+# one.  Triton pipelines no loads here (num_stages 1: its pipelining goes through shared memory),
+# so without it every step waits a whole memory round trip, which a small layer's few programs
+# (o: 256 of 16 rows) cannot hide.  Off unless QUANTSERVE_GEMV_AHEAD=1 (not yet measured on a GPU).
+LOAD_AHEAD = os.environ.get("QUANTSERVE_GEMV_AHEAD", "0") == "1"
+
+
+@triton.jit
+def _live(k, end):
+    """Whether the step at k exists, as a mask (a one-element tensor: Triton's interpreter takes
+    no bare bool as one)."""
+    return tl.full((1,), k, tl.int32) < end
 
 
 def _config(bn: int, bk: int, warps: int):
@@ -151,7 +168,7 @@ def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                       BIT_DEQUANT: tl.constexpr = True, norm_ptr=None, res_ptr=None, eps=0.0,
                       NORM: tl.constexpr = False, GATED: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
-                      DOT4: tl.constexpr = False):
+                      DOT4: tl.constexpr = False, AHEAD: tl.constexpr = LOAD_AHEAD):
     # The int8 weights are read as int32 words of 4 columns, one word per thread and row (K is
     # not specialised on 16, so the loads stay one word wide); column c of x for each word is a
     # strided load of its own, one per thread, shared by the thread's rows, in the words' layout.
@@ -169,9 +186,16 @@ def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm
     acc = tl.zeros((BLOCK_N, W), dtype=tl.float32)
     xacc = tl.zeros((W,), dtype=tl.float32)
     sq = tl.zeros((W,), dtype=tl.float32)
+    if AHEAD:
+        ahead = tl.load(w_ptrs + k0 // 4, eviction_policy="evict_first")
     for k in range(k0, k0 + k_len, BLOCK_K):
         k = tl.multiple_of(k, BLOCK_K)
-        words = tl.load(w_ptrs + k // 4, eviction_policy="evict_first")  # [BN, W] int32
+        if AHEAD:  # this step's words were loaded a step ago; the next step's go out now
+            words = ahead
+            ahead = tl.load(w_ptrs + (k + BLOCK_K) // 4, mask=_live(k + BLOCK_K, k0 + k_len), other=0,
+                            eviction_policy="evict_first")
+        else:
+            words = tl.load(w_ptrs + k // 4, eviction_policy="evict_first")  # [BN, W] int32
         x0, sq0 = _activation(x_ptr, norm_ptr, k + 4 * rw, NORM)
         x1, sq1 = _activation(x_ptr, norm_ptr, k + 4 * rw + 1, NORM)
         x2, sq2 = _activation(x_ptr, norm_ptr, k + 4 * rw + 2, NORM)
@@ -294,12 +318,27 @@ def _nibble_dot(words, x0, x1, x2, x3, x4, x5, x6, x7):
         return lo.to(tl.float32) + hi.to(tl.float32)
 
 
+@triton.jit
+def _int4_step(w_ptrs, s_ptr, z_ptr, sz_off, k, end, MASKED: tl.constexpr, GROUP: tl.constexpr):
+    """One K step's weight words [W, BN] (int32) and their scales and zero points (as stored);
+    MASKED: no word is read unless k < end (the load ahead past the last step, whose scales and
+    zeros, a few bytes, are those of the last step again)."""
+    if MASKED:
+        words = tl.load(w_ptrs + k // 8, mask=_live(k, end), other=0, eviction_policy="evict_first")
+        g = tl.minimum(k, end - GROUP) // GROUP
+    else:
+        words = tl.load(w_ptrs + k // 8, eviction_policy="evict_first")
+        g = k // GROUP
+    return words, tl.load(s_ptr + sz_off + g), tl.load(z_ptr + sz_off + g)
+
+
 @triton.jit(do_not_specialize_on_alignment=["K"])
 def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, stride_om,
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       SPLIT_K: tl.constexpr, BIT_DEQUANT: tl.constexpr = True, norm_ptr=None, res_ptr=None,
                       eps=0.0, NORM: tl.constexpr = False, GATED: tl.constexpr = False,
-                      RESIDUAL: tl.constexpr = False, HALF_DOT: tl.constexpr = False, DOT4: tl.constexpr = False):
+                      RESIDUAL: tl.constexpr = False, HALF_DOT: tl.constexpr = False, DOT4: tl.constexpr = False,
+                      AHEAD: tl.constexpr = LOAD_AHEAD):
     # The packed bytes are read as int32 words of 8 columns, one word per thread and row: byte i
     # of a word holds columns 2i (high nibble) and 2i + 1 (low), so column j of the word sits at
     # bit 8 * (j // 2) + 4 * (1 - j % 2).  Column j of x for each word is a strided load of its
@@ -317,11 +356,17 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, st
     k0 = tl.multiple_of(tl.program_id(1) * k_len, BLOCK_K) if SPLIT_K > 1 else 0
     acc = tl.zeros((W, BLOCK_N), dtype=tl.float32)
     sq = tl.zeros((W,), dtype=tl.float32)
+    if AHEAD:
+        ahead_w, ahead_s, ahead_z = _int4_step(w_ptrs, s_ptr, z_ptr, sz_off, k0, 0, False, GROUP)
     for k in range(k0, k0 + k_len, BLOCK_K):
         k = tl.multiple_of(k, BLOCK_K)
-        words = tl.load(w_ptrs + k // 8, eviction_policy="evict_first")  # [W, BN] int32
-        s = tl.load(s_ptr + sz_off + k // GROUP).to(tl.float32)
-        z = tl.load(z_ptr + sz_off + k // GROUP).to(tl.float32)
+        if AHEAD:  # this step's words, scales and zeros were loaded a step ago; the next step's go out now
+            words, s, z = ahead_w, ahead_s, ahead_z
+            ahead_w, ahead_s, ahead_z = _int4_step(w_ptrs, s_ptr, z_ptr, sz_off, k + BLOCK_K, k0 + k_len, True,
+                                                   GROUP)
+        else:
+            words, s, z = _int4_step(w_ptrs, s_ptr, z_ptr, sz_off, k, 0, False, GROUP)  # [W, BN] each
+        s, z = s.to(tl.float32), z.to(tl.float32)
         part = tl.zeros((W, BLOCK_N), dtype=tl.float32)
         xsum = tl.zeros((W,), dtype=tl.float32)
         if DOT4:  # x rounded to int8, the word's 8 products in two dp4a (triton_dp4a.py)
