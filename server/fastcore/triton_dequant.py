@@ -9,8 +9,8 @@ FasterTransformer and Marlin use).
 
 The tiled kernels (triton_mm.py) use these (`nibbles_to_fp16`: four packed bytes at a time in
 inline PTX); BIT_DEQUANT=False keeps Triton's plain `.to()` conversion.  The batch-1
-matrix-vector kernels (triton_gemv.py) do the same trick two columns at a time in inline PTX, of
-their own.  Last, `dequantize_int8` / `dequantize_int4`: the whole weight to fp16 in one pass, for
+matrix-vector kernels (triton_gemv.py, triton_rows.py) do the same trick on int32 words
+(`int8_quad`, `nibble_pair`: two columns per prmt or lop3, widened to fp32).  Last, `dequantize_int8` / `dequantize_int4`: the whole weight to fp16 in one pass, for
 prompts through cuBLAS.  Also here, what every weight kernel's tuning shares: the autotuners'
 options (their timer: kernel_timing.py) and `compiling_ahead` (candidates compiled on threads).
 """
@@ -123,6 +123,57 @@ def nibbles_to_fp16(packed, BIT_DEQUANT: tl.constexpr):
             constraints="=r,=r,=r,=r,r", args=[packed], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
     else:
         return nibble_to(packed >> 4, tl.float16, BIT_DEQUANT), nibble_to(packed & 0xF, tl.float16, BIT_DEQUANT)
+
+
+# The batch-1 matrix-vector kernels' forms of the trick (triton_gemv.py, triton_rows.py): a word of
+# packed columns at a time, widened to fp32 (their products are fp32).
+
+@triton.jit
+def int8_quad(words):
+    """int32 words of 4 int8 (columns 4w..4w+3, byte i = column 4w + i) -> 4 fp32 of 1152 + b.
+
+    b ^ 0x80 = b + 128 as an unsigned byte; prmt puts it under 0x64 to make the fp16 1024 + b + 128
+    (two columns per prmt, the trick FasterTransformer uses), widened to fp32 exactly."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t, p0, p1;
+            .reg .b16 h0, h1, h2, h3;
+            xor.b32 t, $4, 0x80808080;
+            prmt.b32 p0, t, 0x64646464, 0x4140;
+            prmt.b32 p1, t, 0x64646464, 0x4342;
+            mov.b32 {h0, h1}, p0;
+            mov.b32 {h2, h3}, p1;
+            cvt.f32.f16 $0, h0;
+            cvt.f32.f16 $1, h1;
+            cvt.f32.f16 $2, h2;
+            cvt.f32.f16 $3, h3;
+            }""",
+            constraints="=r,=r,=r,=r,r", args=[words], dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+    else:
+        return (((words << 24) >> 24).to(tl.float32) + 1152.0, ((words << 16) >> 24).to(tl.float32) + 1152.0,
+                ((words << 8) >> 24).to(tl.float32) + 1152.0, (words >> 24).to(tl.float32) + 1152.0)
+
+
+@triton.jit
+def nibble_pair(words, SHIFT: tl.constexpr):
+    """int32 words -> (1024 + bits [SHIFT, SHIFT + 4), 1024 + bits [16 + SHIFT, 20 + SHIFT)) as fp32."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            asm=f"""{{
+            .reg .b32 t;
+            .reg .b16 lo, hi;
+            shr.u32 t, $2, {SHIFT};
+            lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
+            mov.b32 {{lo, hi}}, t;
+            cvt.f32.f16 $0, lo;
+            cvt.f32.f16 $1, hi;
+            }}""",
+            constraints="=r,=r,r", args=[words], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        lo = ((words >> SHIFT) & 0xF).to(tl.float32) + 1024.0
+        hi = ((words >> (16 + SHIFT)) & 0xF).to(tl.float32) + 1024.0
+        return lo, hi
 
 
 # Dequantize-then-cuBLAS for prompts: one pass that reads the packed weights and writes the fp16

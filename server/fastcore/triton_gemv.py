@@ -13,7 +13,7 @@ bandwidth on the 8B model's small layers), each seen in the SASS Triton makes fo
   through shared memory with three barriers on every tile;
 - products are summed inside each thread; threads and warps are reduced once, after the loop;
 - int8 -> fp16 and int4 -> fp16 by the bit tricks of FasterTransformer / Marlin in inline PTX
-  (`_int8_quad`, `_nibble_pair`: one prmt or lop3 per two columns), widened to fp32 exactly, so a
+  (triton_dequant's `int8_quad`, `nibble_pair`: one prmt or lop3 per two columns), widened to fp32 exactly, so a
   weight costs ~3.5 instructions instead of ~5 (BIT_DEQUANT=False: Triton's own conversion);
 - rows past N read row N - 1 (clamped, unmasked loads) and are not stored;
 - with LOAD_AHEAD, each step's weights are loaded a step ahead.
@@ -47,7 +47,7 @@ import os
 import triton
 import triton.language as tl
 
-from quantserve.server.fastcore.triton_dequant import AUTOTUNE_OPTIONS, PTX as _PTX
+from quantserve.server.fastcore.triton_dequant import AUTOTUNE_OPTIONS, PTX as _PTX, int8_quad, nibble_pair
 from quantserve.server.fastcore.triton_dp4a import column_sum, dot_int4, dot_int8, quantize4, quantize8_for_nibbles
 from quantserve.server.fastcore.triton_splits import store_row
 
@@ -136,33 +136,6 @@ def _finish_row(out_ptr, y, pid_n, N, K, sq, eps, res_ptr, BLOCK_N: tl.constexpr
     store_row(out_ptr, y, rn, n_out, SPLIT_K)
 
 
-@triton.jit
-def _int8_quad(words):
-    """int32 words of 4 int8 (columns 4w..4w+3, byte i = column 4w + i) -> 4 fp32 of 1152 + b.
-
-    b ^ 0x80 = b + 128 as an unsigned byte; prmt puts it under 0x64 to make the fp16 1024 + b + 128
-    (two columns per prmt, the trick FasterTransformer uses), widened to fp32 exactly."""
-    if _PTX:
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 t, p0, p1;
-            .reg .b16 h0, h1, h2, h3;
-            xor.b32 t, $4, 0x80808080;
-            prmt.b32 p0, t, 0x64646464, 0x4140;
-            prmt.b32 p1, t, 0x64646464, 0x4342;
-            mov.b32 {h0, h1}, p0;
-            mov.b32 {h2, h3}, p1;
-            cvt.f32.f16 $0, h0;
-            cvt.f32.f16 $1, h1;
-            cvt.f32.f16 $2, h2;
-            cvt.f32.f16 $3, h3;
-            }""",
-            constraints="=r,=r,=r,=r,r", args=[words], dtype=(tl.float32,) * 4, is_pure=True, pack=1)
-    else:
-        return (((words << 24) >> 24).to(tl.float32) + 1152.0, ((words << 16) >> 24).to(tl.float32) + 1152.0,
-                ((words << 8) >> 24).to(tl.float32) + 1152.0, (words >> 24).to(tl.float32) + 1152.0)
-
-
 @triton.jit(do_not_specialize_on_alignment=["K"])
 def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, stride_om,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -172,7 +145,7 @@ def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm
     # The int8 weights are read as int32 words of 4 columns, one word per thread and row (K is
     # not specialised on 16, so the loads stay one word wide); column c of x for each word is a
     # strided load of its own, one per thread, shared by the thread's rows, in the words' layout.
-    # With BIT_DEQUANT the words become 1152 + b (see _int8_quad): each thread sums
+    # With BIT_DEQUANT the words become 1152 + b (see int8_quad): each thread sums
     # (1152 + b) x over its own columns and takes 1152 * (its sum of x) off before the threads'
     # sums meet, so the offset costs nothing in the loop.  Otherwise: sign-extending shifts and
     # Triton's int -> float conversion.
@@ -207,7 +180,7 @@ def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm
             acc += dot_int8(words, tl.broadcast_to(xq[None, :], (BLOCK_N, W))) * xs[None, :]
         else:
             if BIT_DEQUANT:
-                w0, w1, w2, w3 = _int8_quad(words)
+                w0, w1, w2, w3 = int8_quad(words)
                 xacc += (x0 + x1) + (x2 + x3)
             else:
                 w0 = ((words << 24) >> 24).to(tl.float32)
@@ -223,27 +196,6 @@ def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm
     scale = tl.load(s_ptr + rows).to(tl.float32)
     _finish_row(out_ptr, tl.sum(acc, axis=1) * scale, pid_n, N, K, sq, eps, res_ptr, BLOCK_N, NORM, GATED, RESIDUAL,
                 SPLIT_K)
-
-
-@triton.jit
-def _nibble_pair(words, SHIFT: tl.constexpr):
-    """int32 words -> (1024 + bits [SHIFT, SHIFT + 4), 1024 + bits [16 + SHIFT, 20 + SHIFT)) as fp32."""
-    if _PTX:
-        return tl.inline_asm_elementwise(
-            asm=f"""{{
-            .reg .b32 t;
-            .reg .b16 lo, hi;
-            shr.u32 t, $2, {SHIFT};
-            lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
-            mov.b32 {{lo, hi}}, t;
-            cvt.f32.f16 $0, lo;
-            cvt.f32.f16 $1, hi;
-            }}""",
-            constraints="=r,=r,r", args=[words], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
-    else:
-        lo = ((words >> SHIFT) & 0xF).to(tl.float32) + 1024.0
-        hi = ((words >> (16 + SHIFT)) & 0xF).to(tl.float32) + 1024.0
-        return lo, hi
 
 
 # x goes into the packed fp16 products scaled by 2^-6: a lane sums 4 products of q <= 15, so
@@ -406,7 +358,7 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, st
                 # the columns of bits 4p and 16 + 4p: 2 (p // 2) + 1 - p % 2 and 4 more
                 x_lo, sq_lo = _activation(x_ptr, norm_ptr, k + 8 * rw + (2 * (p // 2) + 1 - p % 2), NORM)
                 x_hi, sq_hi = _activation(x_ptr, norm_ptr, k + 8 * rw + (2 * (p // 2) + 5 - p % 2), NORM)
-                q_lo, q_hi = _nibble_pair(words, 4 * p)
+                q_lo, q_hi = nibble_pair(words, 4 * p)
                 part += q_lo * x_lo[:, None]
                 part += q_hi * x_hi[:, None]
                 xsum += x_lo + x_hi

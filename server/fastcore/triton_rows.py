@@ -16,7 +16,7 @@ per shape and batch size and keeps the faster.
 Layout as triton_gemv's int4 kernel: int32 words of 8 columns read one per thread and row, the
 warps side by side along K; column 2i in the high nibble of byte i.  A word's 8 columns lie
 inside one group (one scale and offset per word and row); the nibbles become 1024 + q by
-Marlin's lop3 trick (`_nibble_pair`), and the 1024 comes off with the offset.
+Marlin's lop3 trick (`nibble_pair`), and the 1024 comes off with the offset.
 Rows past M read row M - 1 and are not stored; rows past N likewise.
 
 Import only where Triton and a CUDA GPU exist (TRITON_INTERPRET=1 on a CPU runs the arithmetic).
@@ -27,8 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from quantserve.server.fastcore.triton_dequant import AUTOTUNE_OPTIONS
-from quantserve.server.fastcore.triton_gemv import _nibble_pair
+from quantserve.server.fastcore.triton_dequant import AUTOTUNE_OPTIONS, nibble_pair
 
 # (BLOCK_N, BLOCK_K, warps): one word per thread and row, BLOCK_K = 256 * warps; the accumulators
 # are BLOCK_M x BLOCK_N fp32 a thread, so wide row blocks pair with few weight rows (_prune)
@@ -98,7 +97,7 @@ def _int4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, st
             c = 2 * (p // 2) + 1 - p % 2
             x_lo = tl.load(x_rows + (k + 8 * rw + c)).to(tl.float32)  # varying along words and rows of x
             x_hi = tl.load(x_rows + (k + 8 * rw + c + 4)).to(tl.float32)
-            q_lo, q_hi = _nibble_pair(words, 4 * p)  # 1024 + q
+            q_lo, q_hi = nibble_pair(words, 4 * p)  # 1024 + q
             # the weight itself, once for all rows: (1024 + q) s + (m - 1024 s) in one fused
             # multiply-add, rounded once (= q s + m to fp32's precision); then one FMA a row
             acc += (q_lo * s + m) * x_lo
