@@ -7,7 +7,7 @@
 # The launcher checks every candidate against the tiled kernel's output before timing it (a
 # disagreeing one is left out, said in the log).  Each run has its own QUANTSERVE_HOME,
 # so each times and keeps its own kernel choices.
-#   bench/ahead_gpu.sh OUT
+#   [QUANTS=int4] bench/ahead_gpu.sh OUT
 set -uo pipefail
 out=$(realpath -m "$1"); mkdir -p "$out"; repo=$PWD; site=/tmp/site
 export PYTHONPATH=$site PYTHONUNBUFFERED=1
@@ -24,7 +24,7 @@ fi
 for run in ahead-1 off ahead-2; do
   flag=1; [ "$run" = off ] && flag=0; limit=120; [ "$run" = ahead-1 ] && limit=180
   QUANTSERVE_GEMV_AHEAD=$flag QUANTSERVE_HOME=/tmp/qs-$run decode $(left $(( SECONDS + limit ))) 8b-b1-$run --models 8b \
-      --quants int8,int4 --kernels triton --batches 1
+      --quants ${QUANTS:-int8,int4} --kernels triton --batches 1
   grep -i "warning" "$out/decode-8b-b1-$run.log" | head -n 5 >> "$out/bench.txt"
 done
 cat "$out/bench.txt"
