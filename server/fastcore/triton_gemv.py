@@ -59,11 +59,13 @@ _INT4 = ((8, 1024, 4), (16, 1024, 4), (32, 1024, 4), (4, 1024, 4), (8, 2048, 8),
          (8, 256, 1))
 
 
-# AHEAD: each K step's weight words (int4: and their scales and zero points) are loaded one step
-# before they are used, so a thread has the next step's loads in flight while it computes this
-# one.  Triton pipelines no loads here (num_stages 1: its pipelining goes through shared memory),
-# so without it every step waits a whole memory round trip, which a small layer's few programs
-# (o: 256 of 16 rows) cannot hide.  Off unless QUANTSERVE_GEMV_AHEAD=1 (not yet measured on a GPU).
+# AHEAD: each K step's weight words are loaded one step before they are used, so a thread has the
+# next step's loads in flight while it computes this one.  Triton pipelines no loads here
+# (num_stages 1: its pipelining goes through shared memory), so without it every step waits a
+# whole memory round trip, which a small layer's few programs (o: 256 of 16 rows) cannot hide.
+# int4's scales and zero points (a few bytes a row, mostly cached) are loaded in their own step:
+# carrying them too cost 75 instructions a K step of the dp4a form (sm_90 SASS), the words 30.
+# Off unless QUANTSERVE_GEMV_AHEAD=1 (not yet measured on a GPU).
 LOAD_AHEAD = os.environ.get("QUANTSERVE_GEMV_AHEAD", "0") == "1"
 
 
@@ -270,20 +272,6 @@ def _nibble_dot(words, x0, x1, x2, x3, x4, x5, x6, x7):
         return lo.to(tl.float32) + hi.to(tl.float32)
 
 
-@triton.jit
-def _int4_step(w_ptrs, s_ptr, z_ptr, sz_off, k, end, MASKED: tl.constexpr, GROUP: tl.constexpr):
-    """One K step's weight words [W, BN] (int32) and their scales and zero points (as stored);
-    MASKED: no word is read unless k < end (the load ahead past the last step, whose scales and
-    zeros, a few bytes, are those of the last step again)."""
-    if MASKED:
-        words = tl.load(w_ptrs + k // 8, mask=_live(k, end), other=0, eviction_policy="evict_first")
-        g = tl.minimum(k, end - GROUP) // GROUP
-    else:
-        words = tl.load(w_ptrs + k // 8, eviction_policy="evict_first")
-        g = k // GROUP
-    return words, tl.load(s_ptr + sz_off + g), tl.load(z_ptr + sz_off + g)
-
-
 @triton.jit(do_not_specialize_on_alignment=["K"])
 def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, stride_om,
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -309,16 +297,17 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, st
     acc = tl.zeros((W, BLOCK_N), dtype=tl.float32)
     sq = tl.zeros((W,), dtype=tl.float32)
     if AHEAD:
-        ahead_w, ahead_s, ahead_z = _int4_step(w_ptrs, s_ptr, z_ptr, sz_off, k0, 0, False, GROUP)
+        ahead = tl.load(w_ptrs + k0 // 8, eviction_policy="evict_first")
     for k in range(k0, k0 + k_len, BLOCK_K):
         k = tl.multiple_of(k, BLOCK_K)
-        if AHEAD:  # this step's words, scales and zeros were loaded a step ago; the next step's go out now
-            words, s, z = ahead_w, ahead_s, ahead_z
-            ahead_w, ahead_s, ahead_z = _int4_step(w_ptrs, s_ptr, z_ptr, sz_off, k + BLOCK_K, k0 + k_len, True,
-                                                   GROUP)
+        if AHEAD:  # this step's words were loaded a step ago; the next step's go out now
+            words = ahead
+            ahead = tl.load(w_ptrs + (k + BLOCK_K) // 8, mask=_live(k + BLOCK_K, k0 + k_len), other=0,
+                            eviction_policy="evict_first")
         else:
-            words, s, z = _int4_step(w_ptrs, s_ptr, z_ptr, sz_off, k, 0, False, GROUP)  # [W, BN] each
-        s, z = s.to(tl.float32), z.to(tl.float32)
+            words = tl.load(w_ptrs + k // 8, eviction_policy="evict_first")  # [W, BN] int32
+        s = tl.load(s_ptr + sz_off + k // GROUP).to(tl.float32)
+        z = tl.load(z_ptr + sz_off + k // GROUP).to(tl.float32)
         part = tl.zeros((W, BLOCK_N), dtype=tl.float32)
         xsum = tl.zeros((W,), dtype=tl.float32)
         if DOT4:  # x rounded to int8, the word's 8 products in two dp4a (triton_dp4a.py)
