@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The batch-1 weight kernels with each step's weights loaded a step ahead (triton_gemv.LOAD_AHEAD)
-# (QUANTSERVE_GEMV_AHEAD=1) against the same kernels without, one call on the lent GPU (~6 min on
+# (the default) against the same kernels without (QUANTSERVE_GEMV_AHEAD=0), one call on the lent GPU (~6 min on
 # a fresh machine; .devwheels carried): bench decode of the 8B shape at batch 1 (int8, int4; T4
 # profile) ahead, without, and ahead again (ABA: the first run also pays the compiles); $TESTS=1
 # first runs the GPU tests of the batch-1 kernels (every config and form, both ways; ~90 s).

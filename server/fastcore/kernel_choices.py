@@ -16,9 +16,11 @@ from __future__ import annotations
 import torch
 import triton
 
-from quantserve.server.fastcore import triton_dp4a as dp4a, triton_mm
+from quantserve.server.fastcore import triton_dp4a as dp4a, triton_gemv, triton_mm
 from quantserve.server.fastcore.kernel_tables import read_rows, write_json
 from quantserve.server.fastcore.triton_gemv import int4_gemv_kernel, int8_gemv_kernel
+
+GEMV_KERNELS = ("_int8_gemv_kernel", "_int4_gemv_kernel")
 from quantserve.server.fastcore.triton_rows import int4_rows_kernel
 
 
@@ -50,8 +52,10 @@ def load_choices(*paths) -> int:
     """Take the choices the files at `paths` hold (save_choices' files, shipped tables; keyed by
     kernel, shape and dtype), the first file's winning where two name one shape; returns how many
     were taken.  A missing or unreadable file is skipped, and so is a row this version cannot run
-    as written (a kernel it lacks, a config or flag its kernel does not take) or that rounds x to
-    int8 where QUANTSERVE_INT8_ACTIVATIONS=0: those shapes are tuned again."""
+    as written (a kernel it lacks, a config or flag its kernel does not take), that rounds x to
+    int8 where QUANTSERVE_INT8_ACTIVATIONS=0, or a batch-1 row tuned with the other loop (its
+    AHEAD flag, absent before 2026-12-06, other than triton_gemv.LOAD_AHEAD): those shapes are
+    tuned again."""
     kernels = _kernels()
     taken = 0
     for path in paths:
@@ -68,6 +72,8 @@ def load_choices(*paths) -> int:
                         continue  # written for another version of the kernel
                 if flags.get(dp4a.FLAG) and not dp4a.enabled():
                     continue  # x rounded to int8, turned off here: tuned again without it
+                if row["kernel"] in GEMV_KERNELS and bool(flags.get("AHEAD")) != triton_gemv.LOAD_AHEAD:
+                    continue  # tuned for the other loop (weights loaded a step ahead or not): tuned again
                 name, bucket, batch1, n, k, dtype, group = row["key"]
                 key = (name, int(bucket), bool(batch1), int(n), int(k), getattr(torch, dtype), group)
                 if key not in triton_mm._chosen:

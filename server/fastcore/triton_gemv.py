@@ -16,7 +16,7 @@ bandwidth on the 8B model's small layers), each seen in the SASS Triton makes fo
   (triton_dequant's `int8_quad`, `nibble_pair`: one prmt or lop3 per two columns), widened to fp32 exactly, so a
   weight costs ~3.5 instructions instead of ~5 (BIT_DEQUANT=False: Triton's own conversion);
 - rows past N read row N - 1 (clamped, unmasked loads) and are not stored;
-- with LOAD_AHEAD, each step's weights are loaded a step ahead.
+- each step's weights are loaded a step ahead (LOAD_AHEAD).
 
 int4 (group g): w = q * s + m with one (s, m) per row and group; a word's 8 columns lie inside one
 group, so x . w = s * (x . q) + m * sum(x) per word.  Packing as in triton_mm: column 2j in the high
@@ -65,8 +65,9 @@ _INT4 = ((8, 1024, 4), (16, 1024, 4), (32, 1024, 4), (4, 1024, 4), (8, 2048, 8),
 # whole memory round trip, which a small layer's few programs (o: 256 of 16 rows) cannot hide.
 # int4's scales and zero points (a few bytes a row, mostly cached) are loaded in their own step:
 # carrying them too cost 75 instructions a K step of the dp4a form (sm_90 SASS), the words 30.
-# Off unless QUANTSERVE_GEMV_AHEAD=1 (not yet measured on a GPU).
-LOAD_AHEAD = os.environ.get("QUANTSERVE_GEMV_AHEAD", "0") == "1"
+# On an H100 (bench/RESULTS.md, 2026-12-06): the 8B's int4 decode at batch 1 1.098x as fast (ahead,
+# off, ahead in one call), int8 1.02x.  QUANTSERVE_GEMV_AHEAD=0 turns it off.
+LOAD_AHEAD = os.environ.get("QUANTSERVE_GEMV_AHEAD", "1") != "0"
 
 
 @triton.jit

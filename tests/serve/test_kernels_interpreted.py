@@ -22,6 +22,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 pytest.importorskip("triton", reason="Triton is not installed (a CUDA GPU or the interpreter runs this)")
+from quantserve.server.fastcore.triton_gemv import LOAD_AHEAD  # noqa: E402  (after the interpreter is chosen)
 DEVICE, DTYPE = ("cuda", torch.float16) if CUDA else ("cpu", torch.float32)
 DT = "float16" if CUDA else "float32"
 N, K = 40, 2048  # N not a multiple of any BLOCK_N: the clamped last rows
@@ -81,11 +82,11 @@ def test_a_table_of_choices_is_loaded_compiled_ahead_and_launched_untuned(tmp_pa
     q8, q4 = _layers()
     rows = [
         _row("int8", 16, True, "_int8_gemv_kernel", {"BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 1}, 4, 1,
-             {"BIT_DEQUANT": True}),
+             {"BIT_DEQUANT": True, "AHEAD": LOAD_AHEAD}),
         _row("int8", 16, False, "_int8_kernel", {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "SWAP": False}, 4, 16, {}),
         _row("int8", 256, False, "_int8_dense", None, 0, 0, {}),
         _row("int4", 1, True, "_int4_gemv_kernel", {"BLOCK_N": 8, "BLOCK_K": 1024, "SPLIT_K": 1}, 4, 1,
-             {"BIT_DEQUANT": True}),
+             {"BIT_DEQUANT": True, "AHEAD": LOAD_AHEAD}),
         _row("int4", 8, False, "_int4_rows_kernel", {"BLOCK_N": 8, "BLOCK_K": 1024, "SPLIT_K": 1, "K_FIRST": True},
              4, 8, {}),
         _row("int4", 4, False, "_int4_kernel", {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1, "NO_SUCH_FLAG": 1},
@@ -125,9 +126,9 @@ def test_a_kept_choice_that_rounds_x_to_int8_is_loaded_only_where_allowed(tmp_pa
     monkeypatch.setenv("QUANTSERVE_INT8_ACTIVATIONS", "1" if allowed else "0")
     q8, q4 = _layers(3)
     rows = [_row("int8", 16, True, "_int8_gemv_kernel", {"BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 1}, 4, 1,
-                 {"BIT_DEQUANT": True, "DOT4": True}),
+                 {"BIT_DEQUANT": True, "DOT4": True, "AHEAD": LOAD_AHEAD}),
             _row("int4", 1, True, "_int4_gemv_kernel", {"BLOCK_N": 8, "BLOCK_K": 1024, "SPLIT_K": 1}, 4, 1,
-                 {"BIT_DEQUANT": True, "DOT4": True})]
+                 {"BIT_DEQUANT": True, "DOT4": True, "AHEAD": LOAD_AHEAD})]
     (tmp_path / "kept.json").write_text(json.dumps(rows))
     saved = dict(triton_mm._chosen)
     triton_mm._chosen.clear()
@@ -140,6 +141,28 @@ def test_a_kept_choice_that_rounds_x_to_int8_is_loaded_only_where_allowed(tmp_pa
                             reference(q4, x))):
                 err = (y.float() - ref).abs().max().item() / ref.abs().max().item()
                 assert 1e-4 < err < bound({"DOT4": True}), err  # x was rounded (not exact), within the bound
+    finally:
+        triton_mm._chosen.clear()
+        triton_mm._chosen.update(saved)
+
+
+def test_a_batch1_choice_tuned_for_the_other_loop_is_tuned_again(tmp_path):
+    """A kept or shipped batch-1 row made with the weights loaded ahead, or without (rows written
+    before the flag existed name none), is taken only where this process's kernels do the same:
+    the forms' timings differ between the two loops (bench/RESULTS.md, 2026-12-06)."""
+    from quantserve.server.fastcore import kernel_choices, triton_mm
+
+    config = {"BLOCK_N": 8, "BLOCK_K": 1024, "SPLIT_K": 1}
+    rows = [_row("int4", 1, True, "_int4_gemv_kernel", config, 4, 1, {"BIT_DEQUANT": True, "AHEAD": ahead})
+            for ahead in (True, False)]
+    rows.append(_row("int8", 16, True, "_int8_gemv_kernel", {**config, "BLOCK_K": 512}, 4, 1, {"BIT_DEQUANT": True}))
+    (tmp_path / "kept.json").write_text(json.dumps(rows))
+    saved = dict(triton_mm._chosen)
+    triton_mm._chosen.clear()
+    try:
+        assert kernel_choices.load_choices(tmp_path / "kept.json") == 1
+        (flags,) = [choice[3] for choice in triton_mm._chosen.values()]
+        assert flags["AHEAD"] is LOAD_AHEAD
     finally:
         triton_mm._chosen.clear()
         triton_mm._chosen.update(saved)
