@@ -11,7 +11,8 @@
 #   bench/dp4a_gpu.sh OUT llama  llama.cpp's build, a random 8B checkpoint and its GGUFs (F16 by us,
 #                                Q8_0 / Q4_K_M by llama-quantize), detached (~10 min of the machine)
 #   bench/dp4a_gpu.sh OUT 2      after those: llama-bench on Q8_0 / Q4_K_M, then in the same call bench
-#                                decode 8B at batch 1 with and without the dp4a form
+#                                decode 8B at batch 1: fp16, int8 and int4 as served, then int8 and int4
+#                                without the dp4a form
 # Run from the repo root with .devwheels and .devllama (the slimmed llama-cpp-python sdist) carried.
 set -uo pipefail
 out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
@@ -69,7 +70,9 @@ elif [ "$phase" = 2 ]; then
   tail -n 6 /tmp/ggufs.log >> "$out/bench.txt"
   llama_bench 60 /tmp/llama-3.1-8b-Q8_0.gguf /tmp/llama-3.1-8b-Q4_K_M.gguf
   log "llama-bench done"
-  QUANTSERVE_HOME=/tmp/qs-on2 decode 230 8b-b1-dp4a --models 8b --quants int8,int4 --kernels triton --batches 1
+  # every batch-1 target of issue 20 in this one call: fp16 (int4 >= 2x it), int8 and int4 as served
+  # (the dp4a form allowed, weights loaded ahead); then the float forms only, the baseline of the form
+  QUANTSERVE_HOME=/tmp/qs-on2 decode 260 8b-b1-dp4a --models 8b --quants none,int8,int4 --kernels triton --batches 1
   (export QUANTSERVE_INT8_ACTIVATIONS=0
    QUANTSERVE_HOME=/tmp/qs-off decode $(left 585) 8b-b1-float --models 8b --quants int8,int4 --kernels triton --batches 1)
 else
