@@ -3,7 +3,8 @@
 # (the default) against the same kernels without (QUANTSERVE_GEMV_AHEAD=0), one call on the lent GPU (~6 min on
 # a fresh machine; .devwheels carried): bench decode of the 8B shape at batch 1 (int8, int4; T4
 # profile) ahead, without, and ahead again (ABA: the first run also pays the compiles); $TESTS=1
-# first runs the GPU tests of the batch-1 kernels (every config and form, both ways; ~90 s).
+# first runs the GPU tests of the batch-1 kernels (every config in the default loop, each form's
+# first config both ways, split K; ~90 s).
 # The launcher checks every candidate against the tiled kernel's output before timing it (a
 # disagreeing one is left out, said in the log).  Each run has its own QUANTSERVE_HOME,
 # so each times and keeps its own kernel choices.

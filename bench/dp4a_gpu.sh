@@ -72,7 +72,7 @@ elif [ "$phase" = 2 ]; then
   log "llama-bench done"
   # every batch-1 target of issue 20 in this one call: fp16 (int4 >= 2x it), int8 and int4 as served
   # (the dp4a form allowed, weights loaded ahead); then the float forms only, the baseline of the form
-  QUANTSERVE_HOME=/tmp/qs-on2 decode 260 8b-b1-dp4a --models 8b --quants none,int8,int4 --kernels triton --batches 1
+  QUANTSERVE_HOME=/tmp/qs-on2 decode $(left 440) 8b-b1-dp4a --models 8b --quants none,int8,int4 --kernels triton --batches 1
   (export QUANTSERVE_INT8_ACTIVATIONS=0
    QUANTSERVE_HOME=/tmp/qs-off decode $(left 585) 8b-b1-float --models 8b --quants int8,int4 --kernels triton --batches 1)
 else

@@ -19,17 +19,21 @@ import triton
 from quantserve.server.fastcore import triton_dp4a as dp4a, triton_gemv, triton_mm
 from quantserve.server.fastcore.kernel_tables import read_rows, write_json
 from quantserve.server.fastcore.triton_gemv import int4_gemv_kernel, int8_gemv_kernel
-
-GEMV_KERNELS = ("_int8_gemv_kernel", "_int4_gemv_kernel")
 from quantserve.server.fastcore.triton_rows import int4_rows_kernel
 
 
 def _rows() -> list[dict]:
-    """`triton_mm._chosen` as JSON rows (kernel_tables.py's format)."""
-    return [{"key": [*key[:5], str(key[5]).removeprefix("torch."), key[6]], "kernel": triton_mm._kernel_name(fn),
-             "config": None if config is None else {"kwargs": config.kwargs, "num_warps": config.num_warps,
-                                                    "num_stages": config.num_stages},
-             "block_m": block_m, "flags": flags} for key, (fn, config, block_m, flags) in triton_mm._chosen.items()]
+    """`triton_mm._chosen` as JSON rows (kernel_tables.py's format).  A batch-1 row also says whether
+    the matrix-vector kernels it was chosen among loaded their weights a step ahead ("ahead"): the
+    forms time differently with and without (bench/RESULTS.md, 2026-12-06), so a row made under the
+    other setting is tuned again rather than taken."""
+    rows = []
+    for key, (fn, config, block_m, flags) in triton_mm._chosen.items():
+        rows.append({"key": [*key[:5], str(key[5]).removeprefix("torch."), key[6]], "kernel": triton_mm._kernel_name(fn),
+                     "config": None if config is None else {"kwargs": config.kwargs, "num_warps": config.num_warps,
+                                                            "num_stages": config.num_stages},
+                     "block_m": block_m, "flags": flags} | ({"ahead": triton_gemv.LOAD_AHEAD} if key[2] else {}))
+    return rows
 
 
 def save_choices(path) -> None:
@@ -53,9 +57,9 @@ def load_choices(*paths) -> int:
     kernel, shape and dtype), the first file's winning where two name one shape; returns how many
     were taken.  A missing or unreadable file is skipped, and so is a row this version cannot run
     as written (a kernel it lacks, a config or flag its kernel does not take), that rounds x to
-    int8 where QUANTSERVE_INT8_ACTIVATIONS=0, or a batch-1 row tuned with the other loop (its
-    AHEAD flag, absent before 2026-12-06, other than triton_gemv.LOAD_AHEAD): those shapes are
-    tuned again."""
+    int8 where QUANTSERVE_INT8_ACTIVATIONS=0, or a batch-1 row chosen with the other loop (its
+    "ahead", absent before 2026-12-06, other than triton_gemv.LOAD_AHEAD): those shapes are tuned
+    again."""
     kernels = _kernels()
     taken = 0
     for path in paths:
@@ -72,9 +76,9 @@ def load_choices(*paths) -> int:
                         continue  # written for another version of the kernel
                 if flags.get(dp4a.FLAG) and not dp4a.enabled():
                     continue  # x rounded to int8, turned off here: tuned again without it
-                if row["kernel"] in GEMV_KERNELS and bool(flags.get("AHEAD")) != triton_gemv.LOAD_AHEAD:
-                    continue  # tuned for the other loop (weights loaded a step ahead or not): tuned again
                 name, bucket, batch1, n, k, dtype, group = row["key"]
+                if batch1 and bool(row.get("ahead", False)) != triton_gemv.LOAD_AHEAD:
+                    continue  # chosen among batch-1 kernels of the other loop (_rows): tuned again
                 key = (name, int(bucket), bool(batch1), int(n), int(k), getattr(torch, dtype), group)
                 if key not in triton_mm._chosen:
                     triton_mm._chosen[key] = (fn, config, int(row["block_m"]), flags)

@@ -34,7 +34,7 @@ from quantserve.server.fastcore.triton_dequant import (AUTOTUNE_OPTIONS, compili
                                                        dequantize_int8, int8_to, nibbles_to_fp16)
 from quantserve.server.fastcore.kernel_timing import graph_times, quick_bench
 from quantserve.server.fastcore import triton_dp4a as dp4a, triton_splits as splits
-from quantserve.server.fastcore.triton_gemv import LOAD_AHEAD, fits as gemv_fits, int4_gemv_kernel, int8_gemv_kernel
+from quantserve.server.fastcore.triton_gemv import fits as gemv_fits, int4_gemv_kernel, int8_gemv_kernel
 from quantserve.server.fastcore.triton_rows import block_m as rows_block_m, fits as rows_fit, int4_rows_kernel
 from quantserve.server.fastcore.triton_splits import store_tile
 
@@ -320,12 +320,11 @@ def _launch(kernel, M: int, N: int, x: torch.Tensor, args: tuple, gemv=None, den
                 choices += _optional(lambda: _tune(rows, rows_block_m(M), M, N, K, x, args, extra, bucket))
             if gemv is not None and M == 1 and gemv_fits(gemv, K):
                 fn, config, block_m, _ = _tune(gemv, 1, M, N, K, x, args, extra)
-                ahead = {"AHEAD": LOAD_AHEAD}  # named in the kept choice: one tuned for the other loop is not reused
-                choices += [(fn, config, 1, {"BIT_DEQUANT": bits, **ahead}) for bits in (True, False)]
+                choices += [(fn, config, 1, {"BIT_DEQUANT": bits}) for bits in (True, False)]
                 if gemv is int4_gemv_kernel:  # products in packed fp16 (triton_gemv._nibble_dot)
-                    choices.append((fn, config, 1, {"BIT_DEQUANT": True, "HALF_DOT": True, **ahead}))
+                    choices.append((fn, config, 1, {"BIT_DEQUANT": True, "HALF_DOT": True}))
                 if dp4a.enabled():  # x rounded to int8, integer products (triton_dp4a.py)
-                    choices += [(fn, c, 1, {"BIT_DEQUANT": True, dp4a.FLAG: True, **ahead})
+                    choices += [(fn, c, 1, {"BIT_DEQUANT": True, dp4a.FLAG: True})
                                 for c in dp4a.configs_to_time(gemv, config)]
         _chosen[key] = _fastest(choices, M, N, K, x, args, extra)
     fn, config, block_m, flags = _chosen[key]

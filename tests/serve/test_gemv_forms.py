@@ -65,3 +65,24 @@ def test_every_matrix_vector_config_in_every_fused_form():
                 triton_mm.run_choice(fn, config, 1, 1, N, K, x, args, flags, warmup=True)
     for label, fn, config, args, flags, ref, rel in cases:
         check(triton_mm.run_choice(fn, config, 1, 1, N, K, x, args, flags), ref, label, rel, DTYPE)
+
+
+def test_split_k_with_the_weights_loaded_ahead_or_not():
+    """The batch-1 kernels over K split in two and four (a caller may ask; the configs keep 1): each
+    split loads its own steps ahead and stops at its own end."""
+    import triton
+
+    from quantserve.server.fastcore import triton_gemv, triton_mm
+
+    q8, q4 = layers(N, K, seed=7, device=DEVICE, dtype=DTYPE)
+    x = (torch.randn(1, K, device=DEVICE) * 2 + 0.3).to(DTYPE)
+    # BLOCK_K 256: one word a thread and row on 2 warps (int8: 4 columns a word) or 1 (int4: 8), so each
+    # split takes several K steps
+    kernels = ((triton_gemv.int8_gemv_kernel.fn, (x, q8.weight, q8.scales), {}, q8, 2),
+               (triton_gemv.int4_gemv_kernel.fn, (x, q4.weight, q4.scales, q4.mins), {"GROUP": q4.group_size}, q4, 1))
+    for split in (2, 4):
+        for ahead in (True, False):
+            for fn, args, extra, q, warps in kernels:
+                config = triton.Config({"BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": split}, num_warps=warps, num_stages=1)
+                y = triton_mm.run_choice(fn, config, 1, 1, N, K, x, args, {**extra, "BIT_DEQUANT": True, "AHEAD": ahead})
+                check(y, fused_reference(q, x, None, 0.0, False, None), f"split {split} ahead {ahead} {fn}", 2e-3, DTYPE)

@@ -65,10 +65,13 @@ def test_every_few_rows_config(M):
 
 
 def _row(weights: str, bucket: int, batch1: bool, kernel: str, kwargs: dict | None, warps: int, block_m: int,
-         flags: dict) -> dict:
-    return {"key": [f"_{weights}_kernel", bucket, batch1, N, K, DT, 128 if weights == "int4" else None],
-            "kernel": kernel, "config": None if kwargs is None else {"kwargs": kwargs, "num_warps": warps, "num_stages": 1},
-            "block_m": block_m, "flags": flags}
+         flags: dict, ahead: bool | None = None) -> dict:
+    """A kept choice as kernel_choices writes it (a batch-1 row says which loop its kernels ran:
+    this process's unless `ahead` is given)."""
+    row = {"key": [f"_{weights}_kernel", bucket, batch1, N, K, DT, 128 if weights == "int4" else None],
+           "kernel": kernel, "config": None if kwargs is None else {"kwargs": kwargs, "num_warps": warps, "num_stages": 1},
+           "block_m": block_m, "flags": flags}
+    return row | ({"ahead": LOAD_AHEAD if ahead is None else ahead} if batch1 else {})
 
 
 def test_a_table_of_choices_is_loaded_compiled_ahead_and_launched_untuned(tmp_path):
@@ -82,11 +85,11 @@ def test_a_table_of_choices_is_loaded_compiled_ahead_and_launched_untuned(tmp_pa
     q8, q4 = _layers()
     rows = [
         _row("int8", 16, True, "_int8_gemv_kernel", {"BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 1}, 4, 1,
-             {"BIT_DEQUANT": True, "AHEAD": LOAD_AHEAD}),
+             {"BIT_DEQUANT": True}),
         _row("int8", 16, False, "_int8_kernel", {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "SWAP": False}, 4, 16, {}),
         _row("int8", 256, False, "_int8_dense", None, 0, 0, {}),
         _row("int4", 1, True, "_int4_gemv_kernel", {"BLOCK_N": 8, "BLOCK_K": 1024, "SPLIT_K": 1}, 4, 1,
-             {"BIT_DEQUANT": True, "AHEAD": LOAD_AHEAD}),
+             {"BIT_DEQUANT": True}),
         _row("int4", 8, False, "_int4_rows_kernel", {"BLOCK_N": 8, "BLOCK_K": 1024, "SPLIT_K": 1, "K_FIRST": True},
              4, 8, {}),
         _row("int4", 4, False, "_int4_kernel", {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1, "NO_SUCH_FLAG": 1},
@@ -126,9 +129,9 @@ def test_a_kept_choice_that_rounds_x_to_int8_is_loaded_only_where_allowed(tmp_pa
     monkeypatch.setenv("QUANTSERVE_INT8_ACTIVATIONS", "1" if allowed else "0")
     q8, q4 = _layers(3)
     rows = [_row("int8", 16, True, "_int8_gemv_kernel", {"BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 1}, 4, 1,
-                 {"BIT_DEQUANT": True, "DOT4": True, "AHEAD": LOAD_AHEAD}),
+                 {"BIT_DEQUANT": True, "DOT4": True}),
             _row("int4", 1, True, "_int4_gemv_kernel", {"BLOCK_N": 8, "BLOCK_K": 1024, "SPLIT_K": 1}, 4, 1,
-                 {"BIT_DEQUANT": True, "DOT4": True, "AHEAD": LOAD_AHEAD})]
+                 {"BIT_DEQUANT": True, "DOT4": True})]
     (tmp_path / "kept.json").write_text(json.dumps(rows))
     saved = dict(triton_mm._chosen)
     triton_mm._chosen.clear()
@@ -146,23 +149,33 @@ def test_a_kept_choice_that_rounds_x_to_int8_is_loaded_only_where_allowed(tmp_pa
         triton_mm._chosen.update(saved)
 
 
-def test_a_batch1_choice_tuned_for_the_other_loop_is_tuned_again(tmp_path):
-    """A kept or shipped batch-1 row made with the weights loaded ahead, or without (rows written
-    before the flag existed name none), is taken only where this process's kernels do the same:
-    the forms' timings differ between the two loops (bench/RESULTS.md, 2026-12-06)."""
-    from quantserve.server.fastcore import kernel_choices, triton_mm
+@pytest.mark.parametrize("ahead", [True, False])
+def test_a_batch1_choice_made_with_the_other_loop_is_tuned_again(tmp_path, monkeypatch, ahead):
+    """A kept or shipped batch-1 row chosen among matrix-vector kernels that loaded their weights a
+    step ahead, or not (rows written before 2026-12-06 say nothing: not), is taken only where this
+    process's kernels do the same — the tiled kernel's batch-1 rows too, since the gemv forms they
+    beat time differently between the loops — and a saved choice says which loop it was made with."""
+    from quantserve.server.fastcore import kernel_choices, triton_gemv, triton_mm
 
-    config = {"BLOCK_N": 8, "BLOCK_K": 1024, "SPLIT_K": 1}
-    rows = [_row("int4", 1, True, "_int4_gemv_kernel", config, 4, 1, {"BIT_DEQUANT": True, "AHEAD": ahead})
-            for ahead in (True, False)]
-    rows.append(_row("int8", 16, True, "_int8_gemv_kernel", {**config, "BLOCK_K": 512}, 4, 1, {"BIT_DEQUANT": True}))
+    monkeypatch.setattr(triton_gemv, "LOAD_AHEAD", ahead)
+    gemv = {"BLOCK_N": 8, "BLOCK_K": 1024, "SPLIT_K": 1}
+    tiled = {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1, "SWAP": True}
+    rows = [_row("int4", 1, True, "_int4_gemv_kernel", gemv, 4, 1, {"BIT_DEQUANT": True}, ahead=True),
+            _row("int8", 16, True, "_int8_kernel", tiled, 4, 16, {}, ahead=False)]
+    old = _row("int8", 16, True, "_int8_kernel", tiled, 4, 16, {})  # another shape, written before the flag
+    del old["ahead"]
+    old["key"][3] = 2 * N
     (tmp_path / "kept.json").write_text(json.dumps(rows))
+    (tmp_path / "old.json").write_text(json.dumps([old]))
     saved = dict(triton_mm._chosen)
     triton_mm._chosen.clear()
     try:
         assert kernel_choices.load_choices(tmp_path / "kept.json") == 1
-        (flags,) = [choice[3] for choice in triton_mm._chosen.values()]
-        assert flags["AHEAD"] is LOAD_AHEAD
+        (key,) = triton_mm._chosen
+        assert key[0] == ("_int4_kernel" if ahead else "_int8_kernel")
+        assert kernel_choices.load_choices(tmp_path / "old.json") == (0 if ahead else 1)
+        kernel_choices.save_choices(tmp_path / "saved.json")
+        assert {r["ahead"] for r in json.loads((tmp_path / "saved.json").read_text())} == {ahead}
     finally:
         triton_mm._chosen.clear()
         triton_mm._chosen.update(saved)

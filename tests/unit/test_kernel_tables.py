@@ -18,7 +18,7 @@ from tests.support import REPO
 
 ROW = {"key": ["_int8_kernel", 16, True, 6144, 4096, "float16", None], "kernel": "_int8_gemv_kernel",
        "config": {"kwargs": {"BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 1}, "num_warps": 4, "num_stages": 1},
-       "block_m": 1, "flags": {"BIT_DEQUANT": True, "AHEAD": True}}
+       "block_m": 1, "flags": {"BIT_DEQUANT": True}, "ahead": True}
 
 
 def _row(**changes) -> dict:
@@ -98,8 +98,8 @@ def _kernel_parameters() -> dict[str, set[str]]:
 
 def table_problems(data: dict, params: dict[str, set[str]]) -> list[str]:
     """What is wrong with a table's rows for this version's kernels: a kernel it lacks, a config or
-    flag its kernel does not take, a malformed key, a batch-1 row tuned for the other loop than the
-    default one (weights loaded a step ahead: triton_gemv.LOAD_AHEAD) — what
+    flag its kernel does not take, a malformed key, a batch-1 row chosen with the other loop than
+    the default one (weights loaded a step ahead: triton_gemv.LOAD_AHEAD) — what
     kernel_choices.load_choices would skip."""
     problems = []
     for row in data["rows"]:
@@ -118,8 +118,8 @@ def table_problems(data: dict, params: dict[str, set[str]]) -> list[str]:
         unknown = (set(row["config"]["kwargs"]) | set(row["flags"])) - params[row["kernel"]]
         if unknown:
             problems.append(f"{row['kernel']} takes no {sorted(unknown)}")
-        if row["kernel"].endswith("_gemv_kernel") and row["flags"].get("AHEAD") is not True:
-            problems.append(f"{row['kernel']} {row['key']} tuned without the weights loaded ahead")
+        if batch1 and row.get("ahead") is not True:
+            problems.append(f"{row['kernel']} {row['key']} chosen without the weights loaded ahead")
     return problems
 
 
@@ -138,10 +138,10 @@ def test_a_table_check_finds_rows_this_version_cannot_run():
                           _row(key=["_int8_kernel", 512, False, 6144, 4096, "float16", None], kernel="_int8_dense",
                                config=None, block_m=0, flags={})]}
     assert table_problems(good, params) == []
-    stale = {"rows": [_row(flags={"BIT_DEQUANT": True, "AHEAD": True, "OLD_FLAG": 1}), _row(kernel="_gone_kernel"),
-                      _row(flags={"BIT_DEQUANT": True})]}
+    stale = {"rows": [_row(flags={"BIT_DEQUANT": True, "OLD_FLAG": 1}), _row(kernel="_gone_kernel"),
+                      _row(ahead=False)]}
     assert table_problems(stale, params) == ["_int8_gemv_kernel takes no ['OLD_FLAG']", "no kernel _gone_kernel",
-                                             f"_int8_gemv_kernel {ROW['key']} tuned without the weights loaded ahead"]
+                                             f"_int8_gemv_kernel {ROW['key']} chosen without the weights loaded ahead"]
 
 
 SHIPPED = sorted((REPO / "server/fastcore/kernel_tables").glob("*.json"))
