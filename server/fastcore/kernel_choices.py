@@ -29,10 +29,11 @@ def _rows() -> list[dict]:
     other setting is tuned again rather than taken."""
     rows = []
     for key, (fn, config, block_m, flags) in triton_mm._chosen.items():
-        rows.append({"key": [*key[:5], str(key[5]).removeprefix("torch."), key[6]], "kernel": triton_mm._kernel_name(fn),
-                     "config": None if config is None else {"kwargs": config.kwargs, "num_warps": config.num_warps,
-                                                            "num_stages": config.num_stages},
-                     "block_m": block_m, "flags": flags} | ({"ahead": triton_gemv.LOAD_AHEAD} if key[2] else {}))
+        kept = None if config is None else {"kwargs": config.kwargs, "num_warps": config.num_warps,
+                                            "num_stages": config.num_stages}
+        rows.append({"key": [*key[:5], str(key[5]).removeprefix("torch."), key[6]],
+                     "kernel": triton_mm._kernel_name(fn), "config": kept, "block_m": block_m, "flags": flags}
+                    | ({"ahead": triton_gemv.LOAD_AHEAD} if key[2] else {}))
     return rows
 
 

@@ -8,9 +8,10 @@ plus the integer, so an integer add and one float subtraction give the exact val
 FasterTransformer and Marlin use).
 
 The tiled kernels (triton_mm.py) use these (`nibbles_to_fp16`: four packed bytes at a time in
-inline PTX); BIT_DEQUANT=False keeps Triton's plain `.to()` conversion.  The batch-1
-matrix-vector kernels (triton_gemv.py, triton_rows.py) do the same trick on int32 words
-(`int8_quad`, `nibble_pair`: two columns per prmt or lop3, widened to fp32).  Last, `dequantize_int8` / `dequantize_int4`: the whole weight to fp16 in one pass, for
+inline PTX); BIT_DEQUANT=False keeps Triton's plain `.to()` conversion.  The batch-1 and few-rows
+kernels (triton_gemv.py, triton_rows.py) do the same trick on int32 words (`int8_quad`,
+`nibble_pair`: two columns per prmt or lop3, widened to fp32); `step_exists` masks their loads a
+step ahead.  Last, `dequantize_int8` / `dequantize_int4`: the whole weight to fp16 in one pass, for
 prompts through cuBLAS.  Also here, what every weight kernel's tuning shares: the autotuners'
 options (their timer: kernel_timing.py) and `compiling_ahead` (candidates compiled on threads).
 """
@@ -174,6 +175,14 @@ def nibble_pair(words, SHIFT: tl.constexpr):
         lo = ((words >> SHIFT) & 0xF).to(tl.float32) + 1024.0
         hi = ((words >> (16 + SHIFT)) & 0xF).to(tl.float32) + 1024.0
         return lo, hi
+
+
+@triton.jit
+def step_exists(k, end):
+    """Whether the K step at k exists (k < end), as a load's mask: the loads a step ahead
+    (triton_gemv.LOAD_AHEAD) stop at the last step.  A one-element tensor: Triton's interpreter
+    takes no bare bool as a mask."""
+    return tl.full((1,), k, tl.int32) < end
 
 
 # Dequantize-then-cuBLAS for prompts: one pass that reads the packed weights and writes the fp16

@@ -47,7 +47,8 @@ import os
 import triton
 import triton.language as tl
 
-from quantserve.server.fastcore.triton_dequant import AUTOTUNE_OPTIONS, PTX as _PTX, int8_quad, nibble_pair
+from quantserve.server.fastcore.triton_dequant import (AUTOTUNE_OPTIONS, PTX as _PTX, int8_quad, nibble_pair,
+                                                       step_exists)
 from quantserve.server.fastcore.triton_dp4a import column_sum, dot_int4, dot_int8, quantize4, quantize8_for_nibbles
 from quantserve.server.fastcore.triton_splits import store_row
 
@@ -68,13 +69,6 @@ _INT4 = ((8, 1024, 4), (16, 1024, 4), (32, 1024, 4), (4, 1024, 4), (8, 2048, 8),
 # On an H100 (bench/RESULTS.md, 2026-12-06): the 8B's int4 decode at batch 1 1.098x as fast (ahead,
 # off, ahead in one call), int8 1.02x.  QUANTSERVE_GEMV_AHEAD=0 turns it off.
 LOAD_AHEAD = os.environ.get("QUANTSERVE_GEMV_AHEAD", "1") != "0"
-
-
-@triton.jit
-def _live(k, end):
-    """Whether the step at k exists, as a mask (a one-element tensor: Triton's interpreter takes
-    no bare bool as one)."""
-    return tl.full((1,), k, tl.int32) < end
 
 
 def _config(bn: int, bk: int, warps: int):
@@ -168,7 +162,7 @@ def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm
         k = tl.multiple_of(k, BLOCK_K)
         if AHEAD:  # this step's words were loaded a step ago; the next step's go out now
             words = ahead
-            ahead = tl.load(w_ptrs + (k + BLOCK_K) // 4, mask=_live(k + BLOCK_K, k0 + k_len), other=0,
+            ahead = tl.load(w_ptrs + (k + BLOCK_K) // 4, mask=step_exists(k + BLOCK_K, k0 + k_len), other=0,
                             eviction_policy="evict_first")
         else:
             words = tl.load(w_ptrs + k // 4, eviction_policy="evict_first")  # [BN, W] int32
@@ -303,7 +297,7 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, st
         k = tl.multiple_of(k, BLOCK_K)
         if AHEAD:  # this step's words were loaded a step ago; the next step's go out now
             words = ahead
-            ahead = tl.load(w_ptrs + (k + BLOCK_K) // 8, mask=_live(k + BLOCK_K, k0 + k_len), other=0,
+            ahead = tl.load(w_ptrs + (k + BLOCK_K) // 8, mask=step_exists(k + BLOCK_K, k0 + k_len), other=0,
                             eviction_policy="evict_first")
         else:
             words = tl.load(w_ptrs + k // 8, eviction_policy="evict_first")  # [W, BN] int32

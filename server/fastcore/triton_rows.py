@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from quantserve.server.fastcore.triton_dequant import AUTOTUNE_OPTIONS, nibble_pair
+from quantserve.server.fastcore.triton_dequant import AUTOTUNE_OPTIONS, nibble_pair, step_exists
 
 # (BLOCK_N, BLOCK_K, warps): one word per thread and row, BLOCK_K = 256 * warps; the accumulators
 # are BLOCK_M x BLOCK_N fp32 a thread, so wide row blocks pair with few weight rows (_prune)
@@ -61,7 +61,7 @@ def block_m(M: int) -> int:
 @triton.jit(do_not_specialize=["M", "M_BUCKET"], do_not_specialize_on_alignment=["K"])
 def _int4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, stride_om,
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      SPLIT_K: tl.constexpr, K_FIRST: tl.constexpr = True):
+                      SPLIT_K: tl.constexpr, K_FIRST: tl.constexpr = True, AHEAD: tl.constexpr = False):
     # Every tensor is 3-D, with size-1 axes where it does not vary, so that the loads, the weights'
     # conversion and the products can share one layout with the threads along K.  Which order of
     # the axes gets it is up to Triton's choice of layout for loads whose addresses are no more
@@ -87,9 +87,16 @@ def _int4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, st
         acc = tl.zeros((W, BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, W), dtype=tl.float32)
+    if AHEAD:  # as the batch-1 kernels' (triton_gemv.LOAD_AHEAD); here a candidate the launcher times
+        ahead = tl.load(w_ptrs, eviction_policy="evict_first")
     for k in range(0, K, BLOCK_K):
         k = tl.multiple_of(k, BLOCK_K)
-        words = tl.load(w_ptrs + k // 8, eviction_policy="evict_first")  # int32, varying along words and weight rows
+        if AHEAD:
+            words = ahead
+            ahead = tl.load(w_ptrs + (k + BLOCK_K) // 8, mask=step_exists(k + BLOCK_K, K), other=0,
+                            eviction_policy="evict_first")
+        else:
+            words = tl.load(w_ptrs + k // 8, eviction_policy="evict_first")  # int32: along words and weight rows
         s = tl.load(s_ptr + sz_off + k // GROUP).to(tl.float32)
         m = tl.load(z_ptr + sz_off + k // GROUP).to(tl.float32) - 1024.0 * s  # the 1024 of 1024 + q
         for p in tl.static_range(4):
