@@ -4,7 +4,7 @@
 #   the GPU tests of the weight kernels (every few-rows config against the dequantized matmul, the
 #   launcher at 1-512 rows, the shipped kernel table where there is one for this GPU);
 #   the per-layer race on the 8B shape at 4, 8 and 16 rows ($RACE_BATCHES): fp16 (cuBLAS), int4 as the launcher
-#   chooses, the tiled `tl.dot` kernel alone and the few-rows kernel alone;
+#   chooses, the tiled `tl.dot` kernel alone and the few-rows kernel alone, without and with its loads ahead;
 #   bench decode of the 8B shape at batch 8 and 32 under the T4 profile, int4 then fp16 (the baseline,
 #   same call): the "no quantized path slower per step than fp16".
 #   bench/rows_gpu.sh OUT
@@ -21,7 +21,7 @@ log "installed"
     "$repo/tests/serve/test_gpu_kernels.py" -k "few_rows or launcher or graph_replays or split_k or shipped_table") > "$out/gpu-tests.log" 2>&1 || log "gpu tests: rc=$?"
 grep -E "^FAILED|^SKIPPED|passed|failed" "$out/gpu-tests.log" >> "$out/bench.txt"; log "tests done"
 (cd /tmp && PYTHONPATH=$site timeout $(left 380) python3 -m quantserve.bench.kernel_race --shapes 8b --batches ${RACE_BATCHES:-4,8,16} \
-    --kinds fp16,int4,int4-tiled,int4-rows --out "$out/race-8b.json") > "$out/race-8b.log" 2>&1 || log "race: rc=$?"
+    --kinds fp16,int4,int4-tiled,int4-rows,int4-rows-ahead --out "$out/race-8b.json") > "$out/race-8b.log" 2>&1 || log "race: rc=$?"
 sed -n '/^| layer/,$p' "$out/race-8b.log" >> "$out/bench.txt"; log "race done"
 decode $(left 500) 8b-int4 --models 8b --quants int4 --kernels triton --batches 8,32
 decode $(left 580) 8b-fp16 --models 8b --quants none --batches 8,32
