@@ -10,8 +10,8 @@ FasterTransformer and Marlin use).
 The tiled kernels (triton_mm.py) use these (`nibbles_to_fp16`: four packed bytes at a time in
 inline PTX); BIT_DEQUANT=False keeps Triton's plain `.to()` conversion.  The batch-1 and few-rows
 kernels (triton_gemv.py, triton_rows.py) do the same trick on int32 words (`int8_quad`,
-`nibble_pair`: two columns per prmt or lop3, widened to fp32); `step_exists` masks their loads a
-step ahead.  Last, `dequantize_int8` / `dequantize_int4`: the whole weight to fp16 in one pass, for
+`nibble_pair`: two columns per prmt or lop3, widened to fp32) and load their words a step ahead
+or not (`first_words`, `step_words`).  Last, `dequantize_int8` / `dequantize_int4`: the whole weight to fp16 in one pass, for
 prompts through cuBLAS.  Also here, what every weight kernel's tuning shares: the autotuners'
 options (their timer: kernel_timing.py) and `compiling_ahead` (candidates compiled on threads).
 """
@@ -177,12 +177,29 @@ def nibble_pair(words, SHIFT: tl.constexpr):
         return lo, hi
 
 
+# The batch-1 and few-rows kernels' weight words, each K step's loaded one step ahead or in its step
+# (AHEAD: triton_gemv.LOAD_AHEAD).  `w_ptrs` point at the words of the step at k = 0, `columns` of
+# K a word; a loop carries `ahead` (0 without AHEAD):
+#     ahead = first_words(w_ptrs, k0, columns, AHEAD)
+#     for k in ...: words, ahead = step_words(w_ptrs, k, end, ahead, BLOCK_K, columns, AHEAD)
+
 @triton.jit
-def step_exists(k, end):
-    """Whether the K step at k exists (k < end), as a load's mask: the loads a step ahead
-    (triton_gemv.LOAD_AHEAD) stop at the last step.  A one-element tensor: Triton's interpreter
-    takes no bare bool as a mask."""
-    return tl.full((1,), k, tl.int32) < end
+def first_words(w_ptrs, k0, columns: tl.constexpr, AHEAD: tl.constexpr):
+    if AHEAD:
+        return tl.load(w_ptrs + k0 // columns, eviction_policy="evict_first")
+    else:
+        return 0
+
+
+@triton.jit
+def step_words(w_ptrs, k, end, ahead, BLOCK_K: tl.constexpr, columns: tl.constexpr, AHEAD: tl.constexpr):
+    """(this step's words, what the loop carries): with AHEAD the words loaded a step ago, and the
+    next step's loaded now (none past `end`); otherwise this step's, loaded now."""
+    if AHEAD:
+        live = tl.full((1,), k + BLOCK_K, tl.int32) < end  # a tensor: the interpreter takes no bare bool mask
+        return ahead, tl.load(w_ptrs + (k + BLOCK_K) // columns, mask=live, other=0, eviction_policy="evict_first")
+    else:
+        return tl.load(w_ptrs + k // columns, eviction_policy="evict_first"), ahead
 
 
 # Dequantize-then-cuBLAS for prompts: one pass that reads the packed weights and writes the fp16

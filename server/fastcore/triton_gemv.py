@@ -47,8 +47,8 @@ import os
 import triton
 import triton.language as tl
 
-from quantserve.server.fastcore.triton_dequant import (AUTOTUNE_OPTIONS, PTX as _PTX, int8_quad, nibble_pair,
-                                                       step_exists)
+from quantserve.server.fastcore.triton_dequant import (AUTOTUNE_OPTIONS, PTX as _PTX, first_words, int8_quad,
+                                                       nibble_pair, step_words)
 from quantserve.server.fastcore.triton_dp4a import column_sum, dot_int4, dot_int8, quantize4, quantize8_for_nibbles
 from quantserve.server.fastcore.triton_splits import store_row
 
@@ -156,16 +156,10 @@ def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm
     acc = tl.zeros((BLOCK_N, W), dtype=tl.float32)
     xacc = tl.zeros((W,), dtype=tl.float32)
     sq = tl.zeros((W,), dtype=tl.float32)
-    if AHEAD:
-        ahead = tl.load(w_ptrs + k0 // 4, eviction_policy="evict_first")
+    ahead = first_words(w_ptrs, k0, 4, AHEAD)
     for k in range(k0, k0 + k_len, BLOCK_K):
         k = tl.multiple_of(k, BLOCK_K)
-        if AHEAD:  # this step's words were loaded a step ago; the next step's go out now
-            words = ahead
-            ahead = tl.load(w_ptrs + (k + BLOCK_K) // 4, mask=step_exists(k + BLOCK_K, k0 + k_len), other=0,
-                            eviction_policy="evict_first")
-        else:
-            words = tl.load(w_ptrs + k // 4, eviction_policy="evict_first")  # [BN, W] int32
+        words, ahead = step_words(w_ptrs, k, k0 + k_len, ahead, BLOCK_K, 4, AHEAD)  # [BN, W] int32
         x0, sq0 = _activation(x_ptr, norm_ptr, k + 4 * rw, NORM)
         x1, sq1 = _activation(x_ptr, norm_ptr, k + 4 * rw + 1, NORM)
         x2, sq2 = _activation(x_ptr, norm_ptr, k + 4 * rw + 2, NORM)
@@ -291,16 +285,10 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, st
     k0 = tl.multiple_of(tl.program_id(1) * k_len, BLOCK_K) if SPLIT_K > 1 else 0
     acc = tl.zeros((W, BLOCK_N), dtype=tl.float32)
     sq = tl.zeros((W,), dtype=tl.float32)
-    if AHEAD:
-        ahead = tl.load(w_ptrs + k0 // 8, eviction_policy="evict_first")
+    ahead = first_words(w_ptrs, k0, 8, AHEAD)
     for k in range(k0, k0 + k_len, BLOCK_K):
         k = tl.multiple_of(k, BLOCK_K)
-        if AHEAD:  # this step's words were loaded a step ago; the next step's go out now
-            words = ahead
-            ahead = tl.load(w_ptrs + (k + BLOCK_K) // 8, mask=step_exists(k + BLOCK_K, k0 + k_len), other=0,
-                            eviction_policy="evict_first")
-        else:
-            words = tl.load(w_ptrs + k // 8, eviction_policy="evict_first")  # [W, BN] int32
+        words, ahead = step_words(w_ptrs, k, k0 + k_len, ahead, BLOCK_K, 8, AHEAD)  # [W, BN] int32
         s = tl.load(s_ptr + sz_off + k // GROUP).to(tl.float32)
         z = tl.load(z_ptr + sz_off + k // GROUP).to(tl.float32)
         part = tl.zeros((W, BLOCK_N), dtype=tl.float32)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from quantserve.server.fastcore.triton_dequant import AUTOTUNE_OPTIONS, nibble_pair, step_exists
+from quantserve.server.fastcore.triton_dequant import AUTOTUNE_OPTIONS, first_words, nibble_pair, step_words
 
 # (BLOCK_N, BLOCK_K, warps): one word per thread and row, BLOCK_K = 256 * warps; the accumulators
 # are BLOCK_M x BLOCK_N fp32 a thread, so wide row blocks pair with few weight rows (_prune)
@@ -87,16 +87,10 @@ def _int4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, st
         acc = tl.zeros((W, BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, W), dtype=tl.float32)
-    if AHEAD:  # as the batch-1 kernels' (triton_gemv.LOAD_AHEAD); here a candidate the launcher times
-        ahead = tl.load(w_ptrs, eviction_policy="evict_first")
+    ahead = first_words(w_ptrs, 0, 8, AHEAD)  # AHEAD as the batch-1 kernels'; here a candidate the launcher times
     for k in range(0, K, BLOCK_K):
         k = tl.multiple_of(k, BLOCK_K)
-        if AHEAD:
-            words = ahead
-            ahead = tl.load(w_ptrs + (k + BLOCK_K) // 8, mask=step_exists(k + BLOCK_K, K), other=0,
-                            eviction_policy="evict_first")
-        else:
-            words = tl.load(w_ptrs + k // 8, eviction_policy="evict_first")  # int32: along words and weight rows
+        words, ahead = step_words(w_ptrs, k, K, ahead, BLOCK_K, 8, AHEAD)  # int32: along words and weight rows
         s = tl.load(s_ptr + sz_off + k // GROUP).to(tl.float32)
         m = tl.load(z_ptr + sz_off + k // GROUP).to(tl.float32) - 1024.0 * s  # the 1024 of 1024 + q
         for p in tl.static_range(4):
