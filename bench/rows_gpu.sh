@@ -16,9 +16,11 @@ source "$repo/bench/gpu_lib.sh"  # log, left, decode
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target "$site" . 2>&1 | grep -v WARNING
 (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) > "$out/bench.txt"
 log "installed"
-# the tests this kernel and the launcher's timing touch (the whole file takes over 5 min on an H200)
+# the tests this kernel, the loads ahead and the launcher's timing touch (the whole file takes over 5 min on an H200)
 (cd /tmp && PYTHONPATH=$site timeout 200 python3 -m pytest --import-mode=append -q -p no:cacheprovider -rfs \
-    "$repo/tests/serve/test_gpu_kernels.py" -k "few_rows or launcher or graph_replays or split_k or shipped_table") > "$out/gpu-tests.log" 2>&1 || log "gpu tests: rc=$?"
+    "$repo/tests/serve/test_gpu_kernels.py" "$repo/tests/serve/test_gemv_forms.py" \
+    -k "few_rows or launcher or graph_replays or split_k or shipped_table or loaded_ahead") > "$out/gpu-tests.log" 2>&1 \
+    || log "gpu tests: rc=$?"
 grep -E "^FAILED|^SKIPPED|passed|failed" "$out/gpu-tests.log" >> "$out/bench.txt"; log "tests done"
 (cd /tmp && PYTHONPATH=$site timeout $(left 380) python3 -m quantserve.bench.kernel_race --shapes 8b --batches ${RACE_BATCHES:-4,8,16} \
     --kinds fp16,int4,int4-tiled,int4-rows,int4-rows-ahead --out "$out/race-8b.json") > "$out/race-8b.log" 2>&1 || log "race: rc=$?"
