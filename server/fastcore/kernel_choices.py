@@ -18,7 +18,6 @@ import triton
 
 from quantserve.server.fastcore import triton_dp4a as dp4a, triton_gemv, triton_mm
 from quantserve.server.fastcore.kernel_tables import read_rows, write_json
-from quantserve.server.fastcore.triton_gemv import int4_gemv_kernel, int8_gemv_kernel
 from quantserve.server.fastcore.triton_rows import int4_rows_kernel
 
 
@@ -48,7 +47,7 @@ def _kernels() -> dict:
     import inspect
 
     fns = (triton_mm._int8_kernel, triton_mm._int4_kernel, triton_mm._int8_dense, triton_mm._int4_dense,
-           int8_gemv_kernel.fn, int4_gemv_kernel.fn, int4_rows_kernel.fn)
+           triton_gemv.int8_gemv_kernel.fn, triton_gemv.int4_gemv_kernel.fn, int4_rows_kernel.fn)
     # a JITFunction's own Python function has the signature
     return {triton_mm._kernel_name(fn): (fn, set(inspect.signature(getattr(fn, "fn", fn)).parameters)) for fn in fns}
 

@@ -11,8 +11,8 @@ The tiled kernels (triton_mm.py) use these (`nibbles_to_fp16`: four packed bytes
 inline PTX); BIT_DEQUANT=False keeps Triton's plain `.to()` conversion.  The batch-1 and few-rows
 kernels (triton_gemv.py, triton_rows.py) do the same trick on int32 words (`int8_quad`,
 `nibble_pair`: two columns per prmt or lop3, widened to fp32) and load their words a step ahead
-or not (`first_words`, `step_words`).  Last, `dequantize_int8` / `dequantize_int4`: the whole weight to fp16 in one pass, for
-prompts through cuBLAS.  Also here, what every weight kernel's tuning shares: the autotuners'
+or not (`first_words`, `step_words`).  Last, `dequantize_int8` / `dequantize_int4`: the whole
+weight to fp16 in one pass, for prompts through cuBLAS.  Also here, what every weight kernel's tuning shares: the autotuners'
 options (their timer: kernel_timing.py) and `compiling_ahead` (candidates compiled on threads).
 """
 
@@ -126,7 +126,7 @@ def nibbles_to_fp16(packed, BIT_DEQUANT: tl.constexpr):
         return nibble_to(packed >> 4, tl.float16, BIT_DEQUANT), nibble_to(packed & 0xF, tl.float16, BIT_DEQUANT)
 
 
-# The batch-1 matrix-vector kernels' forms of the trick (triton_gemv.py, triton_rows.py): a word of
+# The batch-1 and few-rows kernels' forms of the trick (triton_gemv.py, triton_rows.py): a word of
 # packed columns at a time, widened to fp32 (their products are fp32).
 
 @triton.jit

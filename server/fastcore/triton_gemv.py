@@ -13,8 +13,9 @@ bandwidth on the 8B model's small layers), each seen in the SASS Triton makes fo
   through shared memory with three barriers on every tile;
 - products are summed inside each thread; threads and warps are reduced once, after the loop;
 - int8 -> fp16 and int4 -> fp16 by the bit tricks of FasterTransformer / Marlin in inline PTX
-  (triton_dequant's `int8_quad`, `nibble_pair`: one prmt or lop3 per two columns), widened to fp32 exactly, so a
-  weight costs ~3.5 instructions instead of ~5 (BIT_DEQUANT=False: Triton's own conversion);
+  (triton_dequant's `int8_quad`, `nibble_pair`: one prmt or lop3 per two columns), widened to fp32
+  exactly, so a weight costs ~3.5 instructions instead of ~5 (BIT_DEQUANT=False: Triton's own
+  conversion);
 - rows past N read row N - 1 (clamped, unmasked loads) and are not stored;
 - each step's weights are loaded a step ahead (LOAD_AHEAD).
 
