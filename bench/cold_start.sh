@@ -96,6 +96,8 @@ fi
 if [ "$phase" = 2 ]; then
   [ -f /tmp/kernel-tables/*.json ] || { log "phase 2 needs phase 1's table in /tmp/kernel-tables"; exit 3; }
   install; machine
+  # bench/llama_ggufs.sh removes the 8B checkpoint once its GGUF is written (the disk is 64 GB)
+  checkpoint llama-3.1-8b || { log "no checkpoint"; tail "$out/checkpoints.log"; exit 1; }
   start ours-8b-cold-notable-2 /tmp/qs-8b-c /tmp/ck-llama-3.1-8b QUANTSERVE_KERNEL_TABLES=0 && stop
   start ours-8b-cold-table-2 /tmp/qs-8b-d /tmp/ck-llama-3.1-8b && stop
   # int4: its choices added to the table, then a cold start with it

@@ -10,9 +10,9 @@
 #   bench/dp4a_gpu.sh OUT race   install and the per-layer race alone ($KINDS, by $END s): the least device time
 #   bench/dp4a_gpu.sh OUT llama  llama.cpp's build, a random 8B checkpoint and its GGUFs (F16 by us,
 #                                Q8_0 / Q4_K_M by llama-quantize), detached (~10 min of the machine)
-#   bench/dp4a_gpu.sh OUT 2      after those: llama-bench on Q8_0 / Q4_K_M, then in the same call bench
-#                                decode 8B at batch 1: fp16, int8 and int4 as served, then int8 and int4
-#                                without the dp4a form
+#   bench/dp4a_gpu.sh OUT 2      after those: bench decode 8B at batch 1 (fp16, int8 and int4 as served),
+#                                then in the same call llama-bench on Q8_0 / Q4_K_M (waiting for the
+#                                GGUFs up to 440 s in); FLOAT=1: int8 and int4 without the dp4a form too
 # Run from the repo root with .devwheels and .devllama (the slimmed llama-cpp-python sdist) carried.
 set -uo pipefail
 out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
@@ -66,14 +66,15 @@ elif [ "$phase" = llama ]; then  # a later call: llama.cpp's build and the 8B GG
       GGUF_SHAPES=llama-3.1-8b nice -n 10 bash $repo/bench/llama_ggufs.sh $site" > /tmp/ggufs.log 2>&1 < /dev/null &
   log "llama.cpp build and GGUFs started"
 elif [ "$phase" = 2 ]; then
-  for i in $(seq 60); do [ -f /tmp/ggufs.done ] && break; sleep 2; done
+  # every batch-1 target of issue 20 in this one call: fp16 (int4 >= 2x it), int8 and int4 as served
+  # (the dp4a form allowed, weights loaded ahead) first, while the GGUFs may still be in the making;
+  # then llama-bench on Q8_0 / Q4_K_M; $FLOAT=1 adds int8 and int4 without the dp4a form
+  QUANTSERVE_HOME=/tmp/qs-on2 decode $(left 300) 8b-b1-dp4a --models 8b --quants none,int8,int4 --kernels triton --batches 1
+  until [ -f /tmp/ggufs.done ] || [ "$SECONDS" -gt 440 ]; do sleep 2; done
   tail -n 6 /tmp/ggufs.log >> "$out/bench.txt"
   llama_bench 60 /tmp/llama-3.1-8b-Q8_0.gguf /tmp/llama-3.1-8b-Q4_K_M.gguf
   log "llama-bench done"
-  # every batch-1 target of issue 20 in this one call: fp16 (int4 >= 2x it), int8 and int4 as served
-  # (the dp4a form allowed, weights loaded ahead); then the float forms only, the baseline of the form
-  QUANTSERVE_HOME=/tmp/qs-on2 decode $(left 440) 8b-b1-dp4a --models 8b --quants none,int8,int4 --kernels triton --batches 1
-  (export QUANTSERVE_INT8_ACTIVATIONS=0
+  [ "${FLOAT:-0}" != 1 ] || (export QUANTSERVE_INT8_ACTIVATIONS=0
    QUANTSERVE_HOME=/tmp/qs-off decode $(left 585) 8b-b1-float --models 8b --quants int8,int4 --kernels triton --batches 1)
 else
   echo "dp4a_gpu.sh: unknown phase '$phase' (1, race, llama or 2)" >&2; exit 2
