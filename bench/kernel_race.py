@@ -15,8 +15,7 @@ and cast included), int8-gemv / int4-gemv / int4-halfdot (batch 1: this tree's m
 kernel alone at its autotuner's config, with the bit-pattern dequantization; int4-halfdot with
 its products in packed fp16; int8-dp4a / int4-dp4a with x rounded to int8 and dp4a products, triton_dp4a.py), int8-gemlite / int4-gemlite, int8-dense / int4-dense and int8-tiles / int4-tiles (prompts
 only: the dequantize-then-cuBLAS path alone, the 128-row tiles alone), int4-tiled (decode batches: the tiled `tl.dot`
-kernel alone), int4-rows (2-16 rows: triton_rows.py's kernel alone) and int4-rows-ahead (the same config with each
-step's weights loaded a step ahead).  Every row also records the error against the
+kernel alone) and int4-rows (2-16 rows: triton_rows.py's kernel alone).  Every row also records the error against the
 fp32 product of the same integers dequantized.
 """
 
@@ -34,7 +33,7 @@ from quantserve.bench.kernels import SHAPES
 
 KINDS = ("fp16", "int8", "int8-old", "int8-gemv", "int8-dp4a", "int8-gemlite", "int8-dense", "int8-tiles", "int4",
          "int4-old", "int4-gemv", "int4-halfdot", "int4-dp4a", "int4-gemlite", "int4-dense", "int4-tiles", "int4-tiled",
-         "int4-rows", "int4-rows-ahead")
+         "int4-rows")
 BATCH1_ONLY = ("-old", "-gemv", "-halfdot", "-dp4a", "-gemlite")  # kinds timed at M = 1 only
 DECODE_ONLY = ("-tiled",)  # M <= 64 only
 FEW_ROWS_ONLY = ("-rows",)  # 2 <= M <= 16 only
@@ -87,7 +86,6 @@ def build(kind: str, w, old):
     fn = {"old": lambda: _old_layer(kind, layer, old), "dense": lambda: _dense_layer(layer),
           "tiles": lambda: _alone(layer, "tiles"), "gemv": lambda: _alone(layer, "gemv", {"BIT_DEQUANT": True}),
           "tiled": lambda: _alone(layer, "tiled"), "rows": lambda: _alone(layer, "rows"),
-          "rows-ahead": lambda: _alone(layer, "rows", {"AHEAD": True}),
           "halfdot": lambda: _alone(layer, "gemv", {"BIT_DEQUANT": True, "HALF_DOT": True}),
           "dp4a": lambda: _alone(layer, "gemv", {"BIT_DEQUANT": True, "DOT4": True})}.get(library, lambda: layer)()
     return fn, linear_weight_bytes(layer), layer
@@ -178,7 +176,7 @@ def describe_choice(kind: str, fn, N: int, K: int, M: int) -> str | None:
         f, config, block_m, flags = c
         name = getattr(f, "__name__", None) or getattr(getattr(f, "fn", None), "__name__", str(f))
         return f"{name} {config.kwargs if config is not None else 'dense'} w{getattr(config, 'num_warps', '-')} {flags}"
-    if kind.endswith(("-old", "-tiles", "-gemv", "-halfdot", "-dp4a", "-tiled", "-rows", "-rows-ahead")):
+    if kind.endswith(("-old", "-tiles", "-gemv", "-halfdot", "-dp4a", "-tiled", "-rows")):
         c = fn.state.get("config")
         return f"{kind.split('-')[1]} {c.kwargs} w{c.num_warps} s{c.num_stages}" if c is not None else None
     return None

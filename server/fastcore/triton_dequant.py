@@ -10,8 +10,8 @@ FasterTransformer and Marlin use).
 The tiled kernels (triton_mm.py) use these (`nibbles_to_fp16`: four packed bytes at a time in
 inline PTX); BIT_DEQUANT=False keeps Triton's plain `.to()` conversion.  The batch-1 and few-rows
 kernels (triton_gemv.py, triton_rows.py) do the same trick on int32 words (`int8_quad`,
-`nibble_pair`: two columns per prmt or lop3, widened to fp32) and load their words a step ahead
-or not (`first_words`, `step_words`).  Last, `dequantize_int8` / `dequantize_int4`: the whole
+`nibble_pair`: two columns per prmt or lop3, widened to fp32); the batch-1 kernels load their
+words a step ahead or not (`first_words`, `step_words`).  Last, `dequantize_int8` / `dequantize_int4`: the whole
 weight to fp16 in one pass, for prompts through cuBLAS.  Also here, what every weight kernel's tuning shares: the autotuners'
 options (their timer: kernel_timing.py) and `compiling_ahead` (candidates compiled on threads).
 """
@@ -177,7 +177,7 @@ def nibble_pair(words, SHIFT: tl.constexpr):
         return lo, hi
 
 
-# The batch-1 and few-rows kernels' weight words, each K step's loaded one step ahead or in its step
+# The batch-1 kernels' weight words, each K step's loaded one step ahead or in its step
 # (AHEAD: triton_gemv.LOAD_AHEAD).  `w_ptrs` point at the words of the step at k = 0, `columns` of
 # K a word; a loop carries `ahead` (0 without AHEAD):
 #     ahead = first_words(w_ptrs, k0, columns, AHEAD)

@@ -317,9 +317,7 @@ def _launch(kernel, M: int, N: int, x: torch.Tensor, args: tuple, gemv=None, den
         else:
             choices = [_tune(kernel, _block_m(M), M, N, K, x, args, extra, bucket)]
             if rows is not None and 1 < M <= 16 and rows_fit(K):
-                found = _optional(lambda: _tune(rows, rows_block_m(M), M, N, K, x, args, extra, bucket))
-                # and its tuned config with each step's weights loaded a step ahead (triton_rows.py)
-                choices += found + [(fn, config, bm, {"AHEAD": True}) for fn, config, bm, _ in found]
+                choices += _optional(lambda: _tune(rows, rows_block_m(M), M, N, K, x, args, extra, bucket))
             if gemv is not None and M == 1 and gemv_fits(gemv, K):
                 fn, config, block_m, _ = _tune(gemv, 1, M, N, K, x, args, extra)
                 choices += [(fn, config, 1, {"BIT_DEQUANT": bits}) for bits in (True, False)]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from quantserve.server.fastcore.triton_dequant import AUTOTUNE_OPTIONS, first_words, nibble_pair, step_words
+from quantserve.server.fastcore.triton_dequant import AUTOTUNE_OPTIONS, nibble_pair
 
 # (BLOCK_N, BLOCK_K, warps): one word per thread and row, BLOCK_K = 256 * warps; the accumulators
 # are BLOCK_M x BLOCK_N fp32 a thread, so wide row blocks pair with few weight rows (_prune)
@@ -61,7 +61,7 @@ def block_m(M: int) -> int:
 @triton.jit(do_not_specialize=["M", "M_BUCKET"], do_not_specialize_on_alignment=["K"])
 def _int4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, stride_om,
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      SPLIT_K: tl.constexpr, K_FIRST: tl.constexpr = True, AHEAD: tl.constexpr = False):
+                      SPLIT_K: tl.constexpr, K_FIRST: tl.constexpr = True):
     # Every tensor is 3-D, with size-1 axes where it does not vary, so that the loads, the weights'
     # conversion and the products can share one layout with the threads along K.  Which order of
     # the axes gets it is up to Triton's choice of layout for loads whose addresses are no more
@@ -87,10 +87,11 @@ def _int4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, st
         acc = tl.zeros((W, BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, W), dtype=tl.float32)
-    ahead = first_words(w_ptrs, 0, 8, AHEAD)  # AHEAD as the batch-1 kernels'; here a candidate the launcher times
+    # no loads a step ahead here (triton_gemv's LOAD_AHEAD): on an H100 they made this kernel 4-25 %
+    # slower at 4-16 rows on every 8B layer (bench/RESULTS.md, 2026-12-06 second lease)
     for k in range(0, K, BLOCK_K):
         k = tl.multiple_of(k, BLOCK_K)
-        words, ahead = step_words(w_ptrs, k, K, ahead, BLOCK_K, 8, AHEAD)  # int32: along words and weight rows
+        words = tl.load(w_ptrs + k // 8, eviction_policy="evict_first")  # int32: along words and weight rows
         s = tl.load(s_ptr + sz_off + k // GROUP).to(tl.float32)
         m = tl.load(z_ptr + sz_off + k // GROUP).to(tl.float32) - 1024.0 * s  # the 1024 of 1024 + q
         for p in tl.static_range(4):

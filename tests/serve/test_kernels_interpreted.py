@@ -46,8 +46,7 @@ def _close(y: torch.Tensor, ref: torch.Tensor, what: str) -> None:
 @pytest.mark.parametrize("M", [2, 3, 8, 11, 16])
 def test_every_few_rows_config(M):
     """Each config of the few-rows kernel that fits M's row block (both axis orders), rows of x not
-    a power of two, activations with outlier columns and a large mean; with each step's weights
-    loaded a step ahead (AHEAD, a launcher candidate) the same bits."""
+    a power of two, activations with outlier columns and a large mean."""
     from quantserve.server.fastcore import triton_mm, triton_rows
 
     _, q4 = _layers(M)
@@ -63,10 +62,6 @@ def test_every_few_rows_config(M):
         y = triton_mm.run_choice(triton_rows.int4_rows_kernel.fn, config, bm, M, N, K, x,
                                  (x, q4.weight, q4.scales, q4.mins), {"GROUP": q4.group_size})
         _close(y, ref, f"M={M} {config}")
-        if config.kwargs["BLOCK_K"] < K:  # several K steps: the loads ahead matter
-            ahead = triton_mm.run_choice(triton_rows.int4_rows_kernel.fn, config, bm, M, N, K, x,
-                                         (x, q4.weight, q4.scales, q4.mins), {"GROUP": q4.group_size, "AHEAD": True})
-            assert torch.equal(ahead, y), f"M={M} {config}"
 
 
 def _row(weights: str, bucket: int, batch1: bool, kernel: str, kwargs: dict | None, warps: int, block_m: int,
