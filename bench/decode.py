@@ -157,7 +157,7 @@ def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], p
 
     t0 = time.perf_counter()
     max_seq = -(-(prompt_len + new_tokens + 8) // 256) * 256
-    # the fused batch-1 forms are opt-in (quant.fused_decode_enabled, read as the layers are built):
+    # the fused batch-1 forms are opt-in (quant.fused_decode_forms, read as the layers are built):
     # "on" asks for them for this build only, so the caller's environment is left as it was
     before = os.environ.get("QUANTSERVE_FUSED_DECODE")
     os.environ["QUANTSERVE_FUSED_DECODE"] = "1" if fusion else "0"

@@ -172,19 +172,35 @@ def default_kernel(device: torch.device, weights: str = "int8") -> str:
     return "gemlite" if GEMLITE_BY_DEFAULT and weights == "int4" and gemlite_available() else "triton"
 
 
-def fused_decode_enabled() -> bool:
-    """The fused batch-1 forms (fused.py) are opt-in, $QUANTSERVE_FUSED_DECODE=1: correct on an H100
-    but slower there than the separate kernels (0.90-0.98x the decode step's speed; bench/RESULTS.md,
-    "H100: the fused batch-1 forms measured"), so the default decode keeps the separate ops."""
-    return os.environ.get("QUANTSERVE_FUSED_DECODE", "0") == "1"
+FUSED_FORMS = ("norm", "gate", "residual")  # what the batch-1 kernels can take in (fused.py)
 
 
-def _fusable(kernel: str, bias, q: torch.Tensor, weights: str, K: int) -> bool:
-    """Whether a layer's `fused` can take a norm, a gate or a residual into its batch-1 kernel
-    (fused.py asks, while tracing: so a plain attribute, decided here): our Triton kernel on a
-    GPU, no bias, a matrix-vector config that covers K, and the fused forms asked for."""
-    return fused_decode_enabled() and kernel == "triton" and bias is None and q.is_cuda \
-        and fused_ops() is not None and fused_ops().fits(weights, K)
+def fused_decode_forms() -> frozenset:
+    """The fused batch-1 forms asked for (fused.py), from $QUANTSERVE_FUSED_DECODE: 0 (none, the
+    default), 1 (all of FUSED_FORMS) or a comma list of them.  Opt-in: on an H100 all three together
+    were 0.90-0.98x the separate kernels' decode speed (bench/RESULTS.md, 2026-12-05) and, with the
+    loads ahead, int8 1.017x and int4 0.968x (2026-12-06): the norm form costs the kernels more
+    than the launches it saves."""
+    value = os.environ.get("QUANTSERVE_FUSED_DECODE", "0").strip()
+    if value in ("", "0"):
+        return frozenset()
+    if value == "1":
+        return frozenset(FUSED_FORMS)
+    forms = frozenset(f.strip() for f in value.split(",") if f.strip())
+    if forms - set(FUSED_FORMS):
+        raise ValueError(f"QUANTSERVE_FUSED_DECODE={value!r}: use 0, 1 or a comma list of {', '.join(FUSED_FORMS)}")
+    return forms
+
+
+def _fused_forms(kernel: str, bias, q: torch.Tensor, weights: str, K: int) -> frozenset:
+    """What a layer's `fused` may take into its batch-1 kernel (fused.py asks, while tracing: so a
+    plain attribute, decided here): the forms asked for, where the layer runs our Triton kernel on a
+    GPU, has no bias and a matrix-vector config covers K; none otherwise."""
+    forms = fused_decode_forms()
+    if forms and kernel == "triton" and bias is None and q.is_cuda and fused_ops() is not None \
+            and fused_ops().fits(weights, K):
+        return forms
+    return frozenset()
 
 
 def int8_linear_torch(x, weight, scales):
@@ -209,7 +225,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
         # not a submodule: its buffers are views of ours, and state_dict() should stay ours
         self._gemlite = (_gemlite_int8(q, self.scales, dtype),) if self.kernel == "gemlite" else None
-        self.fusable = _fusable(self.kernel, bias, q, "int8", q.shape[1])
+        self.fused_forms = _fused_forms(self.kernel, bias, q, "int8", q.shape[1])
 
     def forward(self, x):
         if self.kernel == "gemlite" and x.is_cuda:
@@ -226,7 +242,7 @@ class Int8Linear(nn.Module):
 
     def fused(self, x, norm=None, eps: float = 0.0, residual=None, gated: bool = False):
         """One token through this layer in one kernel, with the norm before it, silu(gate) * up of
-        its halves and the residual add after it, as asked (triton_fused.py; only where `fusable`)."""
+        its halves and the residual add after it, as asked (triton_fused.py; only the `fused_forms`)."""
         return torch.ops.quantserve.int8_gemv_fused(x, self.weight, self.scales, norm, eps, residual, gated)
 
     def weight_bytes(self) -> int:
@@ -279,7 +295,7 @@ class Int4Linear(nn.Module):
         else:
             raise ValueError(f"unknown int4 kernel {kernel!r} (triton, gemlite, tinygemm or torch)")
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
-        self.fusable = _fusable(kernel, bias, q, "int4", K)
+        self.fused_forms = _fused_forms(kernel, bias, q, "int4", K)
 
     def dequantize(self, dtype) -> torch.Tensor:
         N = self.out_features
@@ -305,7 +321,7 @@ class Int4Linear(nn.Module):
 
     def fused(self, x, norm=None, eps: float = 0.0, residual=None, gated: bool = False):
         """One token through this layer in one kernel, with the norm before it, silu(gate) * up of
-        its halves and the residual add after it, as asked (triton_fused.py; only where `fusable`)."""
+        its halves and the residual add after it, as asked (triton_fused.py; only the `fused_forms`)."""
         return torch.ops.quantserve.int4_gemv_fused(x, self.weight, self.scales, self.mins, self.group_size, norm,
                                                     eps, residual, gated)
 

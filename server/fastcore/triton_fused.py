@@ -66,14 +66,14 @@ def _fused(weights: str, N: int, K: int, x: torch.Tensor, args: tuple, extra: di
 
 
 def _compile_variants(fn, config, N: int, K: int, x: torch.Tensor, args: tuple, extra: dict) -> None:
-    """The three fused forms of this kernel and flags compiled at once, on threads (a Triton
+    """The fused forms of this kernel and flags compiled at once, on threads (a Triton
     compile is ~1-2 s; one at a time, a cold start would wait for each in turn).  They are not
     specialized on N and K, so this happens once per kernel and flags."""
     key = (fn, tuple(sorted(extra.items())))
     if key in _compiled:
         return
     _compiled.add(key)
-    forms = ({"NORM": True, "norm_ptr": x}, {"NORM": True, "GATED": True, "norm_ptr": x},
+    forms = ({"NORM": True, "norm_ptr": x}, {"NORM": True, "GATED": True, "norm_ptr": x}, {"GATED": True},
              {"RESIDUAL": True, "res_ptr": x})  # x stands in for the fp16 vectors
     with triton_mm.compiling_ahead():
         for form in forms:

@@ -44,6 +44,24 @@ def test_int4_groups_the_triton_kernels_cannot_walk_take_the_torch_path():
     assert Int4Linear(w.repeat(1, 2)[:, :256], None, torch.float32, 64, "triton").kernel == "triton"
 
 
+@pytest.mark.parametrize("value, forms", [(None, set()), ("0", set()), ("1", {"norm", "gate", "residual"}),
+                                          ("gate, residual", {"gate", "residual"}), ("norm", {"norm"})])
+def test_the_fused_batch1_forms_are_asked_for_by_name(monkeypatch, value, forms):
+    """$QUANTSERVE_FUSED_DECODE: 0 (default) none, 1 all, or the forms named; a misspelt one is an
+    error naming the choices, not a form quietly left out.  On a CPU no layer takes any."""
+    from quantserve.server.fastcore import quant
+
+    if value is None:
+        monkeypatch.delenv("QUANTSERVE_FUSED_DECODE", raising=False)
+    else:
+        monkeypatch.setenv("QUANTSERVE_FUSED_DECODE", value)
+    assert quant.fused_decode_forms() == forms
+    assert quant.Int8Linear(torch.randn(64, 128), None, torch.float32, "triton").fused_forms == frozenset()
+    monkeypatch.setenv("QUANTSERVE_FUSED_DECODE", "gate,resdual")
+    with pytest.raises(ValueError, match="comma list of norm, gate, residual"):
+        quant.fused_decode_forms()
+
+
 def test_int8_torch_fallback_does_not_overflow_fp16():
     """The plain-torch int8 path (CUDA without Triton, and the eager reference of the GPU tests)
     scales the weights before the matmul: fp16 sums of unscaled int8 weights reach inf."""

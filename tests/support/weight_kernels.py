@@ -72,5 +72,6 @@ def bound(flags: dict | None, outliers: bool = False) -> float:
 
 
 # the fused forms the model uses (NORM, GATED, RESIDUAL): norm -> qkv / vocabulary,
-# norm -> gate-up -> silu(gate) * up, o / down -> + residual
-FUSED_FORMS = {"norm": (True, False, False), "norm+gated": (True, True, False), "residual": (False, False, True)}
+# norm -> gate-up -> silu(gate) * up (or the gate alone, QUANTSERVE_FUSED_DECODE=gate,...), o / down -> + residual
+FUSED_FORMS = {"norm": (True, False, False), "norm+gated": (True, True, False), "gated": (False, True, False),
+               "residual": (False, False, True)}
