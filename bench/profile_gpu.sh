@@ -3,8 +3,8 @@
 # ahead (bench/step_profile.py), and what a user gets from the kernel table the package ships, one
 # call on a fresh machine (~7 min; .devwheels carried):
 #   fp16, int8 and int4: the step kernel by kernel, and a 512-token prompt (GPU time, eager);
-#   int8 and int4 again with the fused batch-1 forms ($QUANTSERVE_FUSED_DECODE=1: norm, gate and
-#   residual inside the weight kernels) — the same-call A/B of the separate kernels above;
+#   int8 and int4 again with the fused batch-1 forms ($FORMS, default 1: norm, gate and residual
+#   inside the weight kernels; e.g. FORMS=gate,residual) — the same-call A/B of the separate kernels above;
 #   bench/cold_start.sh's "shipped" phase: the 8B int8 cold and warm, the 8B int4 cold, with the
 #   shipped table.  ($COLD=0 leaves that out.)
 #   bench/profile_gpu.sh OUT
@@ -23,7 +23,7 @@ profile() {  # LIMIT_S NAME ARGS...
   grep -vE "UserWarning|_warn_once" "$out/profile-$name.log" | grep -E "^8b|^    |prompt of|rror" >> "$out/bench.txt"
 }
 profile $(left 190) separate --quants none,int8,int4 --prompt-len 512
-QUANTSERVE_FUSED_DECODE=1 profile $(left 290) fused --quants int8,int4 --prompt-len 0
+QUANTSERVE_FUSED_DECODE=${FORMS:-1} profile $(left 290) fused --quants int8,int4 --prompt-len 0
 log "profiles done"
 if [ "${COLD:-1}" = 1 ]; then
   timeout $(left 520) bash bench/cold_start.sh "$out/cold" shipped > /dev/null 2>&1 || log "cold start: rc=$?"
