@@ -47,7 +47,8 @@ def decode(
                                   "(the first is the one other rows compare to)"),
     fusion: str = typer.Option(_text(D.fusion), parser=choice_list(*bd.FUSIONS), metavar=LIST,
                                help="batch 1 with the norms, gate and residual adds inside the int8/int4 weight "
-                               "kernels ('on'), or as separate kernels ('off'); comma list to compare"),
+                               "kernels ('on'), as separate kernels ('off'), or only the gate and the residual adds "
+                               "inside ('gate+residual'); comma list to compare"),
     batches: str = typer.Option(_text(D.batches), parser=int_list(), metavar=LIST,
                                 help="comma list of batch sizes (sequences decoded together)"),
     prompt_len: int = typer.Option(D.prompt_len, min=1, help="tokens of each prompt before decoding"),

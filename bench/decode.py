@@ -50,7 +50,10 @@ SHAPES = {  # name: (config.json model_type, the real model's layout); weights a
 QUANTS = ("none", "int8", "int4")
 KERNELS = ("auto", "triton", "gemlite", "torch", "tinygemm")
 ATTENTIONS = ("auto", "triton", "sdpa")
-FUSIONS = ("on", "off")  # fastcore/fused.py: a one-token step's element-wise work inside the weight kernels
+# fastcore/fused.py: a one-token step's element-wise work inside the weight kernels: all of it ("on"),
+# none ("off") or only silu(gate) * up and the residual adds ("gate+residual": no norm inside them)
+FUSIONS = ("on", "off", "gate+residual")
+_FUSED_DECODE = {"on": "1", "off": "0", "gate+residual": "gate,residual"}  # -> $QUANTSERVE_FUSED_DECODE
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,8 @@ class DecodeOptions:
     kernels: tuple[str, ...] = ("auto",)  # int8/int4 kernels, of KERNELS
     attention: tuple[str, ...] = ("auto",)  # of ATTENTIONS; the first is the one other rows compare to
     # of FUSIONS: "off" is what the server runs (the fused batch-1 forms are opt-in); "on" rows are
-    # named "...-fused" (until 2026-12-05 "on" was the default and "off" rows were "...-unfused")
+    # named "...-fused", "gate+residual" rows "...-fused-gate+residual" (until 2026-12-05 "on" was the
+    # default and "off" rows were "...-unfused")
     fusion: tuple[str, ...] = ("off",)
     batches: tuple[int, ...] = (1, 8, 32)
     prompt_len: int = 128
@@ -146,10 +150,10 @@ def step_profile(step, device, steps: int = 16, top: int = 12) -> dict:
 
 def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], prompt_len: int,
                new_tokens: int, compile: bool, profile_steps: int = 0, attention: str = "auto",
-               fusion: bool = False):
+               fusion: str = "off"):
     """FastCore decode at each batch size: prefill `prompt_len` tokens per slot, then time
     `new_tokens` steps feeding the argmax back on the device (no host sync inside the loop).
-    fusion off: batch 1 runs its norms, gate and residual adds as separate kernels (fused.py).
+    fusion (of FUSIONS) "off": batch 1 runs its norms, gate and residual adds as separate kernels (fused.py).
     Yields one row per batch size as it is measured, so a run cut short keeps the rows it finished."""
     import torch
 
@@ -158,9 +162,9 @@ def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], p
     t0 = time.perf_counter()
     max_seq = -(-(prompt_len + new_tokens + 8) // 256) * 256
     # the fused batch-1 forms are opt-in (quant.fused_decode_forms, read as the layers are built):
-    # "on" asks for them for this build only, so the caller's environment is left as it was
+    # they are asked for this build only, so the caller's environment is left as it was
     before = os.environ.get("QUANTSERVE_FUSED_DECODE")
-    os.environ["QUANTSERVE_FUSED_DECODE"] = "1" if fusion else "0"
+    os.environ["QUANTSERVE_FUSED_DECODE"] = _FUSED_DECODE[fusion]
     try:
         core = FastCore(None, random_config=cfg, max_slots=max(batches), max_seq=max_seq, device=device,
                         weight_quant=quant, quant_kernel=kernel, compile=compile, profile=caps.profile,
@@ -332,16 +336,16 @@ def _measure(o: DecodeOptions) -> None:
                     engine += f"-{kernel}"
                 if attention != "auto":
                     engine += f"-{attention}"
-                if fusion == "on":
+                if fusion != "off":
                     if quant == "none":
                         continue  # fp16 layers have nothing fused: one row is enough
-                    engine += "-fused"
+                    engine += "-fused" + ("" if fusion == "on" else f"-{fusion}")
                 done = set()
                 try:
                     cap.set(capped)
                     for r in bench_core(cfg, device, caps, quant, kernel if kernel != "-" else "auto", batches,
                                         o.prompt_len, o.new_tokens, compile, o.profile_steps, attention,
-                                        fusion == "on"):
+                                        fusion):
                         add({"model": shape, "engine": engine, "quant": quant, "capped": cap.active and capped, **r})
                         done.add(r["batch"])
                 except Exception as e:  # the engine failed to build: every batch size not measured says why

@@ -12,7 +12,8 @@
 #                                Q8_0 / Q4_K_M by llama-quantize), detached (~10 min of the machine)
 #   bench/dp4a_gpu.sh OUT 2      after those: bench decode 8B at batch 1 (fp16, int8 and int4 as served),
 #                                then in the same call llama-bench on Q8_0 / Q4_K_M (waiting for the
-#                                GGUFs up to 440 s in); FLOAT=1: int8 and int4 without the dp4a form too
+#                                GGUFs up to 440 s in); FLOAT=1: int8 and int4 without the dp4a form too;
+#                                FUSION=off,gate+residual: the fused batch-1 forms beside (bench decode --fusion)
 # Run from the repo root with .devwheels and .devllama (the slimmed llama-cpp-python sdist) carried.
 set -uo pipefail
 out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
@@ -69,7 +70,8 @@ elif [ "$phase" = 2 ]; then
   # every batch-1 target of issue 20 in this one call: fp16 (int4 >= 2x it), int8 and int4 as served
   # (the dp4a form allowed, weights loaded ahead) first, while the GGUFs may still be in the making;
   # then llama-bench on Q8_0 / Q4_K_M; $FLOAT=1 adds int8 and int4 without the dp4a form
-  QUANTSERVE_HOME=/tmp/qs-on2 decode $(left 300) 8b-b1-dp4a --models 8b --quants none,int8,int4 --kernels triton --batches 1
+  QUANTSERVE_HOME=/tmp/qs-on2 decode $(left 300) 8b-b1-dp4a --models 8b --quants none,int8,int4 --kernels triton --batches 1 \
+      --fusion ${FUSION:-off}
   until [ -f /tmp/ggufs.done ] || [ "$SECONDS" -gt 440 ]; do sleep 2; done
   tail -n 6 /tmp/ggufs.log >> "$out/bench.txt"
   llama_bench 60 /tmp/llama-3.1-8b-Q8_0.gguf /tmp/llama-3.1-8b-Q4_K_M.gguf
