@@ -8,7 +8,7 @@ decode() {  # LIMIT_S NAME ARGS...: one bench decode run (T4 profile, 128 new to
   (cd /tmp && PYTHONPATH=${site:-${PYTHONPATH:-}} timeout "$limit" python3 -m quantserve.bench.decode \
       --generate-batches '' --new-tokens 128 --gpu-profile t4 --no-fit-check "$@" --out "$out/decode-$name.json") \
       > "$out/decode-$name.log" 2>&1 || log "decode $name: rc=$?"
-  grep -E "tok/s|error|Error|batch [0-9]+:|kernels kept" "$out/decode-$name.log" | tail -n 10 >> "$out/bench.txt"
+  grep -E "tok/s|error|Error|batch [0-9]+:|kernels kept" "$out/decode-$name.log" | tail -n 20 >> "$out/bench.txt"
 }
 llama_bench() {  # LIMIT_S GGUF...: llama-bench at batch 1 (128 tokens, flash attention) on each GGUF there is, into bench.txt
   local limit=$1 m; shift
