@@ -6,7 +6,8 @@
 #   int8 and int4 again with the fused batch-1 forms ($FORMS, default 1: norm, gate and residual
 #   inside the weight kernels; e.g. FORMS=gate,residual) — the same-call A/B of the separate kernels above;
 #   bench/cold_start.sh's "shipped" phase: the 8B int8 cold and warm, the 8B int4 cold, with the
-#   shipped table.  ($COLD=0 leaves that out.)
+#   shipped table.  ($COLD=0 leaves that out.)  MERGE=last: int8 and int4 once more with the paged
+#   attention's split keys merged by the last program ($QUANTSERVE_ATTENTION_MERGE).
 #   bench/profile_gpu.sh OUT
 set -uo pipefail
 out=$(realpath -m "$1"); mkdir -p "$out"; repo=$PWD; site=/tmp/site
@@ -24,6 +25,8 @@ profile() {  # LIMIT_S NAME ARGS...
 }
 profile $(left 190) separate --quants none,int8,int4 --prompt-len 512
 QUANTSERVE_FUSED_DECODE=${FORMS:-1} profile $(left 290) fused --quants int8,int4 --prompt-len 0
+# MERGE=last: the separate kernels again with split keys merged by the last program (no merge kernel)
+[ -z "${MERGE:-}" ] || QUANTSERVE_ATTENTION_MERGE=$MERGE profile $(left 380) merge-$MERGE --quants int8,int4 --prompt-len 0
 log "profiles done"
 if [ "${COLD:-1}" = 1 ]; then
   timeout $(left 520) bash bench/cold_start.sh "$out/cold" shipped > /dev/null 2>&1 || log "cold start: rc=$?"
