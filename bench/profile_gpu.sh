@@ -7,7 +7,8 @@
 #   inside the weight kernels; e.g. FORMS=gate,residual) — the same-call A/B of the separate kernels above;
 #   bench/cold_start.sh's "shipped" phase: the 8B int8 cold and warm, the 8B int4 cold, with the
 #   shipped table.  ($COLD=0 leaves that out.)  MERGE=last: int8 and int4 once more with the paged
-#   attention's split keys merged by the last program ($QUANTSERVE_ATTENTION_MERGE).
+#   attention's split keys merged by the last program ($QUANTSERVE_ATTENTION_MERGE), after its GPU
+#   tests (the kernel against the reference both ways, CUDA-graphed decodes against eager).
 #   bench/profile_gpu.sh OUT
 set -uo pipefail
 out=$(realpath -m "$1"); mkdir -p "$out"; repo=$PWD; site=/tmp/site
@@ -17,6 +18,13 @@ source "$repo/bench/gpu_lib.sh"  # log, left
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target "$site" . 2>&1 | grep -v WARNING
 (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) > "$out/bench.txt"
 log "installed"
+if [ -n "${MERGE:-}" ]; then  # the merge's GPU tests first: a wrong merge would time as well as a right one
+  (cd /tmp && QUANTSERVE_ATTENTION_MERGE=$MERGE QUANTSERVE_HOME=/tmp/qs-tests timeout 150 python3 -m pytest \
+      --import-mode=append -q -p no:cacheprovider -rfs "$repo/tests/serve/test_paged_attention.py" \
+      "$repo/tests/serve/test_fastcore.py" -k "reference or counters or compiled_cuda_decode_matches_eager or replayed") \
+      > "$out/merge-tests.log" 2>&1 || log "merge tests: rc=$?"
+  grep -E "^FAILED|^SKIPPED|passed|failed" "$out/merge-tests.log" >> "$out/bench.txt"; log "merge tests done"
+fi
 profile() {  # LIMIT_S NAME ARGS...
   local limit=$1 name=$2; shift 2
   (cd /tmp && QUANTSERVE_HOME=/tmp/qs-prof timeout "$limit" python3 -m quantserve.bench.step_profile --model 8b \
