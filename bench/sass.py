@@ -173,7 +173,8 @@ def _gemv_forms() -> dict[str, tuple]:
     forms = {"plain": {}, "norm": {"NORM": True}, "norm + gate": {"NORM": True, "GATED": True},
              "residual": {"RESIDUAL": True}, "packed fp16": {"HALF_DOT": True},
              "packed fp16, norm": {"HALF_DOT": True, "NORM": True}, "int8 x, dp4a": {"DOT4": True},
-             "int8 x, dp4a, norm": {"DOT4": True, "NORM": True}}
+             "int8 x, dp4a, norm": {"DOT4": True, "NORM": True}, "int8 x, dp4a, gate": {"DOT4": True, "GATED": True},
+             "int8 x, dp4a, residual": {"DOT4": True, "RESIDUAL": True}}
     out = {}
     for kind, fn, block_k in (("int8", triton_gemv._int8_gemv_kernel, 512), ("int4", triton_gemv._int4_gemv_kernel, 1024)):
         sig = {n: t for n, t in _signature(kind).items() if t != "constexpr"}
