@@ -28,7 +28,7 @@ def group(name: str) -> str:
     """A kernel's group.  inductor names a fused kernel after every op in it, so a norm whose input is
     our int8 matmul's output is called `..._to_copy_add_int8_weight_mm_mean...`: its own matrix-vector
     reductions (fp16 weights) are the ones with `_mm_` and no `weight_mm`."""
-    if re.search(r"_int[48]_(gemv_)?kernel", name):
+    if re.search(r"_int[48]_(gemv_|rows_)?kernel", name):
         return "weights: ours int8/int4"
     if name.startswith("triton_") and "_mm_" in name and "weight_mm" not in name:
         return "weights: inductor's fused fp16 matrix-vector (norms folded in)"

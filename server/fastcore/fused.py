@@ -5,8 +5,8 @@ and `silu(gate) * up` of `w13(norm(x))` out.  For one token on a CUDA GPU, throu
 batch-1 kernel is our Triton matrix-vector kernel (quant.Int8Linear / Int4Linear `fused_forms`), the
 norm, the gate and the residual add run inside that kernel (triton_fused.py): at batch 1 those
 element-wise kernels cost more in launches than in bytes.  Everything else (prompts, decode
-batches, the CPU, fp16 weights, Gemma's norm offset and sandwich norms, GELU) takes the separate
-ops, which inductor fuses among themselves.  Both compute the same function; the fused one in
+batches, the CPU, fp16 weights, Gemma's norm offset and sandwich norms, a GELU gate) takes the
+separate ops, which inductor fuses among themselves.  Both compute the same function; the fused one in
 fp32 throughout instead of rounding to fp16 between the ops.  Opt-in, each form on its own
 ($QUANTSERVE_FUSED_DECODE=1 or e.g. gate,residual; quant.fused_decode_forms): on an H100 the three
 together were slower than the separate kernels.

@@ -127,9 +127,11 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, acc_ptr, m_p
         tl.store(l_ptr + part * BLOCK_M + r, l)
         if MERGE_LAST:
             # every thread's stores, then one count at GPU scope (release: they are visible to whoever
-            # reads the count after it); the program that brings it to NSPLIT merges, reading the
-            # other programs' partial sums from L2 (".cg": its own L1 may hold an older step's), and
-            # sets the counter back to 0 for the next call (a CUDA graph replays this one)
+            # acquires the count after it; CUTLASS's split-K semaphore); the program that brings it to
+            # NSPLIT merges, reading the other programs' partial sums from L2 (".cg": belt and braces
+            # beside the acquire), and sets the counter back to 0 for the next call (a CUDA graph
+            # replays this one).  Every program must count once: no program of a tile may return
+            # early, or its counter would stay short and every later call's merge would be skipped.
             tl.debug_barrier()
             ticket = tl.atomic_add(count_ptr + tile * HKV + h, 1, sem="acq_rel", scope="gpu")
             if ticket == NSPLIT - 1:
@@ -188,23 +190,26 @@ def _splits(programs: int, sms: int) -> int:
     return 1 << (want - 1).bit_length()
 
 
-_counters: dict = {}  # device -> int32 counters of the merge by the last program, all 0 between calls
+# (device type, index) -> int32 counters of the merge by the last program, all 0 between calls.
+# One set per device: the attention launches of a device must run one at a time (one stream, as the
+# engine's steps and graph replays do); two overlapping launches would count into the same counters.
+_counters: dict = {}
+_COUNTERS = 4096  # a decode splits keys only while tiles x KV heads < 2 x SMs (_splits): far fewer
 
 
 def _split_counters(device: torch.device, n: int) -> torch.Tensor | None:
     """n counters at 0 for the merge by the last program (it sets each back to 0), made once per
-    device outside a CUDA graph's capture; None (the merge kernel instead) if there are too few and
-    a capture is under way, where a new buffer would belong to that graph's memory pool."""
-    c = _counters.get(device)
-    if c is None or c.numel() < n:
-        if _capturing(device):
+    device and never replaced (captured CUDA graphs keep their address); None (the merge kernel
+    instead) where n exceeds them, or where they do not exist yet and a graph's capture is under
+    way (a buffer made then would belong to that graph's memory pool)."""
+    cuda = device.type == "cuda"
+    key = (device.type, device.index if device.index is not None or not cuda else torch.cuda.current_device())
+    c = _counters.get(key)
+    if c is None:
+        if cuda and torch.cuda.is_current_stream_capturing():
             return None
-        c = _counters[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return c
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        c = _counters[key] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
+    return c if c.numel() >= n else None
 
 
 @torch.library.custom_op("quantserve::paged_attention", mutates_args=())

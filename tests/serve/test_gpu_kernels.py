@@ -224,8 +224,8 @@ def test_fused_ops_match_the_separate_ops_before_and_after_the_choice():
 def test_a_one_token_step_launches_fewer_kernels_fused(mode, forms, monkeypatch):
     """A Llama block at batch 1 through fused.py: its norms, gate and residual adds run inside the
     weight kernels (at least 3 kernels a layer fewer in an eager step, as torch.profiler counts
-    them; the gate and the residual alone: at least 2), with the separate ops' logits and next
-    token; the final norm too, with the vocabulary."""
+    them; the gate and the residual alone: 4, silu and the product, and the two adds), with the
+    separate ops' logits and next token; the final norm too, with the vocabulary."""
     from transformers import LlamaConfig
 
     from quantserve.server.fastcore.core import FastCore
@@ -253,7 +253,7 @@ def test_a_one_token_step_launches_fewer_kernels_fused(mode, forms, monkeypatch)
         return logits, sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
 
     (separate, n_separate), (fused, n_fused) = step(False), step(True)
-    assert n_fused <= n_separate - (3 if forms == "1" else 2) * cfg.num_hidden_layers, (n_fused, n_separate)
+    assert n_fused <= n_separate - (3 if forms == "1" else 4) * cfg.num_hidden_layers, (n_fused, n_separate)
     assert (fused - separate).abs().max() <= 0.02 * separate.abs().max()
     assert fused.argmax(-1).tolist() == separate.argmax(-1).tolist()
 

@@ -110,8 +110,7 @@ def test_the_merge_by_the_last_program_leaves_its_counters_at_zero(monkeypatch):
     monkeypatch.setenv("QUANTSERVE_ATTENTION_MERGE", "last")
     for _ in range(2):
         _check(8, 2, 64, DECODES, DECODE_LENGTHS)
-        counts = tpa._counters[torch.device(DEVICE)]
-        assert counts.abs().sum().item() == 0
+        assert tpa._counters and all(c.abs().sum().item() == 0 for c in tpa._counters.values())
     monkeypatch.setenv("QUANTSERVE_ATTENTION_MERGE", "lastt")
     with pytest.raises(ValueError, match="kernel, last"):
         tpa.merge_by_last()
