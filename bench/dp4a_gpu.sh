@@ -71,10 +71,10 @@ elif [ "$phase" = 2 ]; then
   # every batch-1 target of issue 20 in this one call: fp16 (int4 >= 2x it), int8 and int4 as served
   # (the dp4a form allowed, weights loaded ahead) first, while the GGUFs may still be in the making;
   # then llama-bench on Q8_0 / Q4_K_M; $FLOAT=1 adds int8 and int4 without the dp4a form
-  QUANTSERVE_HOME=/tmp/qs-on2 decode $(left 300) 8b-b1-dp4a --models 8b --quants none,int8,int4 --kernels triton --batches 1 \
+  QUANTSERVE_HOME=/tmp/qs-on2 decode $(left $([ "${MERGE:-kernel}" = kernel ] && echo 300 || echo 230)) 8b-b1-dp4a --models 8b --quants none,int8,int4 --kernels triton --batches 1 \
       --fusion ${FUSION:-off}
   # MERGE=last: int8 and int4 again with split keys merged by the last program (same kernel choices)
-  [ "${MERGE:-kernel}" = kernel ] || QUANTSERVE_ATTENTION_MERGE=$MERGE QUANTSERVE_HOME=/tmp/qs-on2 decode $(left 330) \
+  [ "${MERGE:-kernel}" = kernel ] || QUANTSERVE_ATTENTION_MERGE=$MERGE QUANTSERVE_HOME=/tmp/qs-on2 decode $(left 410) \
       8b-b1-merge-$MERGE --models 8b --quants int8,int4 --kernels triton --batches 1 --fusion ${FUSION:-off}
   until [ -f /tmp/ggufs.done ] || [ "$SECONDS" -gt 440 ]; do sleep 2; done
   tail -n 6 /tmp/ggufs.log >> "$out/bench.txt"
