@@ -31,13 +31,14 @@ profile() {  # LIMIT_S NAME ARGS...
       "$@" --out "$out/profile-$name.json") > "$out/profile-$name.log" 2>&1 || log "profile $name: rc=$?"
   grep -vE "UserWarning|_warn_once" "$out/profile-$name.log" | grep -E "^8b|^    |prompt of|rror" >> "$out/bench.txt"
 }
-profile $(left 190) separate --quants none,int8,int4 --prompt-len 512
-QUANTSERVE_FUSED_DECODE=${FORMS:-1} profile $(left 290) fused --quants int8,int4 --prompt-len 0
+base=$SECONDS  # the marks below count from here (after the merge's tests, if any)
+profile $(left $((base + 180))) separate --quants none,int8,int4 --prompt-len 512
+QUANTSERVE_FUSED_DECODE=${FORMS:-1} profile $(left $((base + 280))) fused --quants int8,int4 --prompt-len 0
 # MERGE=last: the separate kernels again with split keys merged by the last program (no merge kernel)
-[ -z "${MERGE:-}" ] || QUANTSERVE_ATTENTION_MERGE=$MERGE profile $(left 380) merge-$MERGE --quants int8,int4 --prompt-len 0
+[ -z "${MERGE:-}" ] || QUANTSERVE_ATTENTION_MERGE=$MERGE profile $(left $((base + 370))) merge-$MERGE --quants int8,int4 --prompt-len 0
 log "profiles done"
 if [ "${COLD:-1}" = 1 ]; then
-  timeout $(left 520) bash bench/cold_start.sh "$out/cold" shipped > /dev/null 2>&1 || log "cold start: rc=$?"
+  timeout $(left $((base + 510))) bash bench/cold_start.sh "$out/cold" shipped > /dev/null 2>&1 || log "cold start: rc=$?"
   cat "$out/cold/bench.txt" >> "$out/bench.txt"; rm -f "$out/cold/"*.log "$out/cold/results.tgz"
 fi
 cat "$out/bench.txt"
