@@ -8,7 +8,8 @@
 #   bench/cold_start.sh's "shipped" phase: the 8B int8 cold and warm, the 8B int4 cold, with the
 #   shipped table.  ($COLD=0 leaves that out.)  MERGE=last: int8 and int4 once more with the paged
 #   attention's split keys merged by the last program ($QUANTSERVE_ATTENTION_MERGE), after its GPU
-#   tests (the kernel against the reference both ways, CUDA-graphed decodes against eager).
+#   tests (the kernel against the reference both ways, CUDA-graphed decodes against eager); with it,
+#   COLD=0 (the tests, up to 150 s, and the cold starts would not fit one 10-minute call together).
 #   bench/profile_gpu.sh OUT
 set -uo pipefail
 out=$(realpath -m "$1"); mkdir -p "$out"; repo=$PWD; site=/tmp/site
