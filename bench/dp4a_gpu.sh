@@ -21,9 +21,7 @@ out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
 export PYTHONPATH=$site PYTHONUNBUFFERED=1
 source "$repo/bench/gpu_lib.sh"  # log, left, decode, llama_bench
 if [ "$phase" = 1 ]; then
-  [ -d "$site/fastapi" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .devwheels/*.whl \
-      .devwheels/llama/gguf-*.whl .devwheels/llama/diskcache-*.whl
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target "$site" . 2>&1 | grep -v WARNING
+  install_site .devwheels/llama/gguf-*.whl .devwheels/llama/diskcache-*.whl
   (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) > "$out/bench.txt"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$out/bench.txt" 2>&1
   log "installed"
@@ -47,8 +45,7 @@ if [ "$phase" = 1 ]; then
     sed -n '/^| layer/,$p' "$out/race-8b.log" >> "$out/bench.txt"; log "race done"
   fi
 elif [ "$phase" = race ]; then  # the least device time: install, then the per-layer race alone (errors included)
-  [ -d "$site/fastapi" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .devwheels/*.whl
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target "$site" . 2>&1 | grep -v WARNING
+  install_site
   (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) > "$out/bench.txt"
   log "installed"
   (cd /tmp && QUANTSERVE_HOME=/tmp/qs-race timeout $(left ${END:-170}) python3 -m quantserve.bench.kernel_race --shapes 8b \
@@ -71,11 +68,12 @@ elif [ "$phase" = 2 ]; then
   # every batch-1 target of issue 20 in this one call: fp16 (int4 >= 2x it), int8 and int4 as served
   # (the dp4a form allowed, weights loaded ahead) first, while the GGUFs may still be in the making;
   # then llama-bench on Q8_0 / Q4_K_M; $FLOAT=1 adds int8 and int4 without the dp4a form
-  QUANTSERVE_HOME=/tmp/qs-on2 decode $(left $([ "${MERGE:-kernel}" = kernel ] && echo 300 || echo 230)) 8b-b1-dp4a --models 8b --quants none,int8,int4 --kernels triton --batches 1 \
-      --fusion ${FUSION:-off}
+  merge=${MERGE:-kernel}; first_end=300; [ "$merge" = kernel ] || first_end=230  # room for the merge's run
+  QUANTSERVE_HOME=/tmp/qs-on2 decode $(left $first_end) 8b-b1-dp4a --models 8b --quants none,int8,int4 --kernels triton \
+      --batches 1 --fusion ${FUSION:-off}
   # MERGE=last: int8 and int4 again with split keys merged by the last program (same kernel choices)
-  [ "${MERGE:-kernel}" = kernel ] || QUANTSERVE_ATTENTION_MERGE=$MERGE QUANTSERVE_HOME=/tmp/qs-on2 decode $(left 410) \
-      8b-b1-merge-$MERGE --models 8b --quants int8,int4 --kernels triton --batches 1 --fusion ${FUSION:-off}
+  [ "$merge" = kernel ] || QUANTSERVE_ATTENTION_MERGE=$merge QUANTSERVE_HOME=/tmp/qs-on2 decode $(left 410) \
+      8b-b1-merge-$merge --models 8b --quants int8,int4 --kernels triton --batches 1 --fusion ${FUSION:-off}
   until [ -f /tmp/ggufs.done ] || [ "$SECONDS" -gt 440 ]; do sleep 2; done
   tail -n 6 /tmp/ggufs.log >> "$out/bench.txt"
   llama_bench 60 /tmp/llama-3.1-8b-Q8_0.gguf /tmp/llama-3.1-8b-Q4_K_M.gguf

@@ -1,5 +1,9 @@
 # Shell steps the GPU bench scripts share.  Source it after setting $out (the call's work folder)
 # and, where the packages are installed apart, $site (their PYTHONPATH).
+install_site() {  # [WHEEL...]: .devwheels (and WHEELs) into $site once a machine, then this tree's package
+  [ -d "$site/fastapi" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .devwheels/*.whl "$@"
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target "$site" . 2>&1 | grep -v WARNING
+}
 log() { echo "[$SECONDS s] $*" | tee -a "$out/bench.txt"; }
 left() { local v=$(( $1 - SECONDS )); [ "$v" -ge 5 ] || v=5; echo "$v"; }  # seconds until mark $1
 decode() {  # LIMIT_S NAME ARGS...: one bench decode run (T4 profile, 128 new tokens), its rows into bench.txt

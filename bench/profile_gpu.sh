@@ -15,8 +15,7 @@ set -uo pipefail
 out=$(realpath -m "$1"); mkdir -p "$out"; repo=$PWD; site=/tmp/site
 export PYTHONPATH=$site PYTHONUNBUFFERED=1
 source "$repo/bench/gpu_lib.sh"  # log, left
-[ -d "$site/fastapi" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .devwheels/*.whl
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target "$site" . 2>&1 | grep -v WARNING
+install_site
 (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) > "$out/bench.txt"
 log "installed"
 if [ -n "${MERGE:-}" ]; then  # the merge's GPU tests first: a wrong merge would time as well as a right one

@@ -12,8 +12,7 @@ set -uo pipefail
 dest=$(realpath -m "$1"); out=/tmp/rows-gpu; rm -rf "$out"; mkdir -p "$out" "$dest"; repo=$PWD; site=/tmp/site
 export QUANTSERVE_HOME=/tmp/qs-rows PYTHONUNBUFFERED=1
 source "$repo/bench/gpu_lib.sh"  # log, left, decode
-[ -d "$site/fastapi" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .devwheels/*.whl
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target "$site" . 2>&1 | grep -v WARNING
+install_site
 (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) > "$out/bench.txt"
 log "installed"
 # the tests this kernel, the batch-1 loads ahead and the launcher's timing touch (the whole file takes over 5 min on an H200)
