@@ -13,8 +13,7 @@
 #   bench/dp4a_gpu.sh OUT 2      after those: bench decode 8B at batch 1 (fp16, int8 and int4 as served),
 #                                then in the same call llama-bench on Q8_0 / Q4_K_M (waiting for the
 #                                GGUFs up to 440 s in); FLOAT=1: int8 and int4 without the dp4a form too;
-#                                FUSION=off,gate+residual: the fused batch-1 forms beside (bench decode --fusion);
-#                                MERGE=last: int8 / int4 again with QUANTSERVE_ATTENTION_MERGE=last
+#                                FUSION=off,gate+residual: the fused batch-1 forms beside (bench decode --fusion)
 # Run from the repo root with .devwheels and .devllama (the slimmed llama-cpp-python sdist) carried.
 set -uo pipefail
 out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
@@ -68,12 +67,8 @@ elif [ "$phase" = 2 ]; then
   # every batch-1 target of issue 20 in this one call: fp16 (int4 >= 2x it), int8 and int4 as served
   # (the dp4a form allowed, weights loaded ahead) first, while the GGUFs may still be in the making;
   # then llama-bench on Q8_0 / Q4_K_M; $FLOAT=1 adds int8 and int4 without the dp4a form
-  merge=${MERGE:-kernel}; first_end=300; [ "$merge" = kernel ] || first_end=230  # room for the merge's run
-  QUANTSERVE_HOME=/tmp/qs-on2 decode $(left $first_end) 8b-b1-dp4a --models 8b --quants none,int8,int4 --kernels triton \
+  QUANTSERVE_HOME=/tmp/qs-on2 decode $(left 300) 8b-b1-dp4a --models 8b --quants none,int8,int4 --kernels triton \
       --batches 1 --fusion ${FUSION:-off}
-  # MERGE=last: int8 and int4 again with split keys merged by the last program (same kernel choices)
-  [ "$merge" = kernel ] || QUANTSERVE_ATTENTION_MERGE=$merge QUANTSERVE_HOME=/tmp/qs-on2 decode $(left 410) \
-      8b-b1-merge-$merge --models 8b --quants int8,int4 --kernels triton --batches 1 --fusion ${FUSION:-off}
   until [ -f /tmp/ggufs.done ] || [ "$SECONDS" -gt 440 ]; do sleep 2; done
   tail -n 6 /tmp/ggufs.log >> "$out/bench.txt"
   llama_bench 60 /tmp/llama-3.1-8b-Q8_0.gguf /tmp/llama-3.1-8b-Q4_K_M.gguf

@@ -70,9 +70,8 @@ def use_attention(model, choice: str, device: torch.device) -> str:
         raise ValueError("the Triton attention kernel runs on a CUDA GPU only")
     fn = attend_torch
     if choice == "triton":
-        from quantserve.server.fastcore.triton_paged_attention import attend_triton, merge_by_last
+        from quantserve.server.fastcore.triton_paged_attention import attend_triton
 
-        merge_by_last()  # a misspelt $QUANTSERVE_ATTENTION_MERGE stops the start, not a later decode
         fn = attend_triton
     for layer in model.layers:
         layer.attention.attend = fn

@@ -11,11 +11,10 @@ softmax in fp32 (flash attention's recurrence).
 
 Decode steps have one token per tile and often few tiles (batch 1 with 8 KV heads is 8 programs
 on a GPU with 40-132 multiprocessors), so the keys are also split into NSPLIT chunks, each a
-program of its own ("flash-decoding"), merged by their log-sum-exp in a second small kernel — or,
-with $QUANTSERVE_ATTENTION_MERGE=last, by the last of a tile's programs to finish, which finds it is
-the last from a counter it adds to atomically (the way split-K GEMMs fix up their partial tiles):
-one kernel a layer fewer.  At batch 1 on an H100 the merge kernel is ~2.8 us of a layer's ~7 us of
-attention, and a launch gap beside it (bench/RESULTS.md, 2026-12-06).  Opt-in until measured on a GPU.
+program of its own ("flash-decoding"), merged by their log-sum-exp in a second small kernel.  (Merging in the last of a tile's programs
+instead, after an atomic count, saved the kernel but not its time: on an H100 the attention kernel
+grew by what the merge kernel had cost, the same chain of dependent loads now on its critical path;
+bench/RESULTS.md, 2026-12-06, midday.)
 
 int8 caches hold a scale per position and KV head: keys are scaled in the scores, values through
 the probabilities (p * scale before p @ v), so no dequantized copy is ever written.
@@ -26,8 +25,6 @@ head h // G; caches [blocks + 1, BS, kv_heads, D]; scales [blocks + 1, BS, kv_he
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -36,26 +33,16 @@ from quantserve.server.fastcore.batch import prompt_tile
 from quantserve.server.fastcore.blocks import BLOCK
 
 DECODE_TILE_N = 64  # keys per inner step, decode tiles (few query rows)
-MERGES = ("kernel", "last")  # who merges split keys: a kernel of its own, or the last program of a tile
-
-
-def merge_by_last() -> bool:
-    """$QUANTSERVE_ATTENTION_MERGE: "kernel" (default) or "last" (see the module's docstring)."""
-    value = os.environ.get("QUANTSERVE_ATTENTION_MERGE", "kernel")
-    if value not in MERGES:
-        raise ValueError(f"QUANTSERVE_ATTENTION_MERGE={value!r}: use one of {', '.join(MERGES)}")
-    return value == "last"
-
 PROMPT_TILE_N = 32  # keys per inner step, prompt tiles (BLOCK_Q x G query rows)
 
 
 @triton.jit
-def _attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, count_ptr,
+def _attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, acc_ptr, m_ptr, l_ptr,
                       table_ptr, slot_ptr, pos_ptr, tiles_ptr, s_table, scale, softcap, window,
                       H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                       D: tl.constexpr, DP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
                       TILE_N: tl.constexpr, BS: tl.constexpr, NSPLIT: tl.constexpr, INT8: tl.constexpr,
-                      SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, FP32: tl.constexpr, MERGE_LAST: tl.constexpr):
+                      SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, FP32: tl.constexpr):
     tile, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq = tl.load(tiles_ptr + tile * 3)
     q0 = tl.load(tiles_ptr + tile * 3 + 1)
@@ -125,44 +112,6 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, acc_ptr, m_p
         tl.store(acc_ptr + (part * BLOCK_M + r)[:, None] * DP + d[None, :], acc)
         tl.store(m_ptr + part * BLOCK_M + r, m)
         tl.store(l_ptr + part * BLOCK_M + r, l)
-        if MERGE_LAST:
-            # every thread's stores, then one count at GPU scope (release: they are visible to whoever
-            # acquires the count after it; CUTLASS's split-K semaphore); the program that brings it to
-            # NSPLIT merges, reading the other programs' partial sums from L2 (".cg": belt and braces
-            # beside the acquire), and sets the counter back to 0 for the next call (a CUDA graph
-            # replays this one).  Every program must count once: no program of a tile may return
-            # early, or its counter would stay short and every later call's merge would be skipped.
-            tl.debug_barrier()
-            ticket = tl.atomic_add(count_ptr + tile * HKV + h, 1, sem="acq_rel", scope="gpu")
-            if ticket == NSPLIT - 1:
-                tl.atomic_xchg(count_ptr + tile * HKV + h, 0, sem="relaxed", scope="gpu")
-                _merge_splits(acc_ptr, m_ptr, l_ptr, out_ptr, (tile * HKV + h) * NSPLIT, tl.cdiv(hi - lo, per), q0, nq,
-                              h, H, G, GP, D, DP, BLOCK_M, ".cg")
-
-
-@triton.jit
-def _merge_splits(acc_ptr, m_ptr, l_ptr, out_ptr, base, active, q0, nq, h, H: tl.constexpr, G: tl.constexpr,
-                  GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, CACHE: tl.constexpr):
-    """The output rows of one (tile, KV head) from the partial sums of its first `active` key
-    chunks (the others saw no key), chunk s at `base + s`, by their log-sum-exp."""
-    r = tl.arange(0, BLOCK_M)
-    tok, g = r // GP, r % GP
-    d = tl.arange(0, DP)
-    m_all = tl.full((BLOCK_M,), -1.0e30, tl.float32)
-    for s in range(0, active):
-        m_all = tl.maximum(m_all, tl.load(m_ptr + (base + s) * BLOCK_M + r, cache_modifier=CACHE))
-    denom = tl.zeros((BLOCK_M,), tl.float32)
-    out = tl.zeros((BLOCK_M, DP), tl.float32)
-    for s in range(0, active):
-        w = tl.exp(tl.load(m_ptr + (base + s) * BLOCK_M + r, cache_modifier=CACHE) - m_all)
-        denom += tl.load(l_ptr + (base + s) * BLOCK_M + r, cache_modifier=CACHE) * w
-        out += tl.load(acc_ptr + ((base + s) * BLOCK_M + r)[:, None] * DP + d[None, :], cache_modifier=CACHE) \
-            * w[:, None]
-    out = out / tl.where(denom > 0, denom, 1.0)[:, None]
-    row_ok = (tok < nq) & (g < G)
-    t = q0 + tok
-    tl.store(out_ptr + ((t.to(tl.int64) * H + h * G + g) * D)[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & (d < D)[None, :])
 
 
 @triton.jit
@@ -179,8 +128,25 @@ def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, tiles_ptr, pos_ptr, window,
     if WINDOW:
         lo = tl.maximum(tl.load(pos_ptr + q0) - window + 1, 0)
     per = tl.cdiv(tl.cdiv(hi - lo, NSPLIT), TILE_N) * TILE_N
-    _merge_splits(acc_ptr, m_ptr, l_ptr, out_ptr, (tile * HKV + h) * NSPLIT, tl.cdiv(hi - lo, per), q0, nq, h, H, G,
-                  GP, D, DP, BLOCK_M, "")
+    active = tl.cdiv(hi - lo, per)
+    r = tl.arange(0, BLOCK_M)
+    tok, g = r // GP, r % GP
+    d = tl.arange(0, DP)
+    base = (tile * HKV + h) * NSPLIT
+    m_all = tl.full((BLOCK_M,), -1.0e30, tl.float32)
+    for s in range(0, active):
+        m_all = tl.maximum(m_all, tl.load(m_ptr + (base + s) * BLOCK_M + r))
+    denom = tl.zeros((BLOCK_M,), tl.float32)
+    out = tl.zeros((BLOCK_M, DP), tl.float32)
+    for s in range(0, active):
+        w = tl.exp(tl.load(m_ptr + (base + s) * BLOCK_M + r) - m_all)
+        denom += tl.load(l_ptr + (base + s) * BLOCK_M + r) * w
+        out += tl.load(acc_ptr + ((base + s) * BLOCK_M + r)[:, None] * DP + d[None, :]) * w[:, None]
+    out = out / tl.where(denom > 0, denom, 1.0)[:, None]
+    row_ok = (tok < nq) & (g < G)
+    t = q0 + tok
+    tl.store(out_ptr + ((t.to(tl.int64) * H + h * G + g) * D)[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (d < D)[None, :])
 
 
 def _splits(programs: int, sms: int) -> int:
@@ -188,28 +154,6 @@ def _splits(programs: int, sms: int) -> int:
     merge reads every chunk that had keys: 64 of them took 30 us a layer on the 1B shape)."""
     want = max(1, min(16, -(-2 * sms // max(programs, 1))))
     return 1 << (want - 1).bit_length()
-
-
-# (device type, index) -> int32 counters of the merge by the last program, all 0 between calls.
-# One set per device: the attention launches of a device must run one at a time (one stream, as the
-# engine's steps and graph replays do); two overlapping launches would count into the same counters.
-_counters: dict = {}
-_COUNTERS = 4096  # a decode splits keys only while tiles x KV heads < 2 x SMs (_splits): far fewer
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """n counters at 0 for the merge by the last program (it sets each back to 0), made once per
-    device and never replaced (captured CUDA graphs keep their address); None (the merge kernel
-    instead) where n exceeds them, or where they do not exist yet and a graph's capture is under
-    way (a buffer made then would belong to that graph's memory pool)."""
-    cuda = device.type == "cuda"
-    key = (device.type, device.index if device.index is not None or not cuda else torch.cuda.current_device())
-    c = _counters.get(key)
-    if c is None:
-        if cuda and torch.cuda.is_current_stream_capturing():
-            return None
-        c = _counters[key] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
-    return c if c.numel() >= n else None
 
 
 @torch.library.custom_op("quantserve::paged_attention", mutates_args=())
@@ -236,15 +180,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         l = torch.empty_like(m)
     else:
         acc = m = l = out  # not written
-    counts = _split_counters(q.device, NT * HKV) if nsplit > 1 and merge_by_last() else None
     int8 = k_scale is not None
     ks, vs = (k_scale, v_scale) if int8 else (k_cache, v_cache)  # placeholders, never read
     _attention_kernel[(NT, HKV, nsplit)](
-        q, k_cache, v_cache, ks, vs, out, acc, m, l, counts if counts is not None else pos, table, seq_slot, pos,
-        tiles, table.stride(0), scale, softcap, window, H=H, HKV=HKV, G=G, GP=GP, D=D, DP=DP, BLOCK_Q=block_q,
-        BLOCK_M=block_m, TILE_N=tile_n, BS=BLOCK, NSPLIT=nsplit, INT8=int8, SOFTCAP=softcap > 0, WINDOW=window > 0,
-        FP32=q.dtype == torch.float32, MERGE_LAST=counts is not None, num_warps=4 if block_m <= 64 else 8)
-    if nsplit > 1 and counts is None:
+        q, k_cache, v_cache, ks, vs, out, acc, m, l, table, seq_slot, pos, tiles, table.stride(0), scale,
+        softcap, window, H=H, HKV=HKV, G=G, GP=GP, D=D, DP=DP, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
+        BS=BLOCK, NSPLIT=nsplit, INT8=int8, SOFTCAP=softcap > 0, WINDOW=window > 0,
+        FP32=q.dtype == torch.float32, num_warps=4 if block_m <= 64 else 8)
+    if nsplit > 1:
         _merge_kernel[(NT, HKV)](acc, m, l, out, tiles, pos, window, H=H, HKV=HKV, G=G, GP=GP, D=D, DP=DP,
                                   BLOCK_M=block_m, TILE_N=tile_n, NSPLIT=nsplit, WINDOW=window > 0, num_warps=4)
     return out

@@ -3,7 +3,7 @@
 Both read the same paged cache through the same block table for flattened batches that mix
 decodes and prompt chunks: GQA group sizes 1, 4 and 7, head sizes 64 and 96 (not a power of two),
 int8 caches with their scales, Gemma's soft-capping and sliding windows, and decode batches whose
-keys are split over several programs (merged by a kernel of their own or by the last program).  On a CUDA GPU the kernel runs for real; on a CPU it runs in
+keys are split over several programs.  On a CUDA GPU the kernel runs for real; on a CPU it runs in
 Triton's interpreter (the test extra installs Triton on a CPU machine too; without it: skipped).
 """
 
@@ -79,41 +79,19 @@ def test_mixed_batches_match_the_reference(H, HKV, D):
     _check(H, HKV, D, MIXED, MIXED_LENGTHS)
 
 
-@pytest.fixture(params=["kernel", "last"])
-def merge(request, monkeypatch):
-    """Split keys merged by a kernel of their own, or by the last program of each tile
-    ($QUANTSERVE_ATTENTION_MERGE)."""
-    monkeypatch.setenv("QUANTSERVE_ATTENTION_MERGE", request.param)
-    return request.param
-
-
 @pytest.mark.parametrize("H, HKV, D", [(8, 2, 64), (4, 1, 128)])
-def test_decode_batches_with_split_keys_match_the_reference(H, HKV, D, merge):
+def test_decode_batches_with_split_keys_match_the_reference(H, HKV, D):
     _check(H, HKV, D, DECODES, DECODE_LENGTHS)
 
 
-def test_int8_caches_match_the_reference(merge):
+def test_int8_caches_match_the_reference():
     _check(8, 2, 64, MIXED, MIXED_LENGTHS, int8=True)
     _check(8, 2, 64, DECODES, DECODE_LENGTHS, int8=True)
 
 
-def test_soft_capping_and_sliding_windows_match_the_reference(merge):
+def test_soft_capping_and_sliding_windows_match_the_reference():
     _check(8, 2, 64, MIXED, MIXED_LENGTHS, softcap=5.0, window=24)
     _check(8, 2, 64, DECODES, DECODE_LENGTHS, softcap=5.0, window=40)
-
-
-def test_the_merge_by_the_last_program_leaves_its_counters_at_zero(monkeypatch):
-    """Each call sets the counters it counted with back to 0 (a replayed CUDA graph finds them so),
-    and a second call gives the same output; an unknown merge is an error naming the choices."""
-    from quantserve.server.fastcore import triton_paged_attention as tpa
-
-    monkeypatch.setenv("QUANTSERVE_ATTENTION_MERGE", "last")
-    for _ in range(2):
-        _check(8, 2, 64, DECODES, DECODE_LENGTHS)
-        assert tpa._counters and all(c.abs().sum().item() == 0 for c in tpa._counters.values())
-    monkeypatch.setenv("QUANTSERVE_ATTENTION_MERGE", "lastt")
-    with pytest.raises(ValueError, match="kernel, last"):
-        tpa.merge_by_last()
 
 
 @pytest.mark.skipif(not CUDA, reason="fp16 tensor-core math: a CUDA GPU")
