@@ -50,10 +50,11 @@ SHAPES = {  # name: (config.json model_type, the real model's layout); weights a
 QUANTS = ("none", "int8", "int4")
 KERNELS = ("auto", "triton", "gemlite", "torch", "tinygemm")
 ATTENTIONS = ("auto", "triton", "sdpa")
-# fastcore/fused.py: a one-token step's element-wise work inside the weight kernels: all of it ("on"),
-# none ("off") or only silu(gate) * up and the residual adds ("gate+residual": no norm inside them)
-FUSIONS = ("on", "off", "gate+residual")
-_FUSED_DECODE = {"on": "1", "off": "0", "gate+residual": "gate,residual"}  # -> $QUANTSERVE_FUSED_DECODE
+# fastcore/fused.py: a one-token step's element-wise work inside the weight kernels: as the server
+# runs it ("default": silu(gate) * up and the residual adds), none ("off"), all of it ("on": the
+# norms too, int8's norm weights folded into its layers), or the gate and residual by name
+FUSIONS = ("default", "off", "on", "gate+residual")
+_FUSED_DECODE = {"default": None, "off": "0", "on": "1", "gate+residual": "gate,residual"}  # $QUANTSERVE_FUSED_DECODE
 
 
 @dataclass(frozen=True)
@@ -64,10 +65,10 @@ class DecodeOptions:
     quants: tuple[str, ...] = QUANTS
     kernels: tuple[str, ...] = ("auto",)  # int8/int4 kernels, of KERNELS
     attention: tuple[str, ...] = ("auto",)  # of ATTENTIONS; the first is the one other rows compare to
-    # of FUSIONS: "off" is what the server runs (the fused batch-1 forms are opt-in); "on" rows are
-    # named "...-fused", "gate+residual" rows "...-fused-gate+residual" (until 2026-12-05 "on" was the
-    # default and "off" rows were "...-unfused")
-    fusion: tuple[str, ...] = ("off",)
+    # of FUSIONS: "default" is what the server runs; "off" rows are named "...-unfused", "on" rows
+    # "...-fused", "gate+residual" rows "...-fused-gate+residual" (from 2026-12-05 to 2026-12-06 "off"
+    # was the default and had no suffix; before, "on")
+    fusion: tuple[str, ...] = ("default",)
     batches: tuple[int, ...] = (1, 8, 32)
     prompt_len: int = 128
     new_tokens: int = 128
@@ -150,10 +151,10 @@ def step_profile(step, device, steps: int = 16, top: int = 12) -> dict:
 
 def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], prompt_len: int,
                new_tokens: int, compile: bool, profile_steps: int = 0, attention: str = "auto",
-               fusion: str = "off"):
+               fusion: str = "default"):
     """FastCore decode at each batch size: prefill `prompt_len` tokens per slot, then time
     `new_tokens` steps feeding the argmax back on the device (no host sync inside the loop).
-    fusion (of FUSIONS) "off": batch 1 runs its norms, gate and residual adds as separate kernels (fused.py).
+    fusion (of FUSIONS): which of batch 1's norms, gate and residual adds run inside its weight kernels (fused.py).
     Yields one row per batch size as it is measured, so a run cut short keeps the rows it finished."""
     import torch
 
@@ -161,18 +162,18 @@ def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], p
 
     t0 = time.perf_counter()
     max_seq = -(-(prompt_len + new_tokens + 8) // 256) * 256
-    # the fused batch-1 forms are opt-in (quant.fused_decode_forms, read as the layers are built):
-    # they are asked for this build only, so the caller's environment is left as it was
-    before = os.environ.get("QUANTSERVE_FUSED_DECODE")
-    os.environ["QUANTSERVE_FUSED_DECODE"] = _FUSED_DECODE[fusion]
+    # the fused batch-1 forms (fused.fused_decode_forms, read as the layers are built) are asked
+    # for this build only, so the caller's environment is left as it was
+    before = os.environ.pop("QUANTSERVE_FUSED_DECODE", None)
+    if _FUSED_DECODE[fusion] is not None:
+        os.environ["QUANTSERVE_FUSED_DECODE"] = _FUSED_DECODE[fusion]
     try:
         core = FastCore(None, random_config=cfg, max_slots=max(batches), max_seq=max_seq, device=device,
                         weight_quant=quant, quant_kernel=kernel, compile=compile, profile=caps.profile,
                         attention=attention)
     finally:
-        if before is None:
-            del os.environ["QUANTSERVE_FUSED_DECODE"]
-        else:
+        os.environ.pop("QUANTSERVE_FUSED_DECODE", None)
+        if before is not None:
             os.environ["QUANTSERVE_FUSED_DECODE"] = before
     build_s = time.perf_counter() - t0
     # Prompts eagerly: this measures decode, and the compiled prompt path (torch.compile with
@@ -336,10 +337,10 @@ def _measure(o: DecodeOptions) -> None:
                     engine += f"-{kernel}"
                 if attention != "auto":
                     engine += f"-{attention}"
-                if fusion != "off":
+                if fusion != "default":
                     if quant == "none":
                         continue  # fp16 layers have nothing fused: one row is enough
-                    engine += "-fused" + ("" if fusion == "on" else f"-{fusion}")
+                    engine += {"off": "-unfused", "on": "-fused"}.get(fusion, f"-fused-{fusion}")
                 done = set()
                 try:
                     cap.set(capped)

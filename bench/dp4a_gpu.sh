@@ -68,7 +68,7 @@ elif [ "$phase" = 2 ]; then
   # (the dp4a form allowed, weights loaded ahead) first, while the GGUFs may still be in the making;
   # then llama-bench on Q8_0 / Q4_K_M; $FLOAT=1 adds int8 and int4 without the dp4a form
   QUANTSERVE_HOME=/tmp/qs-on2 decode $(left 300) 8b-b1-dp4a --models 8b --quants none,int8,int4 --kernels triton \
-      --batches 1 --fusion ${FUSION:-off}
+      --batches 1 --fusion ${FUSION:-default}
   until [ -f /tmp/ggufs.done ] || [ "$SECONDS" -gt 440 ]; do sleep 2; done
   tail -n 6 /tmp/ggufs.log >> "$out/bench.txt"
   llama_bench 60 /tmp/llama-3.1-8b-Q8_0.gguf /tmp/llama-3.1-8b-Q4_K_M.gguf

@@ -16,14 +16,14 @@
 #     products alone).
 #   bench/fusion_gpu.sh OUT 2   (~5 min, the machine call 1 left warm) llama-bench on the 8B's Q8_0
 #     and Q4_K_M GGUFs and the 1B's Q8_0, then in the same call bench decode at batch 1: 8B int8 and
-#     int4 as served (fusion off; FUSION=on for the fused forms), 1B int8 --fusion on,off: the ratios
+#     int4 as served (FUSION=on for all the fused forms), 1B int8 --fusion on,off: the ratios
 #     against baselines measured in that call.  It waits GGUF_WAIT x 2 s (default 60 s) for the
 #     GGUFs call 1 started; llama.cpp's build took until ~8 min after call 1 began on an H100.
 # OUT gets results.tgz and bench.txt.  Run from the repo root.
 set -uo pipefail
 # END: the seconds the first call may take; a smaller one skips its quality and race parts
 dest=$(realpath -m "$1"); phase=${2:-1}; end=${END:-575}; out=/tmp/fusion-$phase; mkdir -p "$out" "$dest"; repo=$PWD; site=/tmp/site
-# the fused forms are opt-in (server/fastcore/quant.py): on for the tests and quality runs here; bench decode sets them per run (--fusion)
+# every fused form (server/fastcore/fused.py) for the tests and quality runs here; bench decode sets them per run (--fusion)
 export QUANTSERVE_HOME=/tmp/qs-home PYTHONUNBUFFERED=1 QUANTSERVE_FUSED_DECODE=1
 source "$repo/bench/gpu_lib.sh"  # log, left, decode
 taskset -cp 0-7 $$ > /dev/null  # this script and what it starts on cores 0-7; the detached jobs on 8-15
@@ -46,8 +46,8 @@ elif [ "$phase" = 2 ]; then
   tail -n 8 /tmp/ggufs.log >> "$out/bench.txt"
   llama_bench 45 /tmp/llama-3.1-8b-Q8_0.gguf /tmp/llama-3.1-8b-Q4_K_M.gguf /tmp/llama-3.2-1b-Q8_0.gguf
   log "llama-bench done"
-  decode $(left 170) 8b-int8 --models 8b --quants int8 --kernels triton --batches 1 --fusion ${FUSION:-off}
-  decode $(left 240) 8b-int4 --models 8b --quants int4 --kernels triton --batches 1 --fusion ${FUSION:-off}
+  decode $(left 170) 8b-int8 --models 8b --quants int8 --kernels triton --batches 1 --fusion ${FUSION:-default}
+  decode $(left 240) 8b-int4 --models 8b --quants int4 --kernels triton --batches 1 --fusion ${FUSION:-default}
   decode $(left 300) 1b-int8 --models 1b --quants int8 --kernels triton --batches 1 --fusion on,off
   tar czf "$dest/results.tgz" -C "$out" . && cp "$out/bench.txt" "$dest/"; cat "$out/bench.txt"; exit 0
 fi

@@ -170,11 +170,13 @@ def _gemv_forms() -> dict[str, tuple]:
     configs the 8B shape's layers take (int8: 16 rows x 512 columns, int4: 16 x 1024, 4 warps)."""
     from quantserve.server.fastcore import triton_gemv
 
-    forms = {"plain": {}, "norm": {"NORM": True}, "norm + gate": {"NORM": True, "GATED": True},
+    norm, folded = {"NORM": True, "NORM_WEIGHT": True}, {"NORM": True}  # folded: the weight in the layer
+    forms = {"plain": {}, "norm": norm, "folded norm": folded, "norm + gate": {**norm, "GATED": True},
              "residual": {"RESIDUAL": True}, "packed fp16": {"HALF_DOT": True},
-             "packed fp16, norm": {"HALF_DOT": True, "NORM": True}, "int8 x, dp4a": {"DOT4": True},
-             "int8 x, dp4a, norm": {"DOT4": True, "NORM": True}, "int8 x, dp4a, gate": {"DOT4": True, "GATED": True},
-             "int8 x, dp4a, residual": {"DOT4": True, "RESIDUAL": True}}
+             "packed fp16, norm": {"HALF_DOT": True, **norm}, "int8 x, dp4a": {"DOT4": True},
+             "int8 x, dp4a, norm": {"DOT4": True, **norm}, "int8 x, dp4a, folded norm": {"DOT4": True, **folded},
+             "int8 x, dp4a, folded norm + gate": {"DOT4": True, **folded, "GATED": True},
+             "int8 x, dp4a, gate": {"DOT4": True, "GATED": True}, "int8 x, dp4a, residual": {"DOT4": True, "RESIDUAL": True}}
     out = {}
     for kind, fn, block_k in (("int8", triton_gemv._int8_gemv_kernel, 512), ("int4", triton_gemv._int4_gemv_kernel, 1024)):
         sig = {n: t for n, t in _signature(kind).items() if t != "constexpr"}
@@ -183,10 +185,10 @@ def _gemv_forms() -> dict[str, tuple]:
                 continue
             const = {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": block_k, "SPLIT_K": 1, "BIT_DEQUANT": True,
                      "AHEAD": triton_gemv.LOAD_AHEAD,
-                     **{flag: form.get(flag, False) for flag in ("NORM", "GATED", "RESIDUAL", "DOT4")}}
+                     **{flag: form.get(flag, False) for flag in ("NORM", "NORM_WEIGHT", "GATED", "RESIDUAL", "DOT4")}}
             const.update({"GROUP": 128, "HALF_DOT": form.get("HALF_DOT", False)} if kind == "int4" else {})
             full = dict(sig, eps="fp32", **{n: "constexpr" for n in const})
-            for ptr, flag in (("norm_ptr", "NORM"), ("res_ptr", "RESIDUAL")):
+            for ptr, flag in (("norm_ptr", "NORM_WEIGHT"), ("res_ptr", "RESIDUAL")):
                 full[ptr] = "*fp16" if form.get(flag) else "constexpr"
                 if not form.get(flag):
                     const[ptr] = None

@@ -7,9 +7,11 @@ norm, the gate and the residual add run inside that kernel (triton_fused.py): at
 element-wise kernels cost more in launches than in bytes.  Everything else (prompts, decode
 batches, the CPU, fp16 weights, Gemma's norm offset and sandwich norms, a GELU gate) takes the
 separate ops, which inductor fuses among themselves.  Both compute the same function; the fused one in
-fp32 throughout instead of rounding to fp16 between the ops.  Opt-in, each form on its own
-($QUANTSERVE_FUSED_DECODE=1 or e.g. gate,residual; quant.fused_decode_forms): on an H100 the three
-together were slower than the separate kernels.
+fp32 throughout instead of rounding to fp16 between the ops.
+
+Which forms, from $QUANTSERVE_FUSED_DECODE (fused_decode_forms): by default the gate and the
+residual; the norm form on request, and with it, for int8, the norms' weights folded into the
+layers after them (fold_norms), so that the kernel only sums x^2 beside its products.
 
 Under torch.compile the choice is made while tracing: a size of 1 is specialized, so the graph of
 a one-token step and the graph of any other size each hold one branch.
@@ -17,19 +19,64 @@ a one-token step and the graph of any other size each hold one branch.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
+FUSED_FORMS = ("norm", "gate", "residual")  # what the batch-1 kernels can take in
+DEFAULT_FUSED_FORMS = frozenset(("gate", "residual"))
+
+
+def fused_decode_forms() -> frozenset:
+    """The fused batch-1 forms asked for, from $QUANTSERVE_FUSED_DECODE: unset for the default
+    (gate and residual), 0 for none, 1 for all of FUSED_FORMS, or a comma list of them.  On an
+    H100 gate + residual were 1.011x (int8) and 1.016x (int4) the separate kernels' decode speed at
+    batch 1 in one call (bench/RESULTS.md, 2026-12-06, midday); all three, the norm's weight loaded
+    and multiplied beside x, int8 1.017x and int4 0.968x (2026-12-06): that costs the kernels
+    more than the launches it saves."""
+    value = os.environ.get("QUANTSERVE_FUSED_DECODE")
+    if value is None:
+        return DEFAULT_FUSED_FORMS
+    value = value.strip()
+    if value in ("", "0"):
+        return frozenset()
+    if value == "1":
+        return frozenset(FUSED_FORMS)
+    forms = frozenset(f.strip() for f in value.split(",") if f.strip())
+    if forms - set(FUSED_FORMS):
+        raise ValueError(f"QUANTSERVE_FUSED_DECODE={value!r}: use 0, 1 or a comma list of {', '.join(FUSED_FORMS)}")
+    return forms
+
+
+def fold_norms(weights: str) -> bool:
+    """Whether the RMSNorm weights before the q/k/v and gate-up layers are multiplied into those
+    layers' columns before quantizing (weights.py; the norms then scale by 1): with the norm form,
+    for int8 only.  The same function on a moved quantization grid: free for int8 (one scale a
+    row: top-1 agreement 99.68 % against 99.56 % unfolded), +1.18 % perplexity for int4 (a scale
+    per 128 columns: the norm's weight spreads a group's range), on the default model
+    (bench/RESULTS.md, 2026-12-06)."""
+    return weights == "int8" and "norm" in fused_decode_forms()
+
+
+def norm_args(norm) -> tuple[bool, torch.Tensor | None, float]:
+    """What the fused kernels take of the RMSNorm before a layer (model.RMSNorm, or None for
+    none): (normalize, the weight x is multiplied by, or None where it was folded into the layer,
+    eps)."""
+    if norm is None:
+        return False, None, 0.0
+    return True, None if norm.folded else norm.weight, norm.eps
+
 
 def _takes(linear, x: torch.Tensor, form: str) -> bool:
-    """Whether one token through `linear` takes `form` (quant.FUSED_FORMS) into its kernel."""
+    """Whether one token through `linear` takes `form` (FUSED_FORMS) into its kernel."""
     return x.shape[0] == 1 and x.is_cuda and form in getattr(linear, "fused_forms", ())
 
 
 def norm_linear(norm, linear, x: torch.Tensor) -> torch.Tensor:
     """linear(norm(x)) for an RMSNorm `norm` (model.RMSNorm)."""
     if norm.offset == 0 and _takes(linear, x, "norm"):
-        return linear.fused(x, norm=norm.weight, eps=norm.eps)
+        return linear.fused(x, norm=norm)
     return linear(norm(x))
 
 
@@ -48,5 +95,5 @@ def norm_gated_linear(norm, linear, x: torch.Tensor, gelu: bool) -> torch.Tensor
         gate, up = norm_linear(norm, linear, x).chunk(2, dim=-1)
         return (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
     if norm.offset == 0 and _takes(linear, x, "norm"):
-        return linear.fused(x, norm=norm.weight, eps=norm.eps, gated=True)
+        return linear.fused(x, norm=norm, gated=True)
     return linear.fused(norm(x), gated=True)

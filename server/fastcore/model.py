@@ -99,6 +99,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.folded = False  # the weight multiplied into the layer after this norm (its own is then 1)
 
     def forward(self, x):
         # fp32 statistics like Hugging Face's LlamaRMSNorm, so greedy tokens match it exactly

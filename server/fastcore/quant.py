@@ -26,7 +26,6 @@ columns (gpt-fast / torchao layout: q in 0..15, w = (q - 8) * scale + zero).
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,18 +33,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quantserve.server.fastcore.fused import fused_decode_forms, norm_args
+
 
 # Rows quantized at a time: an fp32 copy of a whole 8B-model lm_head is 2 GiB, which does not fit
 # next to the model under a 15 GiB (T4) budget.
 ROW_CHUNK = 2048
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (int8 [N, K], scales [N]) with symmetric per-row absmax scaling."""
+def quantize_int8(w: torch.Tensor, columns: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (int8 [N, K], scales [N]) with symmetric per-row absmax scaling.  columns
+    ([K] or None): a factor per input column multiplied in first (fused.fold_norms: an RMSNorm's weight)."""
     q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
     scales = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
     for i in range(0, w.shape[0], ROW_CHUNK):
         wf = w[i : i + ROW_CHUNK].float()
+        if columns is not None:
+            wf = wf * columns.float()
         s = wf.abs().amax(dim=1).clamp(min=1e-8) / 127.0
         q[i : i + ROW_CHUNK] = torch.round(wf / s[:, None]).clamp(-127, 127).to(torch.int8)
         scales[i : i + ROW_CHUNK] = s
@@ -172,26 +176,6 @@ def default_kernel(device: torch.device, weights: str = "int8") -> str:
     return "gemlite" if GEMLITE_BY_DEFAULT and weights == "int4" and gemlite_available() else "triton"
 
 
-FUSED_FORMS = ("norm", "gate", "residual")  # what the batch-1 kernels can take in (fused.py)
-
-
-def fused_decode_forms() -> frozenset:
-    """The fused batch-1 forms asked for (fused.py), from $QUANTSERVE_FUSED_DECODE: 0 (none, the
-    default), 1 (all of FUSED_FORMS) or a comma list of them.  Opt-in: on an H100 all three together
-    were 0.90-0.98x the separate kernels' decode speed (bench/RESULTS.md, 2026-12-05) and, with the
-    loads ahead, int8 1.017x and int4 0.968x (2026-12-06): the norm form costs the kernels more
-    than the launches it saves."""
-    value = os.environ.get("QUANTSERVE_FUSED_DECODE", "0").strip()
-    if value in ("", "0"):
-        return frozenset()
-    if value == "1":
-        return frozenset(FUSED_FORMS)
-    forms = frozenset(f.strip() for f in value.split(",") if f.strip())
-    if forms - set(FUSED_FORMS):
-        raise ValueError(f"QUANTSERVE_FUSED_DECODE={value!r}: use 0, 1 or a comma list of {', '.join(FUSED_FORMS)}")
-    return forms
-
-
 def _fused_forms(kernel: str, bias, q: torch.Tensor, weights: str, K: int) -> frozenset:
     """What a layer's `fused` may take into its batch-1 kernel (fused.py asks, while tracing: so a
     plain attribute, decided here): the forms asked for, where the layer runs our Triton kernel on a
@@ -211,7 +195,9 @@ def int8_linear_torch(x, weight, scales):
 
 
 class Int8Linear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, kernel: str = "torch"):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, kernel: str = "torch",
+                 fold: torch.Tensor | None = None):
+        """fold: the weight of the RMSNorm before this layer, multiplied into its columns (fused.fold_norms)."""
         super().__init__()
         if kernel not in ("triton", "gemlite", "torch"):
             raise ValueError(f"unknown int8 kernel {kernel!r} (triton, gemlite or torch)")
@@ -219,7 +205,7 @@ class Int8Linear(nn.Module):
         self.kernel = kernel if weight.shape[1] % 64 == 0 else "torch"
         if self.kernel == "gemlite" and not weight.is_cuda:
             raise ValueError("the gemlite kernel needs the weights on a CUDA GPU")
-        q, scales = quantize_int8(weight)
+        q, scales = quantize_int8(weight, fold)
         self.register_buffer("weight", q)
         self.register_buffer("scales", scales.to(dtype))
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
@@ -240,10 +226,11 @@ class Int8Linear(nn.Module):
             y = int8_linear_torch(x, self.weight, self.scales)
         return y if self.bias is None else y + self.bias
 
-    def fused(self, x, norm=None, eps: float = 0.0, residual=None, gated: bool = False):
-        """One token through this layer in one kernel, with the norm before it, silu(gate) * up of
-        its halves and the residual add after it, as asked (triton_fused.py; only the `fused_forms`)."""
-        return torch.ops.quantserve.int8_gemv_fused(x, self.weight, self.scales, norm, eps, residual, gated)
+    def fused(self, x, norm=None, residual=None, gated: bool = False):
+        """One token through this layer in one kernel, with the RMSNorm `norm` before it (a
+        model.RMSNorm), silu(gate) * up of its halves and the residual add after it, as asked
+        (triton_fused.py; only the `fused_forms`)."""
+        return torch.ops.quantserve.int8_gemv_fused(x, self.weight, self.scales, *norm_args(norm), residual, gated)
 
     def weight_bytes(self) -> int:
         return self.weight.numel() + self.scales.numel() * self.scales.element_size()
@@ -319,11 +306,10 @@ class Int4Linear(nn.Module):
             y = F.linear(x, self.dequantize(x.dtype))
         return y if self.bias is None else y + self.bias
 
-    def fused(self, x, norm=None, eps: float = 0.0, residual=None, gated: bool = False):
-        """One token through this layer in one kernel, with the norm before it, silu(gate) * up of
-        its halves and the residual add after it, as asked (triton_fused.py; only the `fused_forms`)."""
-        return torch.ops.quantserve.int4_gemv_fused(x, self.weight, self.scales, self.mins, self.group_size, norm,
-                                                    eps, residual, gated)
+    def fused(self, x, norm=None, residual=None, gated: bool = False):
+        """As Int8Linear.fused."""
+        return torch.ops.quantserve.int4_gemv_fused(x, self.weight, self.scales, self.mins, self.group_size,
+                                                    *norm_args(norm), residual, gated)
 
     def weight_bytes(self) -> int:
         if self.kernel == "gemlite":
@@ -332,13 +318,16 @@ class Int4Linear(nn.Module):
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, mode: str, dtype: torch.dtype,
-                kernel: str = "torch", group_size: int = 128) -> nn.Module:
+                kernel: str = "torch", group_size: int = 128, fold: torch.Tensor | None = None) -> nn.Module:
     """An nn.Module computing x @ weight.T (+ bias) with weights stored as `mode`.  A PackedInt4
-    weight stays as packed under int4, and is dequantized for any other mode."""
+    weight stays as packed under int4, and is dequantized for any other mode.  fold: a factor per
+    input column multiplied in (int8 only; fused.fold_norms)."""
     if isinstance(weight, PackedInt4) and mode != "int4":
         weight = weight.dequantize().to(dtype)
+    if fold is not None and mode != "int8":
+        raise ValueError(f"norm weights are folded into int8 layers only, not {mode}")
     if mode == "int8":
-        return Int8Linear(weight, bias, dtype, "torch" if kernel == "tinygemm" else kernel)
+        return Int8Linear(weight, bias, dtype, "torch" if kernel == "tinygemm" else kernel, fold)
     if mode == "int4":
         return Int4Linear(weight, bias, dtype, group_size, kernel)
     if mode != "none":

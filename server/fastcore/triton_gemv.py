@@ -26,9 +26,10 @@ nibble of byte j, 2j + 1 in the low one.
 At batch 1 the element-wise work around a layer costs more in launches than in bytes (a decode
 step of the 8B shape ran ~190 inductor kernels of ~1.5 us beside its 129 weight kernels), so the
 kernels can take it in (`quant.*.fused`, model.py's blocks through fused.py):
-- NORM: x is RMS-normalized and scaled by the norm's weight on the way in: each program walks all
-  of K anyway, so it sums x^2 beside the products and scales its rows' sums by rsqrt(mean + eps)
-  once at the end (the qkv, gate-up and vocabulary layers, so no norm kernels);
+- NORM: x is RMS-normalized on the way in: each program walks all of K anyway, so it sums x^2
+  beside the products and scales its rows' sums by rsqrt(mean + eps) once at the end (the qkv,
+  gate-up and vocabulary layers, so no norm kernels); NORM_WEIGHT: x times the norm's weight as
+  it is loaded (without it, the weight was folded into the layer's columns: fused.fold_norms);
 - GATED: the weight's rows are [gate; up] and the output is silu(gate) * up, N / 2 wide (the
   gate-up layer).  A program takes BLOCK_N / 2 gate rows and the up rows that go with them,
   interleaved, and pairs them once after the loop; as a prologue of the down layer instead, the
@@ -104,12 +105,12 @@ def _rows(pid_n, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
 
 
 @triton.jit
-def _activation(x_ptr, norm_ptr, cols, NORM: tl.constexpr):
-    """x's columns `cols` in fp32, times the norm's weight with NORM, and their squares before
-    that weight (the norm's statistics; unused without NORM, so compiled away)."""
+def _activation(x_ptr, norm_ptr, cols, NORM_WEIGHT: tl.constexpr):
+    """x's columns `cols` in fp32, times the norm's weight with NORM_WEIGHT, and their squares
+    before that weight (the norm's statistics; unused without NORM, so compiled away)."""
     x = tl.load(x_ptr + cols).to(tl.float32)
     sq = x * x
-    if NORM:
+    if NORM_WEIGHT:
         x = x * tl.load(norm_ptr + cols).to(tl.float32)
     return x, sq
 
@@ -139,7 +140,8 @@ def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                       BIT_DEQUANT: tl.constexpr = True, norm_ptr=None, res_ptr=None, eps=0.0,
                       NORM: tl.constexpr = False, GATED: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
-                      DOT4: tl.constexpr = False, AHEAD: tl.constexpr = LOAD_AHEAD):
+                      DOT4: tl.constexpr = False, AHEAD: tl.constexpr = LOAD_AHEAD,
+                      NORM_WEIGHT: tl.constexpr = False):
     # The int8 weights are read as int32 words of 4 columns, one word per thread and row (K is
     # not specialised on 16, so the loads stay one word wide); column c of x for each word is a
     # strided load of its own, one per thread, shared by the thread's rows, in the words' layout.
@@ -161,10 +163,10 @@ def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm
     for k in range(k0, k0 + k_len, BLOCK_K):
         k = tl.multiple_of(k, BLOCK_K)
         words, ahead = step_words(w_ptrs, k, k0 + k_len, ahead, BLOCK_K, 4, AHEAD)  # [BN, W] int32
-        x0, sq0 = _activation(x_ptr, norm_ptr, k + 4 * rw, NORM)
-        x1, sq1 = _activation(x_ptr, norm_ptr, k + 4 * rw + 1, NORM)
-        x2, sq2 = _activation(x_ptr, norm_ptr, k + 4 * rw + 2, NORM)
-        x3, sq3 = _activation(x_ptr, norm_ptr, k + 4 * rw + 3, NORM)
+        x0, sq0 = _activation(x_ptr, norm_ptr, k + 4 * rw, NORM_WEIGHT)
+        x1, sq1 = _activation(x_ptr, norm_ptr, k + 4 * rw + 1, NORM_WEIGHT)
+        x2, sq2 = _activation(x_ptr, norm_ptr, k + 4 * rw + 2, NORM_WEIGHT)
+        x3, sq3 = _activation(x_ptr, norm_ptr, k + 4 * rw + 3, NORM_WEIGHT)
         if NORM:
             sq += (sq0 + sq1) + (sq2 + sq3)
         if DOT4:  # x rounded to int8, the word's 4 products in one dp4a (triton_dp4a.py)
@@ -197,12 +199,13 @@ HALF_DOT_SCALE = tl.constexpr(1.0 / 64)
 
 
 @triton.jit
-def _x_pair(x_ptr, norm_ptr, k, rw, p: tl.constexpr, W: tl.constexpr, BLOCK_N: tl.constexpr, NORM: tl.constexpr):
+def _x_pair(x_ptr, norm_ptr, k, rw, p: tl.constexpr, W: tl.constexpr, BLOCK_N: tl.constexpr,
+            NORM_WEIGHT: tl.constexpr):
     """Nibble pair p's activations (the columns of bits 4p and 16 + 4p: 2 (p // 2) + 1 - p % 2 and
     4 more): both scaled into fp16 and broadcast over the rows (_nibble_dot's inputs), their sum
-    in fp32 (the zero points' term), and their squares' sum (NORM)."""
-    x_lo, sq_lo = _activation(x_ptr, norm_ptr, k + 8 * rw + (2 * (p // 2) + 1 - p % 2), NORM)
-    x_hi, sq_hi = _activation(x_ptr, norm_ptr, k + 8 * rw + (2 * (p // 2) + 5 - p % 2), NORM)
+    in fp32 (the zero points' term), and their squares' sum (the norm's statistics)."""
+    x_lo, sq_lo = _activation(x_ptr, norm_ptr, k + 8 * rw + (2 * (p // 2) + 1 - p % 2), NORM_WEIGHT)
+    x_hi, sq_hi = _activation(x_ptr, norm_ptr, k + 8 * rw + (2 * (p // 2) + 5 - p % 2), NORM_WEIGHT)
     a = tl.broadcast_to((x_lo * HALF_DOT_SCALE).to(tl.float16)[:, None], (W, BLOCK_N))
     b = tl.broadcast_to((x_hi * HALF_DOT_SCALE).to(tl.float16)[:, None], (W, BLOCK_N))
     return a, b, x_lo + x_hi, sq_lo + sq_hi
@@ -268,7 +271,7 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, st
                       SPLIT_K: tl.constexpr, BIT_DEQUANT: tl.constexpr = True, norm_ptr=None, res_ptr=None,
                       eps=0.0, NORM: tl.constexpr = False, GATED: tl.constexpr = False,
                       RESIDUAL: tl.constexpr = False, HALF_DOT: tl.constexpr = False, DOT4: tl.constexpr = False,
-                      AHEAD: tl.constexpr = LOAD_AHEAD):
+                      AHEAD: tl.constexpr = LOAD_AHEAD, NORM_WEIGHT: tl.constexpr = False):
     # The packed bytes are read as int32 words of 8 columns, one word per thread and row: byte i
     # of a word holds columns 2i (high nibble) and 2i + 1 (low), so column j of the word sits at
     # bit 8 * (j // 2) + 4 * (1 - j % 2).  Column j of x for each word is a strided load of its
@@ -295,14 +298,14 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, st
         part = tl.zeros((W, BLOCK_N), dtype=tl.float32)
         xsum = tl.zeros((W,), dtype=tl.float32)
         if DOT4:  # x rounded to int8, the word's 8 products in two dp4a (triton_dp4a.py)
-            x0, sq0 = _activation(x_ptr, norm_ptr, k + 8 * rw, NORM)
-            x1, sq1 = _activation(x_ptr, norm_ptr, k + 8 * rw + 1, NORM)
-            x2, sq2 = _activation(x_ptr, norm_ptr, k + 8 * rw + 2, NORM)
-            x3, sq3 = _activation(x_ptr, norm_ptr, k + 8 * rw + 3, NORM)
-            x4, sq4 = _activation(x_ptr, norm_ptr, k + 8 * rw + 4, NORM)
-            x5, sq5 = _activation(x_ptr, norm_ptr, k + 8 * rw + 5, NORM)
-            x6, sq6 = _activation(x_ptr, norm_ptr, k + 8 * rw + 6, NORM)
-            x7, sq7 = _activation(x_ptr, norm_ptr, k + 8 * rw + 7, NORM)
+            x0, sq0 = _activation(x_ptr, norm_ptr, k + 8 * rw, NORM_WEIGHT)
+            x1, sq1 = _activation(x_ptr, norm_ptr, k + 8 * rw + 1, NORM_WEIGHT)
+            x2, sq2 = _activation(x_ptr, norm_ptr, k + 8 * rw + 2, NORM_WEIGHT)
+            x3, sq3 = _activation(x_ptr, norm_ptr, k + 8 * rw + 3, NORM_WEIGHT)
+            x4, sq4 = _activation(x_ptr, norm_ptr, k + 8 * rw + 4, NORM_WEIGHT)
+            x5, sq5 = _activation(x_ptr, norm_ptr, k + 8 * rw + 5, NORM_WEIGHT)
+            x6, sq6 = _activation(x_ptr, norm_ptr, k + 8 * rw + 6, NORM_WEIGHT)
+            x7, sq7 = _activation(x_ptr, norm_ptr, k + 8 * rw + 7, NORM_WEIGHT)
             low, high, xs = quantize8_for_nibbles(x0, x1, x2, x3, x4, x5, x6, x7)
             part = dot_int4(words, tl.broadcast_to(low[:, None], (W, BLOCK_N)),
                             tl.broadcast_to(high[:, None], (W, BLOCK_N))) * xs[:, None]
@@ -312,10 +315,10 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, st
             if NORM:
                 sq += ((sq0 + sq1) + (sq2 + sq3)) + ((sq4 + sq5) + (sq6 + sq7))
         elif HALF_DOT:  # the products in packed fp16 (_nibble_dot), x scaled down for them
-            a0, b0, s0, sq0 = _x_pair(x_ptr, norm_ptr, k, rw, 0, W, BLOCK_N, NORM)
-            a1, b1, s1, sq1 = _x_pair(x_ptr, norm_ptr, k, rw, 1, W, BLOCK_N, NORM)
-            a2, b2, s2, sq2 = _x_pair(x_ptr, norm_ptr, k, rw, 2, W, BLOCK_N, NORM)
-            a3, b3, s3, sq3 = _x_pair(x_ptr, norm_ptr, k, rw, 3, W, BLOCK_N, NORM)
+            a0, b0, s0, sq0 = _x_pair(x_ptr, norm_ptr, k, rw, 0, W, BLOCK_N, NORM_WEIGHT)
+            a1, b1, s1, sq1 = _x_pair(x_ptr, norm_ptr, k, rw, 1, W, BLOCK_N, NORM_WEIGHT)
+            a2, b2, s2, sq2 = _x_pair(x_ptr, norm_ptr, k, rw, 2, W, BLOCK_N, NORM_WEIGHT)
+            a3, b3, s3, sq3 = _x_pair(x_ptr, norm_ptr, k, rw, 3, W, BLOCK_N, NORM_WEIGHT)
             # both terms in x's scaled units (the sum once per column, not per row): the scale
             # comes off once, after the loop
             part = _nibble_dot(words, a0, b0, a1, b1, a2, b2, a3, b3)
@@ -329,8 +332,8 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, st
             # 1024 sum x comes off with the offset below
             for p in tl.static_range(4):
                 # the columns of bits 4p and 16 + 4p: 2 (p // 2) + 1 - p % 2 and 4 more
-                x_lo, sq_lo = _activation(x_ptr, norm_ptr, k + 8 * rw + (2 * (p // 2) + 1 - p % 2), NORM)
-                x_hi, sq_hi = _activation(x_ptr, norm_ptr, k + 8 * rw + (2 * (p // 2) + 5 - p % 2), NORM)
+                x_lo, sq_lo = _activation(x_ptr, norm_ptr, k + 8 * rw + (2 * (p // 2) + 1 - p % 2), NORM_WEIGHT)
+                x_hi, sq_hi = _activation(x_ptr, norm_ptr, k + 8 * rw + (2 * (p // 2) + 5 - p % 2), NORM_WEIGHT)
                 q_lo, q_hi = nibble_pair(words, 4 * p)
                 part += q_lo * x_lo[:, None]
                 part += q_hi * x_hi[:, None]
@@ -340,7 +343,7 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, st
             z = z - 1024.0 * s
         else:
             for j in tl.static_range(8):
-                xj, sqj = _activation(x_ptr, norm_ptr, k + 8 * rw + j, NORM)
+                xj, sqj = _activation(x_ptr, norm_ptr, k + 8 * rw + j, NORM_WEIGHT)
                 part += ((words >> (8 * (j // 2) + 4 * (1 - j % 2))) & 0xF).to(tl.float32) * xj[:, None]
                 xsum += xj
                 if NORM:

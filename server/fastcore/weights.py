@@ -22,6 +22,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from quantserve.server.fastcore.architectures import ARCHITECTURES
+from quantserve.server.fastcore.fused import fold_norms
 from quantserve.server.fastcore.model import ModelArgs, Transformer
 from quantserve.server.fastcore.quant import PackedInt4, cat_rows, make_linear
 from quantserve.server.fastcore.read_ahead import ReadAhead
@@ -77,24 +78,34 @@ def _build(src: Weights, a: ModelArgs, arch, device, dtype, mode: str, kernel: s
     # an AWQ / GPTQ checkpoint served in int4 keeps its own 4-bit layers and the float ones
     # (lm_head, usually) as its authors left them; any other mode quantizes everything alike
     packed = mode == "int4" and src.prequantized is not None
-    lin = lambda wt, b: make_linear(wt, b, "int4" if isinstance(wt, PackedInt4) else  # noqa: E731
-                                    "none" if packed else mode, dtype, kernel, group_size)
+    lin = lambda wt, b, fold=None: make_linear(wt, b, "int4" if isinstance(wt, PackedInt4) else  # noqa: E731
+                                               "none" if packed else mode, dtype, kernel, group_size, fold)
+    fold = mode == "int8" and a.norm_offset == 0 and fold_norms("int8")
     for i, layer in enumerate(m.layers):
         p = f"model.layers.{i}."
+        for ours, theirs in arch.norms.items():
+            layer.get_submodule(ours).weight = param(p + theirs + ".weight")
         for ours, weights, biases in _linears(arch, src, a, p):
             parts = [w(name) for name in weights]
             weight = parts[0] if len(parts) == 1 else cat_rows(parts)
             bias = torch.cat([w(name) for name in biases]) if biases else None
             parent, _, attr = ours.rpartition(".")
-            setattr(layer.get_submodule(parent), attr, lin(weight, bias))
+            norm = layer.get_submodule(FOLDED[ours]) if fold and ours in FOLDED else None
+            setattr(layer.get_submodule(parent), attr, lin(weight, bias, None if norm is None else norm.weight))
+            if norm is not None:  # its weight is in the layer now (a new tensor: the source's may be shared)
+                norm.weight = torch.nn.Parameter(torch.ones_like(norm.weight), requires_grad=False)
+                norm.folded = True
             del parts, weight
-        for ours, theirs in arch.norms.items():
-            layer.get_submodule(ours).weight = param(p + theirs + ".weight")
     m.output = lin(w("lm_head.weight"), None)
     missing = [name for name, t in m.named_parameters() if t.is_meta]
     if missing:  # an architectures.py entry that names too few tensors for its ModelArgs
         raise ValueError(f"{src.config.model_type}: no checkpoint tensor for {', '.join(missing[:4])}")
     return m.eval()
+
+
+# the linear layers whose input is the norm before them alone (model.Block): where fused.fold_norms
+# says, that norm's weight goes into the layer's columns (the final norm stays: embeddings use it)
+FOLDED = {"attention.wqkv": "attention_norm", "feed_forward.w13": "ffn_norm"}
 
 
 def _linears(arch, src: Weights, a: ModelArgs, p: str) -> list[tuple[str, list[str], list[str]]]:
@@ -112,9 +123,9 @@ def _names_in_order(arch, src: Weights, a: ModelArgs) -> list[str]:
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     for i in range(a.n_layers):
         p = f"model.layers.{i}."
+        names += [p + theirs + ".weight" for theirs in arch.norms.values()]
         for _, weights, biases in _linears(arch, src, a, p):
             names += weights + biases
-        names += [p + theirs + ".weight" for theirs in arch.norms.values()]
     return names + ["lm_head.weight"]
 
 

@@ -79,14 +79,23 @@ def test_prefill_logits_match_hf(hf, prompts):
         assert torch.allclose(core.prefill(0, p), ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("quant, max_rel_err, min_agree", [("int8", 0.05, 0.95), ("int4", 0.4, 0.8)])
-def test_quantized_logits_close_to_fp32(hf, prompts, quant, max_rel_err, min_agree):
+@pytest.mark.parametrize("quant, max_rel_err, min_agree", [("int8", 0.05, 0.95), ("int8 folded", 0.05, 0.95),
+                                                             ("int4", 0.4, 0.8)])
+def test_quantized_logits_close_to_fp32(hf, prompts, quant, max_rel_err, min_agree, monkeypatch):
     """Weight-only int8 (per-channel) and int4 (group 128) against fp32, teacher-forced on the
     fp32 greedy path.  Measured on the default model: int8 max rel. error 1.1 %, greedy agreement
-    99.5 %; int4 32 % (a 256-wide model has only two 128-wide groups per row), agreement printed."""
+    99.5 %; int4 32 % (a 256-wide model has only two 128-wide groups per row), agreement printed.
+    "int8 folded": with the fused norm form asked for, the blocks' norm weights are multiplied into
+    the q/k/v and gate-up layers before quantizing (fused.fold_norms), and the norms scale by 1."""
     model, _ = hf
     ref = FastCore(model, max_slots=1, max_seq=256, device="cpu")  # fp32 reference, also on a GPU machine
-    q = FastCore(model, max_slots=1, max_seq=256, weight_quant=quant, device="cpu")
+    monkeypatch.setenv("QUANTSERVE_FUSED_DECODE", "1" if quant == "int8 folded" else "0")
+    q = FastCore(model, max_slots=1, max_seq=256, weight_quant=quant.split()[0], device="cpu")
+    for layer in q.model.layers:
+        for norm in (layer.attention_norm, layer.ffn_norm):
+            assert norm.folded == (quant == "int8 folded")
+            assert bool((norm.weight == 1).all()) == norm.folded  # the trained model's own are not all 1
+    assert not q.model.norm.folded  # the final norm stays: embeddings are its output
     errs, agree, total = [], 0, 0
     for p in prompts[:4]:
         la, lb = ref.prefill(0, p), q.prefill(0, p)

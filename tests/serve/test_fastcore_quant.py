@@ -44,22 +44,41 @@ def test_int4_groups_the_triton_kernels_cannot_walk_take_the_torch_path():
     assert Int4Linear(w.repeat(1, 2)[:, :256], None, torch.float32, 64, "triton").kernel == "triton"
 
 
-@pytest.mark.parametrize("value, forms", [(None, set()), ("0", set()), ("1", {"norm", "gate", "residual"}),
+@pytest.mark.parametrize("value, forms", [(None, {"gate", "residual"}), ("0", set()), ("1", {"norm", "gate", "residual"}),
                                           ("gate, residual", {"gate", "residual"}), ("norm", {"norm"})])
 def test_the_fused_batch1_forms_are_asked_for_by_name(monkeypatch, value, forms):
-    """$QUANTSERVE_FUSED_DECODE: 0 (default) none, 1 all, or the forms named; a misspelt one is an
-    error naming the choices, not a form quietly left out.  On a CPU no layer takes any."""
-    from quantserve.server.fastcore import quant
+    """$QUANTSERVE_FUSED_DECODE: unset the gate and residual, 0 none, 1 all, or the forms named; a
+    misspelt one is an error naming the choices, not a form quietly left out.  The norm form folds
+    int8 layers' norms (never int4's).  On a CPU no layer takes any."""
+    from quantserve.server.fastcore import fused, quant
 
     if value is None:
         monkeypatch.delenv("QUANTSERVE_FUSED_DECODE", raising=False)
     else:
         monkeypatch.setenv("QUANTSERVE_FUSED_DECODE", value)
-    assert quant.fused_decode_forms() == forms
+    assert fused.fused_decode_forms() == forms
+    assert fused.fold_norms("int8") == ("norm" in forms) and not fused.fold_norms("int4")
     assert quant.Int8Linear(torch.randn(64, 128), None, torch.float32, "triton").fused_forms == frozenset()
     monkeypatch.setenv("QUANTSERVE_FUSED_DECODE", "gate,resdual")
     with pytest.raises(ValueError, match="comma list of norm, gate, residual"):
-        quant.fused_decode_forms()
+        fused.fused_decode_forms()
+
+
+def test_a_folded_norm_weight_is_the_same_layer_on_its_own_grid():
+    """Int8Linear(w, fold=g) quantizes w * g (each input column scaled) in row chunks, without a
+    full fp32 copy: the same integers and scales as quantizing the product; other weights refuse
+    a fold (int4's groups would spread: +1.2 % perplexity)."""
+    from quantserve.server.fastcore.quant import Int8Linear, make_linear, quantize_int8
+
+    torch.manual_seed(3)
+    w, g = torch.randn(96, 128), torch.rand(128) * 3 + 0.1
+    layer = Int8Linear(w, None, torch.float32, "torch", fold=g)
+    q, s = quantize_int8(w * g)
+    assert torch.equal(layer.weight, q) and torch.allclose(layer.scales, s)
+    x = torch.randn(3, 128)
+    assert torch.allclose(layer(x), (x * g) @ w.t(), rtol=0.02, atol=0.05 * (x * g @ w.t()).abs().max().item())
+    with pytest.raises(ValueError, match="int8 layers only"):
+        make_linear(w, None, "int4", torch.float32, fold=g)
 
 
 def test_int8_torch_fallback_does_not_overflow_fp16():

@@ -33,12 +33,12 @@ def _cases(q8, q4, x, norm, eps):
     from quantserve.server.fastcore import triton_gemv
 
     cases = []
-    for form, (normed, gated, added) in FUSED_FORMS.items():
+    for form, (normed, weighted, gated, added) in FUSED_FORMS.items():
         residual = torch.randn(1, N // 2 if gated else N, device=DEVICE, dtype=DTYPE) if added else None
-        flags = {"eps": eps, "NORM": normed, "GATED": gated, "RESIDUAL": added,
-                 "norm_ptr": norm if normed else None, "res_ptr": residual}
-        ref8 = fused_reference(q8, x, norm if normed else None, eps, gated, residual)
-        ref4 = fused_reference(q4, x, norm if normed else None, eps, gated, residual)
+        flags = {"eps": eps, "NORM": normed, "NORM_WEIGHT": weighted, "GATED": gated, "RESIDUAL": added,
+                 "norm_ptr": norm if weighted else None, "res_ptr": residual}
+        ref8 = fused_reference(q8, x, normed, norm if weighted else None, eps, gated, residual)
+        ref4 = fused_reference(q4, x, normed, norm if weighted else None, eps, gated, residual)
         int8, int4 = triton_gemv.int8_gemv_kernel, triton_gemv.int4_gemv_kernel
         for i, variant in enumerate(INT8_VARIANTS):
             cases += [(f"int8 {form} {c} {variant}", int8.fn, c, (x, q8.weight, q8.scales), {**variant, **flags},
@@ -89,5 +89,5 @@ def test_split_k_with_the_weights_loaded_ahead_or_not():
                                                  {**extra, **form, "BIT_DEQUANT": True, "AHEAD": ahead})
                      for ahead in (True, False)}
                 what = f"split {split} {form} {fn}"
-                check(y[True], fused_reference(q, x, None, 0.0, False, None), what, bound(form), DTYPE)
+                check(y[True], fused_reference(q, x, False, None, 0.0, False, None), what, bound(form), DTYPE)
                 assert torch.equal(y[True], y[False]), what

@@ -196,15 +196,16 @@ def test_fused_ops_match_the_separate_ops_before_and_after_the_choice():
     norm = torch.rand(K, device="cuda", dtype=torch.float16) + 0.5
     x = torch.randn(1, K, device="cuda", dtype=torch.float16)
     for weights, layer in (("int8", q8), ("int4", q4)):
-        for form, (normed, gated, added) in FUSED_FORMS.items():
+        for form, (normed, weighted, gated, added) in FUSED_FORMS.items():
             residual = torch.randn(1, N // 2 if gated else N, device="cuda", dtype=torch.float16) if added else None
-            n = norm if normed else None
+            n = norm if weighted else None
             if weights == "int8":
-                call = lambda: triton_fused.int8_gemv_fused(x, q8.weight, q8.scales, n, eps, residual, gated)  # noqa: E731
+                call = lambda: triton_fused.int8_gemv_fused(x, q8.weight, q8.scales, normed, n, eps, residual,  # noqa: E731
+                                                            gated)
             else:
                 call = lambda: triton_fused.int4_gemv_fused(x, q4.weight, q4.scales, q4.mins, q4.group_size,  # noqa: E731
-                                                            n, eps, residual, gated)
-            ref = fused_reference(layer, x, n, eps, gated, residual)
+                                                            normed, n, eps, residual, gated)
+            ref = fused_reference(layer, x, normed, n, eps, gated, residual)
             # the launcher may pick int4's packed fp16 products or x rounded to int8 (dp4a)
             check(call(), ref, f"{weights} {form}: first call", bound({"DOT4": True, "GATED": gated}))
             key = next(k for k in triton_mm._chosen if k[0] == f"_{weights}_kernel" and k[2] and k[3:5] == (N, K))

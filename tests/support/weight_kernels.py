@@ -25,14 +25,16 @@ def reference(layer, x: torch.Tensor) -> torch.Tensor:
     return x.float() @ w.t()
 
 
-def fused_reference(layer, x: torch.Tensor, norm: torch.Tensor | None, eps: float, gated: bool,
+def fused_reference(layer, x: torch.Tensor, normalize: bool, norm: torch.Tensor | None, eps: float, gated: bool,
                     residual: torch.Tensor | None) -> torch.Tensor:
-    """What a fused kernel computes, in fp32 from the layer's own integers: x RMS-normalized and
-    times the norm's weight (norm given), the matmul, silu(gate) * up of its halves (gated), plus
-    the residual."""
+    """What a fused kernel computes, in fp32 from the layer's own integers: x RMS-normalized
+    (normalize) and times the norm's weight (norm given; None: folded into the layer), the matmul,
+    silu(gate) * up of its halves (gated), plus the residual."""
     xf = x.float()
-    if norm is not None:
-        xf = norm.float() * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if normalize:
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        if norm is not None:
+            xf = norm.float() * xf
     y = reference(layer, xf)
     if gated:
         gate, up = y.chunk(2, dim=-1)
@@ -71,7 +73,9 @@ def bound(flags: dict | None, outliers: bool = False) -> float:
     return 5e-3 if flags.get("HALF_DOT") else 2e-3
 
 
-# the fused forms the model uses (NORM, GATED, RESIDUAL): norm -> qkv / vocabulary,
-# norm -> gate-up -> silu(gate) * up (or the gate alone, QUANTSERVE_FUSED_DECODE=gate,...), o / down -> + residual
-FUSED_FORMS = {"norm": (True, False, False), "norm+gated": (True, True, False), "gated": (False, True, False),
-               "residual": (False, False, True)}
+# the fused forms the model uses, as (NORM, NORM_WEIGHT, GATED, RESIDUAL): norm -> qkv / vocabulary,
+# norm -> gate-up -> silu(gate) * up (or the gate alone, QUANTSERVE_FUSED_DECODE=gate,...), o / down -> + residual;
+# "folded": the norm's weight multiplied into the layer (fused.fold_norms), the kernel normalizes only
+FUSED_FORMS = {"norm": (True, True, False, False), "folded norm": (True, False, False, False),
+               "norm+gated": (True, True, True, False), "folded norm+gated": (True, False, True, False),
+               "gated": (False, False, True, False), "residual": (False, False, False, True)}
