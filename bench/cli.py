@@ -47,9 +47,8 @@ def decode(
                                   "(the first is the one other rows compare to)"),
     fusion: str = typer.Option(_text(D.fusion), parser=choice_list(*bd.FUSIONS), metavar=LIST,
                                help="batch 1's element-wise work around the int8/int4 weight kernels: as served "
-                               "('default': the gate and residual adds inside them), all separate ('off'), the norms "
-                               "inside too ('on'; int8 folds the norms' weights into its layers), or 'gate+residual'; "
-                               "comma list to compare"),
+                               "('default': the gate and residual adds inside them, and int8's norms), all separate "
+                               "('off'), all inside ('on'), or 'gate+residual'; comma list to compare"),
     batches: str = typer.Option(_text(D.batches), parser=int_list(), metavar=LIST,
                                 help="comma list of batch sizes (sequences decoded together)"),
     prompt_len: int = typer.Option(D.prompt_len, min=1, help="tokens of each prompt before decoding"),

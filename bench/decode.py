@@ -51,8 +51,8 @@ QUANTS = ("none", "int8", "int4")
 KERNELS = ("auto", "triton", "gemlite", "torch", "tinygemm")
 ATTENTIONS = ("auto", "triton", "sdpa")
 # fastcore/fused.py: a one-token step's element-wise work inside the weight kernels: as the server
-# runs it ("default": silu(gate) * up and the residual adds), none ("off"), all of it ("on": the
-# norms too, int8's norm weights folded into its layers), or the gate and residual by name
+# runs it ("default": silu(gate) * up and the residual adds, and int8's norms), none ("off"), all of
+# it ("on": int4's norms too), or the gate and residual by name
 FUSIONS = ("default", "off", "on", "gate+residual")
 _FUSED_DECODE = {"default": None, "off": "0", "on": "1", "gate+residual": "gate,residual"}  # $QUANTSERVE_FUSED_DECODE
 

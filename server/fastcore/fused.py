@@ -10,8 +10,8 @@ separate ops, which inductor fuses among themselves.  Both compute the same func
 fp32 throughout instead of rounding to fp16 between the ops.
 
 Which forms, from $QUANTSERVE_FUSED_DECODE (fused_decode_forms): by default the gate and the
-residual; the norm form on request, and with it, for int8, the norms' weights folded into the
-layers after them (fold_norms), so that the kernel only sums x^2 beside its products.
+residual, and for int8 the norms too, with their weights folded into the layers after them
+(fold_norms), so that the kernel only sums x^2 beside its products.
 
 Under torch.compile the choice is made while tracing: a size of 1 is specialized, so the graph of
 a one-token step and the graph of any other size each hold one branch.
@@ -25,19 +25,20 @@ import torch
 import torch.nn.functional as F
 
 FUSED_FORMS = ("norm", "gate", "residual")  # what the batch-1 kernels can take in
-DEFAULT_FUSED_FORMS = frozenset(("gate", "residual"))
+# by weights: on an H100 at batch 1 (bench/RESULTS.md, 2026-12-06, midday), int8 with all three
+# (norms folded) 1.019x its gate + residual and 1.051x its separate kernels; int4 with gate + residual
+# 1.020x its separate kernels, with its norms too (their weights loaded beside x: int4 is not
+# folded) 0.951x
+DEFAULT_FUSED_FORMS = {"int8": frozenset(FUSED_FORMS), "int4": frozenset(("gate", "residual"))}
 
 
-def fused_decode_forms() -> frozenset:
-    """The fused batch-1 forms asked for, from $QUANTSERVE_FUSED_DECODE: unset for the default
-    (gate and residual), 0 for none, 1 for all of FUSED_FORMS, or a comma list of them.  On an
-    H100 gate + residual were 1.011x (int8) and 1.016x (int4) the separate kernels' decode speed at
-    batch 1 in one call (bench/RESULTS.md, 2026-12-06, midday); all three, the norm's weight loaded
-    and multiplied beside x, int8 1.017x and int4 0.968x (2026-12-06): that costs the kernels
-    more than the launches it saves."""
+def fused_decode_forms(weights: str) -> frozenset:
+    """The fused batch-1 forms for layers of `weights` ("int8", "int4"), from
+    $QUANTSERVE_FUSED_DECODE: unset for the default (DEFAULT_FUSED_FORMS), 0 for none, 1 for all
+    of FUSED_FORMS, or a comma list of them."""
     value = os.environ.get("QUANTSERVE_FUSED_DECODE")
     if value is None:
-        return DEFAULT_FUSED_FORMS
+        return DEFAULT_FUSED_FORMS.get(weights, frozenset())
     value = value.strip()
     if value in ("", "0"):
         return frozenset()
@@ -56,7 +57,7 @@ def fold_norms(weights: str) -> bool:
     row: top-1 agreement 99.68 % against 99.56 % unfolded), +1.18 % perplexity for int4 (a scale
     per 128 columns: the norm's weight spreads a group's range), on the default model
     (bench/RESULTS.md, 2026-12-06)."""
-    return weights == "int8" and "norm" in fused_decode_forms()
+    return weights == "int8" and "norm" in fused_decode_forms(weights)
 
 
 def norm_args(norm) -> tuple[bool, torch.Tensor | None, float]:

@@ -180,7 +180,7 @@ def _fused_forms(kernel: str, bias, q: torch.Tensor, weights: str, K: int) -> fr
     """What a layer's `fused` may take into its batch-1 kernel (fused.py asks, while tracing: so a
     plain attribute, decided here): the forms asked for, where the layer runs our Triton kernel on a
     GPU, has no bias and a matrix-vector config covers K; none otherwise."""
-    forms = fused_decode_forms()
+    forms = fused_decode_forms(weights)
     if forms and kernel == "triton" and bias is None and q.is_cuda and fused_ops() is not None \
             and fused_ops().fits(weights, K):
         return forms

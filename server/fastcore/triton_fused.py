@@ -73,7 +73,7 @@ def _variants(weights: str, x: torch.Tensor) -> list[dict]:
     """The kernel flags of every fused form the model's layers of `weights` take (fused.py), x
     standing in for the fp16 vectors: the vocabulary layer's norm keeps its weight; the blocks'
     norms were folded into the layers where fused.fold_norms says."""
-    forms, folded = fused_decode_forms(), fold_norms(weights)
+    forms, folded = fused_decode_forms(weights), fold_norms(weights)
     block_norm = {"NORM": True} if folded else {"NORM": True, "NORM_WEIGHT": True, "norm_ptr": x}
     out = [{"RESIDUAL": True, "res_ptr": x}] if "residual" in forms else []
     if "norm" in forms:

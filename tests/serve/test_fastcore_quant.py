@@ -44,24 +44,29 @@ def test_int4_groups_the_triton_kernels_cannot_walk_take_the_torch_path():
     assert Int4Linear(w.repeat(1, 2)[:, :256], None, torch.float32, 64, "triton").kernel == "triton"
 
 
-@pytest.mark.parametrize("value, forms", [(None, {"gate", "residual"}), ("0", set()), ("1", {"norm", "gate", "residual"}),
-                                          ("gate, residual", {"gate", "residual"}), ("norm", {"norm"})])
-def test_the_fused_batch1_forms_are_asked_for_by_name(monkeypatch, value, forms):
-    """$QUANTSERVE_FUSED_DECODE: unset the gate and residual, 0 none, 1 all, or the forms named; a
-    misspelt one is an error naming the choices, not a form quietly left out.  The norm form folds
-    int8 layers' norms (never int4's).  On a CPU no layer takes any."""
+ALL = {"norm", "gate", "residual"}
+
+
+@pytest.mark.parametrize("value, int8, int4", [(None, ALL, {"gate", "residual"}), ("0", set(), set()), ("1", ALL, ALL),
+                                               ("gate, residual", {"gate", "residual"}, {"gate", "residual"}),
+                                               ("norm", {"norm"}, {"norm"})])
+def test_the_fused_batch1_forms_are_asked_for_by_name(monkeypatch, value, int8, int4):
+    """$QUANTSERVE_FUSED_DECODE: unset all three for int8 and the gate and residual for int4, 0
+    none, 1 all, or the forms named; a misspelt one is an error naming the choices, not a form
+    quietly left out.  The norm form folds int8 layers' norms (never int4's).  On a CPU no layer
+    takes any."""
     from quantserve.server.fastcore import fused, quant
 
     if value is None:
         monkeypatch.delenv("QUANTSERVE_FUSED_DECODE", raising=False)
     else:
         monkeypatch.setenv("QUANTSERVE_FUSED_DECODE", value)
-    assert fused.fused_decode_forms() == forms
-    assert fused.fold_norms("int8") == ("norm" in forms) and not fused.fold_norms("int4")
+    assert fused.fused_decode_forms("int8") == int8 and fused.fused_decode_forms("int4") == int4
+    assert fused.fold_norms("int8") == ("norm" in int8) and not fused.fold_norms("int4")
     assert quant.Int8Linear(torch.randn(64, 128), None, torch.float32, "triton").fused_forms == frozenset()
     monkeypatch.setenv("QUANTSERVE_FUSED_DECODE", "gate,resdual")
     with pytest.raises(ValueError, match="comma list of norm, gate, residual"):
-        fused.fused_decode_forms()
+        fused.fused_decode_forms("int8")
 
 
 def test_a_folded_norm_weight_is_the_same_layer_on_its_own_grid():
