@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 
 FUSED_FORMS = ("norm", "gate", "residual")  # what the batch-1 kernels can take in
-# by weights: on an H100 at batch 1 (bench/RESULTS.md, 2026-12-06, midday), int8 with all three
-# (norms folded) 1.019x its gate + residual and 1.051x its separate kernels; int4 with gate + residual
-# 1.020x its separate kernels, with its norms too (their weights loaded beside x: int4 is not
-# folded) 0.951x
+# by weights: on an H100 at batch 1, one call (bench/RESULTS.md, 2026-12-06, midday), int8 with all
+# three (norms folded) 1.032x its gate + residual and 1.051x its separate kernels; int4 with gate +
+# residual 1.020x its separate kernels, and with its norms too (their weights loaded beside x: int4
+# is not folded) 0.951x its gate + residual
 DEFAULT_FUSED_FORMS = {"int8": frozenset(FUSED_FORMS), "int4": frozenset(("gate", "residual"))}
 
 
