@@ -11,6 +11,12 @@ Two implementations of one contract, `attend(q, att, batch, table) -> [T, heads,
 
 q is [T, heads, head_dim] with the query heads of one KV head adjacent (head h reads KV head
 h // G); `att` is the layer (its caches, window, scale and soft-cap); `table` the block table.
+
+On a GPU a decode step (one token a sequence) goes further in one kernel, `attend_new(qkv, cos,
+sin, att, batch, table)`: from wqkv's output, q and the new key turned by the rotary embedding, the
+new key and value written to the cache, and the attention, where the model would run the rotary
+and cache-write kernels first (model.Attention; not for q/k norms or int8 caches).  At batch 1 those
+were two of a layer's ~8 kernels (bench/RESULTS.md, 2026-12-06).
 """
 
 from __future__ import annotations
@@ -68,11 +74,11 @@ def use_attention(model, choice: str, device: torch.device) -> str:
         choice = "triton" if device.type == "cuda" and triton_ops() is not None else "torch"
     if choice == "triton" and device.type != "cuda":
         raise ValueError("the Triton attention kernel runs on a CUDA GPU only")
-    fn = attend_torch
+    fn, new = attend_torch, None
     if choice == "triton":
-        from quantserve.server.fastcore.triton_paged_attention import attend_triton
+        from quantserve.server.fastcore.triton_paged_attention import attend_new_triton, attend_triton
 
-        fn = attend_triton
+        fn, new = attend_triton, attend_new_triton
     for layer in model.layers:
-        layer.attention.attend = fn
+        layer.attention.attend, layer.attention.attend_new = fn, new
     return choice

@@ -133,6 +133,7 @@ class Attention(nn.Module):
         self.register_buffer("k_scale", None, persistent=False)
         self.register_buffer("v_scale", None, persistent=False)
         self.attend = attention.attend_torch  # attention.py; the Triton kernel on a GPU (use_attention)
+        self.attend_new = None  # a decode step's rotary, cache write and attention in one (attention.py)
 
     def forward(self, qkv, cos, sin, at, batch, table):
         """qkv: wqkv's output [T, (heads + 2 kv heads) * head_dim] (Block applies wqkv, with the
@@ -142,6 +143,9 @@ class Attention(nn.Module):
         the residual add after it)."""
         a = self.a
         T = qkv.shape[0]
+        if self.attend_new is not None and batch.q_cols.shape[0] == 1 and self.q_norm is None \
+                and self.k_scale is None:  # one token a sequence, fp16 caches: one kernel for all of it
+            return self.attend_new(qkv, cos, sin, self, batch, table).reshape(T, a.n_heads * a.head_dim)
         q, k, v = qkv.split([a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim], dim=-1)
         q = q.view(T, a.n_heads, a.head_dim)
         k = k.view(T, a.n_kv_heads, a.head_dim)

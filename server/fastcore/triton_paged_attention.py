@@ -37,12 +37,26 @@ PROMPT_TILE_N = 32  # keys per inner step, prompt tiles (BLOCK_Q x G query rows)
 
 
 @triton.jit
+def _rotated(ptr, row_off, cos_ptr, sin_ptr, t, d, D: tl.constexpr):
+    """One head's vector at ptr + row_off (+ d) turned by the rotary embedding of token t's row of
+    cos / sin ([tokens, D]): x * cos + rotate_half(x) * sin, in fp32 (rotate_half: -x[d + D/2] in
+    the first half, x[d - D/2] in the second).  row_off broadcasts against d: [rows, 1] or scalar."""
+    d_ok = d < D
+    x = tl.load(ptr + row_off + d, mask=d_ok, other=0.0).to(tl.float32)
+    partner = tl.load(ptr + row_off + (d + D // 2) % D, mask=d_ok, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + t * D + d, mask=d_ok, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * D + d, mask=d_ok, other=0.0).to(tl.float32)
+    return x * c + tl.where(d < D // 2, -partner, partner) * s
+
+
+@triton.jit
 def _attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, acc_ptr, m_ptr, l_ptr,
                       table_ptr, slot_ptr, pos_ptr, tiles_ptr, s_table, scale, softcap, window,
+                      cos_ptr, sin_ptr, qkv_stride,
                       H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                       D: tl.constexpr, DP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
                       TILE_N: tl.constexpr, BS: tl.constexpr, NSPLIT: tl.constexpr, INT8: tl.constexpr,
-                      SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, FP32: tl.constexpr):
+                      SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, FP32: tl.constexpr, NEW_KV: tl.constexpr):
     tile, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq = tl.load(tiles_ptr + tile * 3)
     q0 = tl.load(tiles_ptr + tile * 3 + 1)
@@ -55,21 +69,36 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, acc_ptr, m_p
     d = tl.arange(0, DP)
     d_ok = d < D
     head_off = ((t.to(tl.int64) * H + h * G + g) * D)[:, None] + d[None, :]
-    q = tl.load(q_ptr + head_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     qpos = tl.load(pos_ptr + t, mask=tok < nq, other=0)
     hi = tl.load(pos_ptr + q0 + nq - 1) + 1  # keys 0..hi-1 are the tile's to see
+    if NEW_KV:  # a decode tile (one token) straight from wqkv's output, before the rotary embedding
+        q_off = (q0.to(tl.int64) * qkv_stride + (h * G + g) * D)[:, None]
+        q = _rotated(q_ptr, q_off, cos_ptr, sin_ptr, q0, d[None, :], D)
+        q = tl.where(row_ok[:, None], q, 0.0).to(k_ptr.dtype.element_ty)
+        # this KV head's new key (turned) and value, rounded to the cache's dtype as the cache holds them
+        new_off = q0.to(tl.int64) * qkv_stride + (H + h) * D
+        k_new = _rotated(q_ptr, new_off, cos_ptr, sin_ptr, q0, d, D).to(k_ptr.dtype.element_ty)
+        v_new = tl.load(q_ptr + new_off + HKV * D + d, mask=d_ok, other=0.0).to(v_ptr.dtype.element_ty)
+        # written by one program; no program reads this position from the cache in this call (below)
+        at_new = ((tl.load(table_ptr + row * s_table + (hi - 1) // BS).to(tl.int64) * BS + (hi - 1) % BS) * HKV + h) * D
+        if split == 0:
+            tl.store(k_ptr + at_new + d, k_new, mask=d_ok)
+            tl.store(v_ptr + at_new + d, v_new, mask=d_ok)
+    else:
+        q = tl.load(q_ptr + head_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     lo = 0
     if WINDOW:
         lo = tl.maximum(tl.load(pos_ptr + q0) - window + 1, 0)
     per = tl.cdiv(tl.cdiv(hi - lo, NSPLIT), TILE_N) * TILE_N
     start = lo + split * per
     end = tl.minimum(start + per, hi)
+    cached = tl.minimum(end, hi - 1) if NEW_KV else end  # NEW_KV: the last key is k_new, not read
     m = tl.full((BLOCK_M,), -1.0e30, tl.float32)  # finite: a chunk with no visible key stays NaN-free
     l = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, DP), tl.float32)
-    for n0 in range(start, end, TILE_N):
+    for n0 in range(start, cached, TILE_N):
         n = n0 + tl.arange(0, TILE_N)
-        n_ok = n < end
+        n_ok = n < cached
         blk = tl.load(table_ptr + row * s_table + n // BS, mask=n_ok, other=0).to(tl.int64)
         at = (blk * BS + n % BS) * HKV + h  # the key's (position, kv head) in the cache
         kv_off = (at * D)[:, None] + d[None, :]
@@ -103,6 +132,18 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, acc_ptr, m_p
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    if NEW_KV:  # the new key, in the chunk that holds its position (always visible to its own token)
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
+        if SOFTCAP:
+            e = tl.exp(-2.0 * tl.abs(s_new) / softcap)
+            s_new = softcap * tl.where(s_new >= 0, 1.0, -1.0) * (1.0 - e) / (1.0 + e)
+        s_new = tl.where((start <= hi - 1) & (hi - 1 < end), s_new, float("-inf"))
+        m_new = tl.maximum(m, s_new)
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s_new - m_new)
+        l = l * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
         m = m_new
     if NSPLIT == 1:
         out = acc / tl.where(l > 0, l, 1.0)[:, None]
@@ -156,21 +197,19 @@ def _splits(programs: int, sms: int) -> int:
     return 1 << (want - 1).bit_length()
 
 
-@torch.library.custom_op("quantserve::paged_attention", mutates_args=())
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
-                    v_scale: torch.Tensor | None, table: torch.Tensor, seq_slot: torch.Tensor, pos: torch.Tensor,
-                    tiles: torch.Tensor, block_q: int, scale: float, softcap: float, window: int) -> torch.Tensor:
-    """q [T, H, D] -> [T, H, D]; see the module's docstring for the other layouts.  block_q: the
-    most tokens of a tile (1 for a decode-only batch); softcap 0 and window 0 mean none."""
-    T, H, D = q.shape
-    HKV = k_cache.shape[2]
+def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale, v_scale, table, seq_slot, pos,
+            tiles, block_q: int, scale: float, softcap: float, window: int, H: int, rope=None) -> torch.Tensor:
+    """The attention kernel (and the merge of split keys) over q [T, H, D], or, with rope = (cos,
+    sin), over a decode step's wqkv output q [T, (H + 2 HKV) D] (NEW_KV) -> [T, H, D]."""
+    T = q.shape[0]
+    HKV, D = k_cache.shape[2], k_cache.shape[3]
     G = H // HKV
     GP = triton.next_power_of_2(G)
     DP = triton.next_power_of_2(D)
     block_m = max(16, block_q * GP)  # tl.dot needs 16 rows
     NT = tiles.shape[0]
     q = q.contiguous()
-    out = torch.empty_like(q)
+    out = torch.empty((T, H, D), device=q.device, dtype=q.dtype)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
     nsplit = _splits(NT * HKV, sms) if block_q == 1 else 1
     tile_n = DECODE_TILE_N if block_q == 1 else PROMPT_TILE_N
@@ -182,20 +221,48 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         acc = m = l = out  # not written
     int8 = k_scale is not None
     ks, vs = (k_scale, v_scale) if int8 else (k_cache, v_cache)  # placeholders, never read
+    cos, sin = rope if rope is not None else (q, q)  # placeholders, never read
     _attention_kernel[(NT, HKV, nsplit)](
         q, k_cache, v_cache, ks, vs, out, acc, m, l, table, seq_slot, pos, tiles, table.stride(0), scale,
-        softcap, window, H=H, HKV=HKV, G=G, GP=GP, D=D, DP=DP, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
-        BS=BLOCK, NSPLIT=nsplit, INT8=int8, SOFTCAP=softcap > 0, WINDOW=window > 0,
-        FP32=q.dtype == torch.float32, num_warps=4 if block_m <= 64 else 8)
+        softcap, window, cos.contiguous(), sin.contiguous(), q.stride(0), H=H, HKV=HKV, G=G, GP=GP, D=D, DP=DP,
+        BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n, BS=BLOCK, NSPLIT=nsplit, INT8=int8, SOFTCAP=softcap > 0,
+        WINDOW=window > 0, FP32=q.dtype == torch.float32, NEW_KV=rope is not None,
+        num_warps=4 if block_m <= 64 else 8)
     if nsplit > 1:
         _merge_kernel[(NT, HKV)](acc, m, l, out, tiles, pos, window, H=H, HKV=HKV, G=G, GP=GP, D=D, DP=DP,
                                   BLOCK_M=block_m, TILE_N=tile_n, NSPLIT=nsplit, WINDOW=window > 0, num_warps=4)
     return out
 
 
+@torch.library.custom_op("quantserve::paged_attention", mutates_args=())
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                    v_scale: torch.Tensor | None, table: torch.Tensor, seq_slot: torch.Tensor, pos: torch.Tensor,
+                    tiles: torch.Tensor, block_q: int, scale: float, softcap: float, window: int) -> torch.Tensor:
+    """q [T, H, D] -> [T, H, D]; see the module's docstring for the other layouts.  block_q: the
+    most tokens of a tile (1 for a decode-only batch); softcap 0 and window 0 mean none."""
+    return _launch(q, k_cache, v_cache, k_scale, v_scale, table, seq_slot, pos, tiles, block_q, scale, softcap,
+                   window, q.shape[1])
+
+
 @paged_attention.register_fake
 def _(q, k_cache, v_cache, k_scale, v_scale, table, seq_slot, pos, tiles, block_q, scale, softcap, window):
     return torch.empty_like(q)
+
+
+@torch.library.custom_op("quantserve::decode_attention", mutates_args=("k_cache", "v_cache"))
+def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, table: torch.Tensor, seq_slot: torch.Tensor, pos: torch.Tensor,
+                     tiles: torch.Tensor, heads: int, scale: float, softcap: float, window: int) -> torch.Tensor:
+    """A decode step's attention from wqkv's output qkv [T, (heads + 2 kv heads) * D] (one token a
+    tile), cos / sin [T, D] its tokens' rotary rows: q and the new key turned, the new key and value
+    written to the (fp16 / fp32) caches, attention over the cache and the new key -> [T, heads, D]."""
+    return _launch(qkv, k_cache, v_cache, None, None, table, seq_slot, pos, tiles, 1, scale, softcap, window,
+                   heads, (cos, sin))
+
+
+@decode_attention.register_fake
+def _(qkv, cos, sin, k_cache, v_cache, table, seq_slot, pos, tiles, heads, scale, softcap, window):
+    return qkv.new_empty((qkv.shape[0], heads, k_cache.shape[3]))
 
 
 def attend_triton(q: torch.Tensor, att, batch, table: torch.Tensor) -> torch.Tensor:
@@ -205,3 +272,12 @@ def attend_triton(q: torch.Tensor, att, batch, table: torch.Tensor) -> torch.Ten
     return paged_attention(q, att.k_cache, att.v_cache, att.k_scale, att.v_scale, table, batch.seq_slot,
                            batch.pos, batch.tiles, block_q, float(a.attn_scale or a.head_dim ** -0.5),
                            float(a.attn_softcap or 0.0), int(att.window or 0))
+
+
+def attend_new_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, att, batch,
+                      table: torch.Tensor) -> torch.Tensor:
+    """attention.py's decode contract (rotary and cache write inside), on the GPU."""
+    a = att.a
+    return decode_attention(qkv, cos, sin, att.k_cache, att.v_cache, table, batch.seq_slot, batch.pos, batch.tiles,
+                            a.n_heads, float(a.attn_scale or a.head_dim ** -0.5), float(a.attn_softcap or 0.0),
+                            int(att.window or 0))

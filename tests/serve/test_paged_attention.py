@@ -3,7 +3,8 @@
 Both read the same paged cache through the same block table for flattened batches that mix
 decodes and prompt chunks: GQA group sizes 1, 4 and 7, head sizes 64 and 96 (not a power of two),
 int8 caches with their scales, Gemma's soft-capping and sliding windows, and decode batches whose
-keys are split over several programs.  On a CUDA GPU the kernel runs for real; on a CPU it runs in
+keys are split over several programs, also straight from wqkv's output (the rotary embedding and
+the cache write inside).  On a CUDA GPU the kernel runs for real; on a CPU it runs in
 Triton's interpreter (the test extra installs Triton on a CPU machine too; without it: skipped).
 """
 
@@ -98,3 +99,79 @@ def test_soft_capping_and_sliding_windows_match_the_reference():
 def test_fp16_on_the_gpu_is_close_to_fp32():
     _check(32, 8, 128, MIXED, MIXED_LENGTHS, dtype=torch.float16, tol=2e-2)
     _check(32, 8, 128, DECODES, DECODE_LENGTHS, dtype=torch.float16, tol=2e-2)
+    _check_decode(32, 8, 128, dtype=torch.float16, tol=2e-2)
+
+
+def _turned(x, cos, sin):
+    """model.Attention's rotary embedding: x [T, heads, D], cos / sin [T, D]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
+
+
+def _check_decode(H, HKV, D, softcap=None, window=None, dtype=torch.float32, tol=2e-4):
+    """A decode step from wqkv's output in one kernel (decode_attention): the same output as the
+    model's separate steps (q and k turned, K/V written at each token's position, attend_torch),
+    the new K/V in the cache where the model writes them, every other cache entry untouched."""
+    from quantserve.server.fastcore.attention import attend_torch
+    from quantserve.server.fastcore.batch import build_batch
+    from quantserve.server.fastcore.blocks import BLOCK
+    from quantserve.server.fastcore.triton_paged_attention import attend_new_triton
+
+    k, v, _, _, table = _setup(H, HKV, D, DECODE_LENGTHS, dtype=dtype)
+    batch = build_batch(DECODES, torch.device(DEVICE), H // HKV)
+    T = batch.tokens.shape[0]
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(T, (H + 2 * HKV) * D, generator=g).to(dtype).to(DEVICE)
+    angle = batch.pos.float().cpu()[:, None] * torch.rand(D // 2, generator=g)
+    cos, sin = (torch.cat([f(angle)] * 2, dim=-1).to(dtype).to(DEVICE) for f in (torch.cos, torch.sin))
+    args = SimpleNamespace(n_heads=H, n_kv_heads=HKV, head_dim=D, attn_scale=None, attn_softcap=softcap)
+    att = SimpleNamespace(a=args, k_cache=k.clone(), v_cache=v.clone(), k_scale=None, v_scale=None, window=window)
+    ours = attend_new_triton(qkv, cos, sin, att, batch, table).float()
+
+    q, kn, vn = qkv.float().split([H * D, HKV * D, HKV * D], dim=-1)
+    q, kn = _turned(q.view(T, H, D), cos.float(), sin.float()), _turned(kn.view(T, HKV, D), cos.float(), sin.float())
+    ref_k, ref_v = k.float().clone(), v.float().clone()
+    blk, off = table[batch.tok_slot, batch.pos // BLOCK].long(), batch.pos % BLOCK
+    ref_k[blk, off], ref_v[blk, off] = kn.to(dtype).float(), vn.view(T, HKV, D).to(dtype).float()
+    ref = attend_torch(q.to(dtype).float(), SimpleNamespace(**{**vars(att), "k_cache": ref_k, "v_cache": ref_v}),
+                       batch, table)
+    torch.testing.assert_close(ours, ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(att.k_cache.float(), ref_k, atol=tol, rtol=tol)
+    torch.testing.assert_close(att.v_cache.float(), ref_v, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("H, HKV, D", [(8, 2, 64), (14, 2, 96), (4, 4, 128)])
+def test_a_decode_step_from_wqkvs_output_matches_the_separate_steps(H, HKV, D):
+    _check_decode(H, HKV, D)
+
+
+def test_a_decode_step_from_wqkvs_output_with_soft_capping_and_a_window():
+    _check_decode(8, 2, 64, softcap=5.0, window=40)
+
+
+def test_the_model_decodes_through_the_one_kernel_path_like_the_torch_path(default_model):
+    """The default model with the Triton kernels in its layers (as use_attention sets them on a
+    GPU; here in the interpreter): prompt chunks through attend_triton, decode steps of several
+    sequences through attend_new (the rotary and cache write inside), each step's logits and the
+    cached K/V those steps wrote the torch path's."""
+    from quantserve.server.fastcore import FastCore
+    from quantserve.server.fastcore.triton_paged_attention import attend_new_triton, attend_triton
+
+    ref = FastCore(default_model, max_slots=3, max_seq=256, device="cpu")
+    ours = FastCore(default_model, max_slots=3, max_seq=256, device="cpu")
+    calls = []
+    for layer in ours.model.layers:
+        layer.attention.attend = attend_triton
+        layer.attention.attend_new = lambda *args: calls.append(1) or attend_new_triton(*args)  # noqa: E731
+    items = [(0, list(range(3, 40))), (1, list(range(50, 61))), (2, [7, 8, 9])]
+    torch.testing.assert_close(ours.step(items), ref.step(items), atol=1e-4, rtol=1e-4)
+    assert not calls  # prompts take the other path
+    tokens = [5, 6, 7]
+    for _ in range(3):
+        a, b = ours.decode([0, 1, 2], tokens), ref.decode([0, 1, 2], tokens)
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        tokens = b.argmax(-1).tolist()
+    assert len(calls) == 3 * len(ours.model.layers)
+    for la, lb in zip(ours.model.layers, ref.model.layers):
+        torch.testing.assert_close(la.attention.k_cache, lb.attention.k_cache, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(la.attention.v_cache, lb.attention.v_cache, atol=1e-5, rtol=1e-5)
