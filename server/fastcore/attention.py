@@ -16,10 +16,13 @@ On a GPU a decode step (one token a sequence) goes further in one kernel, `atten
 sin, att, batch, table)`: from wqkv's output, q and the new key turned by the rotary embedding, the
 new key and value written to the cache, and the attention, where the model would run the rotary
 and cache-write kernels first (model.Attention; not for q/k norms or int8 caches).  At batch 1 those
-were two of a layer's ~8 kernels (bench/RESULTS.md, 2026-12-06).
+were two of a layer's ~8 kernels (bench/RESULTS.md, 2026-12-06).  QUANTSERVE_ATTENTION_NEW_KV=0
+keeps the separate kernels (to compare).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +66,15 @@ def attend_torch(q: torch.Tensor, att, batch, table: torch.Tensor) -> torch.Tens
     return y[batch.tok_seq, batch.tok_col]
 
 
+def new_kv_inside() -> bool:
+    """$QUANTSERVE_ATTENTION_NEW_KV: 1 (default) a decode step's rotary and cache write inside the
+    attention kernel, 0 as separate kernels."""
+    value = os.environ.get("QUANTSERVE_ATTENTION_NEW_KV", "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"QUANTSERVE_ATTENTION_NEW_KV={value!r}: use 1 or 0")
+    return value == "1"
+
+
 def use_attention(model, choice: str, device: torch.device) -> str:
     """Set every layer's attention: "triton" (triton_paged_attention.py), "torch" (attend_torch)
     or "auto" (triton on a CUDA GPU with Triton).  Returns the choice made."""
@@ -78,7 +90,7 @@ def use_attention(model, choice: str, device: torch.device) -> str:
     if choice == "triton":
         from quantserve.server.fastcore.triton_paged_attention import attend_new_triton, attend_triton
 
-        fn, new = attend_triton, attend_new_triton
+        fn, new = attend_triton, attend_new_triton if new_kv_inside() else None
     for layer in model.layers:
         layer.attention.attend, layer.attention.attend_new = fn, new
     return choice

@@ -157,8 +157,8 @@ def test_the_model_decodes_through_the_one_kernel_path_like_the_torch_path(defau
     from quantserve.server.fastcore import FastCore
     from quantserve.server.fastcore.triton_paged_attention import attend_new_triton, attend_triton
 
-    ref = FastCore(default_model, max_slots=3, max_seq=256, device="cpu")
-    ours = FastCore(default_model, max_slots=3, max_seq=256, device="cpu")
+    kw = dict(max_slots=3, max_seq=256, device=DEVICE, dtype="float32", compile=False, attention="torch")
+    ref, ours = FastCore(default_model, **kw), FastCore(default_model, **kw)
     calls = []
     for layer in ours.model.layers:
         layer.attention.attend = attend_triton
@@ -175,3 +175,15 @@ def test_the_model_decodes_through_the_one_kernel_path_like_the_torch_path(defau
     for la, lb in zip(ours.model.layers, ref.model.layers):
         torch.testing.assert_close(la.attention.k_cache, lb.attention.k_cache, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(la.attention.v_cache, lb.attention.v_cache, atol=1e-5, rtol=1e-5)
+
+
+def test_the_one_kernel_decode_can_be_turned_off_and_a_bad_value_is_an_error(monkeypatch):
+    from quantserve.server.fastcore.attention import new_kv_inside
+
+    monkeypatch.delenv("QUANTSERVE_ATTENTION_NEW_KV", raising=False)
+    assert new_kv_inside()
+    monkeypatch.setenv("QUANTSERVE_ATTENTION_NEW_KV", "0")
+    assert not new_kv_inside()
+    monkeypatch.setenv("QUANTSERVE_ATTENTION_NEW_KV", "yes")
+    with pytest.raises(ValueError, match="use 1 or 0"):
+        new_kv_inside()
