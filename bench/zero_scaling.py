@@ -55,8 +55,8 @@ def run_train(args, zero: int, nproc: int, data: Path, out: Path) -> dict:
     wall = time.perf_counter() - t
     row = {"zero": zero, "nproc": nproc, "wall_s": round(wall, 1), "command": " ".join(cmd)}
     if code != 0 or not (out / "train_log.json").is_file():
-        tail = (out.parent / f"{out.name}.log").read_text().strip().splitlines()[-5:]
-        return {**row, "status": "failed", "error": " | ".join(tail)}
+        tail = (out.parent / f"{out.name}.log").read_text().strip().splitlines()[-20:]
+        return {**row, "status": "failed", "exit_code": code, "error": " | ".join(tail)}
     log = json.loads((out / "train_log.json").read_text())
     steps = log["steps"]
     timed = [e["tokens_per_s"] for e in steps[args.warmup_steps:]] or [e["tokens_per_s"] for e in steps]

@@ -167,8 +167,10 @@ def test_zero_scaling_quick(tmp_path):
                    env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     res = json.loads((out / "zero_scaling.json").read_text())
     assert (out / "zero_scaling.png").stat().st_size > 10_000
+    # a failed run's exit code and its log's last lines in the message (one two-process ZeRO-3 run
+    # once aborted under a loaded CI machine: the next one should say why)
     assert [(r["zero"], r["nproc"], r["status"]) for r in res["rows"]] == \
-        [(2, 1, "ok"), (2, 2, "ok"), (3, 1, "ok"), (3, 2, "ok")]
+        [(2, 1, "ok"), (2, 2, "ok"), (3, 1, "ok"), (3, 2, "ok")], [r for r in res["rows"] if r["status"] != "ok"]
     assert all(r["global_step"] == res["steps"] for r in res["rows"])
     for c in res["checks"]:
         assert c["update_norm"] > 0.1  # the runs trained
