@@ -11,19 +11,13 @@
 set -uo pipefail
 out=$(realpath -m "$1"); mkdir -p "$out"; repo=$PWD; site=/tmp/site
 export PYTHONPATH=$site PYTHONUNBUFFERED=1
-source "$repo/bench/gpu_lib.sh"  # log, left
+source "$repo/bench/gpu_lib.sh"  # install_site, step_profile, log, left
 install_site
 (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) > "$out/bench.txt"
 log "installed"
-profile() {  # LIMIT_S NAME ARGS...
-  local limit=$1 name=$2; shift 2
-  (cd /tmp && QUANTSERVE_HOME=/tmp/qs-prof timeout "$limit" python3 -m quantserve.bench.step_profile --model 8b \
-      "$@" --out "$out/profile-$name.json") > "$out/profile-$name.log" 2>&1 || log "profile $name: rc=$?"
-  grep -vE "UserWarning|_warn_once" "$out/profile-$name.log" | grep -E "^8b|^    |prompt of|rror" >> "$out/bench.txt"
-}
 base=$SECONDS
-profile $(left $((base + 180))) separate --quants none,int8,int4 --prompt-len 512
-QUANTSERVE_FUSED_DECODE=${FORMS:-1} profile $(left $((base + 280))) fused --quants int8,int4 --prompt-len 0
+step_profile $(left $((base + 180))) separate --quants none,int8,int4 --prompt-len 512
+QUANTSERVE_FUSED_DECODE=${FORMS:-1} step_profile $(left $((base + 280))) fused --quants int8,int4 --prompt-len 0
 log "profiles done"
 if [ "${COLD:-1}" = 1 ]; then
   timeout $(left $((base + 510))) bash bench/cold_start.sh "$out/cold" shipped > /dev/null 2>&1 || log "cold start: rc=$?"
