@@ -144,7 +144,7 @@ class Attention(nn.Module):
         a = self.a
         T = qkv.shape[0]
         if self.attend_new is not None and batch.q_cols.shape[0] == 1 and self.q_norm is None \
-                and self.k_scale is None:  # one token a sequence, fp16 caches: one kernel for all of it
+                and self.k_scale is None:  # one token a sequence, float caches: one kernel for all of it
             return self.attend_new(qkv, cos, sin, self, batch, table).reshape(T, a.n_heads * a.head_dim)
         q, k, v = qkv.split([a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim], dim=-1)
         q = q.view(T, a.n_heads, a.head_dim)

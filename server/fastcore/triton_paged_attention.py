@@ -37,13 +37,14 @@ PROMPT_TILE_N = 32  # keys per inner step, prompt tiles (BLOCK_Q x G query rows)
 
 
 @triton.jit
-def _rotated(ptr, row_off, cos_ptr, sin_ptr, t, d, D: tl.constexpr):
+def _rotated(ptr, row_off, cos_ptr, sin_ptr, t, d, ok, D: tl.constexpr):
     """One head's vector at ptr + row_off (+ d) turned by the rotary embedding of token t's row of
     cos / sin ([tokens, D]): x * cos + rotate_half(x) * sin, in fp32 (rotate_half: -x[d + D/2] in
-    the first half, x[d - D/2] in the second).  row_off broadcasts against d: [rows, 1] or scalar."""
+    the first half, x[d - D/2] in the second); 0 where not `ok`.  row_off and ok broadcast against
+    d: [rows, 1] or scalar."""
     d_ok = d < D
-    x = tl.load(ptr + row_off + d, mask=d_ok, other=0.0).to(tl.float32)
-    partner = tl.load(ptr + row_off + (d + D // 2) % D, mask=d_ok, other=0.0).to(tl.float32)
+    x = tl.load(ptr + row_off + d, mask=ok, other=0.0).to(tl.float32)
+    partner = tl.load(ptr + row_off + (d + D // 2) % D, mask=ok, other=0.0).to(tl.float32)
     c = tl.load(cos_ptr + t * D + d, mask=d_ok, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + t * D + d, mask=d_ok, other=0.0).to(tl.float32)
     return x * c + tl.where(d < D // 2, -partner, partner) * s
@@ -73,15 +74,17 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, acc_ptr, m_p
     hi = tl.load(pos_ptr + q0 + nq - 1) + 1  # keys 0..hi-1 are the tile's to see
     if NEW_KV:  # a decode tile (one token) straight from wqkv's output, before the rotary embedding
         q_off = (q0.to(tl.int64) * qkv_stride + (h * G + g) * D)[:, None]
-        q = _rotated(q_ptr, q_off, cos_ptr, sin_ptr, q0, d[None, :], D)
-        q = tl.where(row_ok[:, None], q, 0.0).to(k_ptr.dtype.element_ty)
+        # rows of padding heads (g >= G) read nothing: past the last head they would leave the row
+        q = _rotated(q_ptr, q_off, cos_ptr, sin_ptr, q0, d[None, :], row_ok[:, None] & d_ok[None, :], D)
+        q = q.to(k_ptr.dtype.element_ty)
         # this KV head's new key (turned) and value, rounded to the cache's dtype as the cache holds them
         new_off = q0.to(tl.int64) * qkv_stride + (H + h) * D
-        k_new = _rotated(q_ptr, new_off, cos_ptr, sin_ptr, q0, d, D).to(k_ptr.dtype.element_ty)
+        k_new = _rotated(q_ptr, new_off, cos_ptr, sin_ptr, q0, d, d_ok, D).to(k_ptr.dtype.element_ty)
         v_new = tl.load(q_ptr + new_off + HKV * D + d, mask=d_ok, other=0.0).to(v_ptr.dtype.element_ty)
         # written by one program; no program reads this position from the cache in this call (below)
-        at_new = ((tl.load(table_ptr + row * s_table + (hi - 1) // BS).to(tl.int64) * BS + (hi - 1) % BS) * HKV + h) * D
         if split == 0:
+            at_new = ((tl.load(table_ptr + row * s_table + (hi - 1) // BS).to(tl.int64) * BS + (hi - 1) % BS) * HKV
+                      + h) * D
             tl.store(k_ptr + at_new + d, k_new, mask=d_ok)
             tl.store(v_ptr + at_new + d, v_new, mask=d_ok)
     else:
