@@ -30,7 +30,7 @@ from quantserve.server.fastcore import triton_mm
 from quantserve.server.fastcore.fused import fold_norms, fused_decode_forms
 from quantserve.server.fastcore.triton_gemv import fits as gemv_fits, int4_gemv_kernel, int8_gemv_kernel
 
-_compiled: set = set()  # (kernel, flags) whose fused variants were compiled ahead
+_compiled: set = set()  # (kernel, flags, forms) whose fused variants were compiled ahead
 
 
 def fits(weights: str, K: int) -> bool:
@@ -86,8 +86,8 @@ def _variants(weights: str, x: torch.Tensor) -> list[dict]:
 def _compile_variants(weights: str, fn, config, N: int, K: int, x: torch.Tensor, args: tuple, extra: dict) -> None:
     """The fused forms of this kernel and flags that the model takes, compiled at once, on threads
     (a Triton compile is ~1-2 s; one at a time, a cold start would wait for each in turn).  They
-    are not specialized on N and K, so this happens once per kernel and flags."""
-    key = (fn, tuple(sorted(extra.items())))
+    are not specialized on N and K, so this happens once per kernel, flags and forms asked for."""
+    key = (fn, tuple(sorted(extra.items())), fused_decode_forms(weights), fold_norms(weights))
     if key in _compiled:
         return
     _compiled.add(key)
