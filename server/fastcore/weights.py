@@ -80,7 +80,7 @@ def _build(src: Weights, a: ModelArgs, arch, device, dtype, mode: str, kernel: s
     packed = mode == "int4" and src.prequantized is not None
     lin = lambda wt, b, fold=None: make_linear(wt, b, "int4" if isinstance(wt, PackedInt4) else  # noqa: E731
                                                "none" if packed else mode, dtype, kernel, group_size, fold)
-    fold = mode == "int8" and a.norm_offset == 0 and fold_norms("int8")
+    fold = a.norm_offset == 0 and fold_norms(mode)  # int8 only (fused.fold_norms); not Gemma's (1 + w) norms
     for i, layer in enumerate(m.layers):
         p = f"model.layers.{i}."
         for ours, theirs in arch.norms.items():
