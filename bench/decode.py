@@ -195,12 +195,15 @@ def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], p
             for s in range(b):  # every position the timed steps write, reserved now
                 core.pool.reserve(s, prompt_len + new_tokens + 1)
             core.sync_table()
-            kv_blocks = -(-(prompt_len + new_tokens + 1) // 16)
             slots = torch.arange(b, device=device)
             inputs = torch.stack([torch.tensor(first, device=device), torch.full((b,), prompt_len, device=device), slots])
+            at = [prompt_len]  # the steps' position, on the host as the server knows it
 
             def step(inputs):  # one token per sequence, the argmax fed back on the device
-                tok = core.steps.decode_raw(inputs, kv_blocks).argmax(-1)
+                # the blocks the sequences span after the step, as the server passes them: the
+                # decode graph is picked by them (a short context's or a longer one's, graphs.py)
+                at[0] += 1
+                tok = core.steps.decode_raw(inputs, -(-at[0] // 16)).argmax(-1)
                 return torch.stack([tok, inputs[1] + 1, inputs[2]])
 
             t1 = time.perf_counter()
@@ -226,7 +229,7 @@ def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], p
                 row["batch1_forms"] = batch1_forms(quant)
                 print(f"  batch 1 kernels kept: {row['batch1_forms']}", file=sys.stderr, flush=True)
             if profile_steps and b == batches[0]:
-                fixed = inputs.clone()
+                fixed, kv_blocks = inputs.clone(), -(-(at[0] + 1) // 16)
 
                 def one_step():  # the same step at a fixed position: the profile does not move the KV length
                     core.steps.decode_raw(fixed, kv_blocks).argmax(-1)

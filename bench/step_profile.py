@@ -91,11 +91,12 @@ def run_one(shape: str, quant: str, kernel: str, steps: int, prompt_len: int, ca
     first = int(core.prefill(0, prompt).argmax())
     core.pool.reserve(0, context + steps + 8)  # every position the timed steps write
     core.sync_table()
-    kv_blocks = -(-(context + steps + 8) // 16)
     inputs = torch.tensor([[first], [context], [0]], device="cuda")
+    at = [context]  # the steps' position, on the host as the server knows it
 
-    def step(inputs):
-        tok = core.steps.decode_raw(inputs, kv_blocks).argmax(-1)
+    def step(inputs):  # with the blocks the sequence spans after it, as the server passes them (graphs.py)
+        at[0] += 1
+        tok = core.steps.decode_raw(inputs, -(-at[0] // 16)).argmax(-1)
         return torch.stack([tok, inputs[1] + 1, inputs[2]])
 
     t1 = time.perf_counter()
@@ -109,7 +110,7 @@ def run_one(shape: str, quant: str, kernel: str, steps: int, prompt_len: int, ca
     torch.cuda.synchronize()
     step_s = (time.perf_counter() - t1) / steps
     row.update(step_ms=round(step_s * 1e3, 4), tok_s=round(1 / step_s, 1))
-    fixed = inputs.clone()
+    fixed, kv_blocks = inputs.clone(), -(-(at[0] + 1) // 16)
 
     def one_step():  # at a fixed position: the profile does not move the KV length
         core.steps.decode_raw(fixed, kv_blocks).argmax(-1)

@@ -18,6 +18,11 @@ new key and value written to the cache, and the attention, where the model would
 and cache-write kernels first (model.Attention; not for q/k norms or int8 caches).  At batch 1 those
 were two of a layer's ~8 kernels (bench/RESULTS.md, 2026-12-06).  QUANTSERVE_ATTENTION_NEW_KV=0
 keeps the separate kernels (to compare).
+
+Decode steps split each sequence's keys over several programs (flash-decoding) and merge them in a
+second kernel, but only when some sequence holds more than `short_context()` keys: below that one
+program a (sequence, KV head) walks them all, and the merge kernel's launch, a few microseconds a
+layer, is saved.  graphs.py records a decode graph for each side of that line.
 """
 
 from __future__ import annotations
@@ -73,6 +78,18 @@ def new_kv_inside() -> bool:
     if value not in ("0", "1"):
         raise ValueError(f"QUANTSERVE_ATTENTION_NEW_KV={value!r}: use 1 or 0")
     return value == "1"
+
+
+SHORT_CONTEXT = 256  # keys: decode steps whose sequences hold no more attend without split keys
+
+
+def short_context() -> int:
+    """$QUANTSERVE_ATTENTION_SHORT_CONTEXT (default SHORT_CONTEXT): the most keys a sequence may
+    hold for a decode step to attend without split keys (0: always split, as before)."""
+    value = os.environ.get("QUANTSERVE_ATTENTION_SHORT_CONTEXT", str(SHORT_CONTEXT)).strip()
+    if not value.isdigit() or int(value) % BLOCK:
+        raise ValueError(f"QUANTSERVE_ATTENTION_SHORT_CONTEXT={value!r}: use a multiple of {BLOCK} keys (0: off)")
+    return int(value)
 
 
 def use_attention(model, choice: str, device: torch.device) -> str:

@@ -3,8 +3,10 @@ CUDA graphs.
 
     mixed   any flattened batch (prompt chunks and decodes together): on a GPU with the Triton
             attention, one CUDA graph per token bucket (TOKEN_BUCKETS), the batch padded to it
-    decode  one token for each of B sequences: on a GPU with the Triton attention, one CUDA graph
-            per batch bucket (BATCH_BUCKETS)
+    decode  one token for each of B sequences: on a GPU with the Triton attention, two CUDA graphs
+            per batch bucket (BATCH_BUCKETS): for sequences of up to a short context (the
+            attention reads all of a sequence's keys in one program) and for longer ones (the
+            keys split over programs and merged: attention.short_context)
     Every graph is recorded at warm-up.
 
 What is compiled is one transformer block, not the whole model ("regional compilation"): every
@@ -18,7 +20,8 @@ blocks run eagerly: a few kernels per forward.
 A decode step is where launch overhead hurts (~10 kernels a layer for little GPU work each), so
 it replays as one graph; a graph has fixed shapes, so the batch is padded to the next bucket, the
 padding rows reading and writing the cache's trash block (model.py).  The attention kernel reads
-each sequence's length and blocks from the batch, so one graph serves every context length.
+each sequence's length and blocks from the batch, so one graph serves every context length
+on its side of the short context.
 A step that carries a prompt chunk costs as much in launches, and more: each compiled block's call
 checks dynamo's guards and runs inductor's and our kernels' Python launchers, ~0.3-0.5 ms a layer
 on the host whatever the tokens (a 20-token chunk beside 31 decodes took ~20 ms on the 8B shape,
@@ -35,8 +38,10 @@ import warnings
 
 import torch
 
+from quantserve.server.fastcore.attention import short_context
 from quantserve.server.fastcore.batch import (StepBatch, batch_of, build_batch, decode_batch, decode_tiles,
                                               padded_inputs, prompt_tile)
+from quantserve.server.fastcore.blocks import BLOCK
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # a mixed step's tokens, padded: the powers of two and the midpoints between them (vLLM captures
@@ -55,7 +60,11 @@ class Steps:
         self.compile_mixed = compile  # off: prompt steps eagerly (benches that time decode alone)
         self.trash_row = max_seqs  # the block table's padding row (every entry the trash block)
         self.buckets = tuple(b for b in BATCH_BUCKETS if b < max_seqs) + (max_seqs,)
-        self.graphs: dict[int, tuple] = {}  # batch bucket -> (graph, its input buffer, its logits)
+        # (batch bucket, short context?) -> (graph, its input buffer, its logits)
+        self.graphs: dict[tuple[int, bool], tuple] = {}
+        # the blocks of the short context: the attention's size carrier in the short graphs (one
+        # more in the others), read by the kernel's launcher as the most keys a sequence holds
+        self.short_blocks = short_context() // BLOCK
         self.pool = torch.cuda.graph_pool_handle() if graphs else None
         self._side = None  # the stream the graphs' warm-up runs go on (_capture)
         # mixed steps: a bucket must exceed the tokens it holds (one padding token at least)
@@ -163,31 +172,36 @@ class Steps:
         if self.pool is None:
             blocks = torch.arange(kv_blocks, device=self.device)
             return self._decode(inputs, decode_tiles(B, self.device), blocks)
-        graph, static, out = self.decode_graph(B)
+        graph, static, out = self.decode_graph(B, kv_blocks <= self.short_blocks)
         static.copy_(inputs, non_blocking=True)
         graph.replay()  # the whole step, ~10 kernels per layer, in one launch
         return out
 
     def warm_decode(self, batch: int) -> None:
-        """Compile (and on a GPU record) the decode step of `batch` rows, at the trash row."""
+        """Compile (and on a GPU record) the decode steps of `batch` rows, at the trash row: short
+        contexts and long."""
         inputs = torch.zeros((3, batch), dtype=torch.long, device=self.device)
         inputs[2] = self.trash_row
-        self.decode_raw(inputs, 1)
+        for blocks in sorted({1, self.short_blocks + 1}) if self.pool is not None else (1,):
+            self.decode_raw(inputs, blocks)
 
     def _decode(self, inputs, tiles, kv_blocks):
         return self._forward(decode_batch(inputs[0], inputs[1], inputs[2], tiles, kv_blocks))
 
-    def decode_graph(self, batch: int) -> tuple:
-        """The CUDA graph of a decode step of `batch` rows, recorded on first use (warm-up)."""
-        if batch not in self.graphs:
+    def decode_graph(self, batch: int, short: bool) -> tuple:
+        """The CUDA graph of a decode step of `batch` rows whose sequences hold up to a short
+        context of keys (`short`) or more, recorded on first use (warm-up)."""
+        key = (batch, short and self.short_blocks > 0)
+        if key not in self.graphs:
             static = torch.zeros((3, batch), dtype=torch.long, device=self.device)
             static[2] = self.trash_row  # recorded at the trash row: the eager runs write nothing real
             tiles = decode_tiles(batch, self.device)
-            blocks = torch.arange(1, device=self.device)  # unused by the Triton kernel
+            # the Triton kernel reads only this carrier's length: up to the short context, or past it
+            blocks = torch.arange(self.short_blocks + (0 if key[1] else 1), device=self.device)
             graph, out = self._capture(self._decode, static, tiles, blocks)
             # every input stays referenced: the graph reads them at their recorded addresses
-            self.graphs[batch] = (graph, static, out, tiles, blocks)
-        return self.graphs[batch][:3]
+            self.graphs[key] = (graph, static, out, tiles, blocks)
+        return self.graphs[key][:3]
 
     def _capture(self, fn, *inputs: torch.Tensor) -> tuple:
         """Record `fn(*inputs)` as a CUDA graph (as vLLM does per batch size) -> (graph, output),

@@ -10,8 +10,9 @@ layer's sliding window), soft-capped where the model says (Gemma 2), and kept in
 softmax in fp32 (flash attention's recurrence).
 
 Decode steps have one token per tile and often few tiles (batch 1 with 8 KV heads is 8 programs
-on a GPU with 40-132 multiprocessors), so the keys are also split into NSPLIT chunks, each a
-program of its own ("flash-decoding"), merged by their log-sum-exp in a second small kernel.  (Merging in the last of a tile's programs
+on a GPU with 40-132 multiprocessors), so once a sequence holds more than a short context
+(attention.short_context) the keys are also split into NSPLIT chunks, each a program of its own
+("flash-decoding"), merged by their log-sum-exp in a second small kernel.  (Merging in the last of a tile's programs
 instead, after an atomic count, saved the kernel but not its time: on an H100 the attention kernel
 grew by what the merge kernel had cost, the same chain of dependent loads now on its critical path;
 bench/RESULTS.md, 2026-12-06, midday.)
@@ -29,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from quantserve.server.fastcore.attention import short_context
 from quantserve.server.fastcore.batch import prompt_tile
 from quantserve.server.fastcore.blocks import BLOCK
 
@@ -201,9 +203,11 @@ def _splits(programs: int, sms: int) -> int:
 
 
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale, v_scale, table, seq_slot, pos,
-            tiles, block_q: int, scale: float, softcap: float, window: int, H: int, rope=None) -> torch.Tensor:
+            tiles, block_q: int, scale: float, softcap: float, window: int, max_keys: int, H: int,
+            rope=None) -> torch.Tensor:
     """The attention kernel (and the merge of split keys) over q [T, H, D], or, with rope = (cos,
-    sin), over a decode step's wqkv output q [T, (H + 2 HKV) D] (NEW_KV) -> [T, H, D]."""
+    sin), over a decode step's wqkv output q [T, (H + 2 HKV) D] (NEW_KV) -> [T, H, D].  max_keys:
+    the most keys one sequence holds after the step (or more): up to a short context, no split."""
     T = q.shape[0]
     HKV, D = k_cache.shape[2], k_cache.shape[3]
     G = H // HKV
@@ -214,7 +218,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_sca
     q = q.contiguous()
     out = torch.empty((T, H, D), device=q.device, dtype=q.dtype)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-    nsplit = _splits(NT * HKV, sms) if block_q == 1 else 1
+    nsplit = _splits(NT * HKV, sms) if block_q == 1 and max_keys > short_context() else 1
     tile_n = DECODE_TILE_N if block_q == 1 else PROMPT_TILE_N
     if nsplit > 1:
         acc = torch.empty((NT * HKV * nsplit * block_m, DP), device=q.device, dtype=torch.float32)
@@ -240,32 +244,41 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_sca
 @torch.library.custom_op("quantserve::paged_attention", mutates_args=())
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
                     v_scale: torch.Tensor | None, table: torch.Tensor, seq_slot: torch.Tensor, pos: torch.Tensor,
-                    tiles: torch.Tensor, block_q: int, scale: float, softcap: float, window: int) -> torch.Tensor:
+                    tiles: torch.Tensor, block_q: int, scale: float, softcap: float, window: int,
+                    max_keys: int) -> torch.Tensor:
     """q [T, H, D] -> [T, H, D]; see the module's docstring for the other layouts.  block_q: the
-    most tokens of a tile (1 for a decode-only batch); softcap 0 and window 0 mean none."""
+    most tokens of a tile (1 for a decode-only batch); softcap 0 and window 0 mean none; max_keys:
+    the most keys a sequence holds (at least)."""
     return _launch(q, k_cache, v_cache, k_scale, v_scale, table, seq_slot, pos, tiles, block_q, scale, softcap,
-                   window, q.shape[1])
+                   window, max_keys, q.shape[1])
 
 
 @paged_attention.register_fake
-def _(q, k_cache, v_cache, k_scale, v_scale, table, seq_slot, pos, tiles, block_q, scale, softcap, window):
+def _(q, k_cache, v_cache, k_scale, v_scale, table, seq_slot, pos, tiles, block_q, scale, softcap, window, max_keys):
     return torch.empty_like(q)
 
 
 @torch.library.custom_op("quantserve::decode_attention", mutates_args=("k_cache", "v_cache"))
 def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, table: torch.Tensor, seq_slot: torch.Tensor, pos: torch.Tensor,
-                     tiles: torch.Tensor, heads: int, scale: float, softcap: float, window: int) -> torch.Tensor:
+                     tiles: torch.Tensor, heads: int, scale: float, softcap: float, window: int,
+                     max_keys: int) -> torch.Tensor:
     """A decode step's attention from wqkv's output qkv [T, (heads + 2 kv heads) * D] (one token a
     tile), cos / sin [T, D] its tokens' rotary rows: q and the new key turned, the new key and value
     written to the (fp16 / fp32) caches, attention over the cache and the new key -> [T, heads, D]."""
     return _launch(qkv, k_cache, v_cache, None, None, table, seq_slot, pos, tiles, 1, scale, softcap, window,
-                   heads, (cos, sin))
+                   max_keys, heads, (cos, sin))
 
 
 @decode_attention.register_fake
-def _(qkv, cos, sin, k_cache, v_cache, table, seq_slot, pos, tiles, heads, scale, softcap, window):
+def _(qkv, cos, sin, k_cache, v_cache, table, seq_slot, pos, tiles, heads, scale, softcap, window, max_keys):
     return qkv.new_empty((qkv.shape[0], heads, k_cache.shape[3]))
+
+
+def _max_keys(batch) -> int:
+    """The most keys a sequence of the batch holds after the step, from the kv_blocks size carrier
+    (a true bound in decode steps: graphs.py records a graph per side of the short context)."""
+    return batch.kv_blocks.shape[0] * BLOCK
 
 
 def attend_triton(q: torch.Tensor, att, batch, table: torch.Tensor) -> torch.Tensor:
@@ -274,7 +287,7 @@ def attend_triton(q: torch.Tensor, att, batch, table: torch.Tensor) -> torch.Ten
     block_q = 1 if batch.q_cols.shape[0] == 1 else prompt_tile(a.n_heads // a.n_kv_heads)
     return paged_attention(q, att.k_cache, att.v_cache, att.k_scale, att.v_scale, table, batch.seq_slot,
                            batch.pos, batch.tiles, block_q, float(a.attn_scale or a.head_dim ** -0.5),
-                           float(a.attn_softcap or 0.0), int(att.window or 0))
+                           float(a.attn_softcap or 0.0), int(att.window or 0), _max_keys(batch))
 
 
 def attend_new_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, att, batch,
@@ -283,4 +296,4 @@ def attend_new_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, a
     a = att.a
     return decode_attention(qkv, cos, sin, att.k_cache, att.v_cache, table, batch.seq_slot, batch.pos, batch.tiles,
                             a.n_heads, float(a.attn_scale or a.head_dim ** -0.5), float(a.attn_softcap or 0.0),
-                            int(att.window or 0))
+                            int(att.window or 0), _max_keys(batch))

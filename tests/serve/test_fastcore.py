@@ -134,17 +134,22 @@ def test_warm_up_compiles_every_decode_bucket_within_dynamos_limit(hf, monkeypat
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.compile + CUDA graph decode needs a CUDA GPU")
-def test_compiled_cuda_decode_matches_eager(hf, prompts):
+@pytest.mark.parametrize("short_context", ["256", "16"], ids=["short-graph", "split-keys-graph"])
+def test_compiled_cuda_decode_matches_eager(hf, prompts, short_context, monkeypatch):
     """The compiled forward and the CUDA-graphed decode step with the Triton paged attention give
-    the eager torch path's logits."""
+    the eager torch path's logits: the prompts' decodes within a short context of 256 keys (one
+    program a sequence), and past one of 16 (keys split over programs and merged)."""
+    monkeypatch.setenv("QUANTSERVE_ATTENTION_SHORT_CONTEXT", short_context)
     model, _ = hf
     eager = FastCore(model, max_slots=4, max_seq=256, device="cuda", dtype="float32", compile=False,
                      attention="torch")
     fast = FastCore(model, max_slots=4, max_seq=256, device="cuda", dtype="float32", compile=True)
     assert fast.attention == "triton"
     fast.warm_up()
+    assert (1, True) in fast.steps.graphs and (1, False) in fast.steps.graphs  # both recorded at warm-up
     for a, b in _decode_side_by_side(eager, fast, prompts[:3]):
         assert torch.allclose(a, b, atol=1e-3)
+    assert min(len(p) for p in prompts[:3]) > 16  # so the second case's decodes are past its short context
 
 
 def _decode_side_by_side(core_a, core_b, prompts, steps: int = 4):

@@ -3,9 +3,10 @@
 Both read the same paged cache through the same block table for flattened batches that mix
 decodes and prompt chunks: GQA group sizes 1, 4 and 7, head sizes 64 and 96 (not a power of two),
 int8 caches with their scales, Gemma's soft-capping and sliding windows, and decode batches whose
-keys are split over several programs, also straight from wqkv's output (the rotary embedding and
-the cache write inside).  On a CUDA GPU the kernel runs for real; on a CPU it runs in
-Triton's interpreter (the test extra installs Triton on a CPU machine too; without it: skipped).
+keys are split over several programs or, within a short context, read by one, also straight from
+wqkv's output (the rotary embedding and the cache write inside).  On a CUDA GPU the kernel runs
+for real; on a CPU it runs in Triton's interpreter (the test extra installs Triton on a CPU
+machine too; without it: skipped).
 """
 
 from __future__ import annotations
@@ -80,9 +81,54 @@ def test_mixed_batches_match_the_reference(H, HKV, D):
     _check(H, HKV, D, MIXED, MIXED_LENGTHS)
 
 
+@pytest.fixture(params=["0", "1024"], ids=["split-keys", "short-context"])
+def short_context(request, monkeypatch):
+    """Decode steps with their keys split over programs and merged (a short context of 0 keys),
+    and in one program a sequence (the longest, 301 keys, within a short context of 1,024)."""
+    monkeypatch.setenv("QUANTSERVE_ATTENTION_SHORT_CONTEXT", request.param)
+    return int(request.param)
+
+
+def _merges_expected(short_context: int, HKV: int) -> int:
+    """Merge launches of one DECODES step: none within the short context, else one where the
+    launcher splits the keys of its 3 x HKV programs (on this device's multiprocessors)."""
+    from quantserve.server.fastcore import triton_paged_attention as tpa
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if CUDA else 4
+    return 0 if short_context else int(tpa._splits(3 * HKV, sms) > 1)
+
+
+@pytest.fixture
+def merges(monkeypatch):
+    """The launches of the merge kernel of split keys (it still runs)."""
+    from quantserve.server.fastcore import triton_paged_attention
+
+    kernel, calls = triton_paged_attention._merge_kernel, []
+
+    class Counted:
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(triton_paged_attention, "_merge_kernel", Counted())
+    return calls
+
+
 @pytest.mark.parametrize("H, HKV, D", [(8, 2, 64), (4, 1, 128)])
-def test_decode_batches_with_split_keys_match_the_reference(H, HKV, D):
+def test_decode_batches_with_split_keys_match_the_reference(H, HKV, D, short_context, merges):
     _check(H, HKV, D, DECODES, DECODE_LENGTHS)
+    assert len(merges) == _merges_expected(short_context, HKV)
+
+
+def test_the_short_context_must_be_whole_blocks(monkeypatch):
+    from quantserve.server.fastcore.attention import SHORT_CONTEXT, short_context
+
+    monkeypatch.delenv("QUANTSERVE_ATTENTION_SHORT_CONTEXT", raising=False)
+    assert short_context() == SHORT_CONTEXT
+    for bad in ("100", "-16", "lots"):
+        monkeypatch.setenv("QUANTSERVE_ATTENTION_SHORT_CONTEXT", bad)
+        with pytest.raises(ValueError, match="multiple of 16 keys"):
+            short_context()
 
 
 def test_int8_caches_match_the_reference():
@@ -142,11 +188,12 @@ def _check_decode(H, HKV, D, softcap=None, window=None, dtype=torch.float32, tol
 
 # (12, 1): 12 query heads a KV head in 16 rows, the 4 padding rows past the end of wqkv's output
 @pytest.mark.parametrize("H, HKV, D", [(8, 2, 64), (14, 2, 96), (4, 4, 128), (12, 1, 64)])
-def test_a_decode_step_from_wqkvs_output_matches_the_separate_steps(H, HKV, D):
+def test_a_decode_step_from_wqkvs_output_matches_the_separate_steps(H, HKV, D, short_context, merges):
     _check_decode(H, HKV, D)
+    assert len(merges) == _merges_expected(short_context, HKV)
 
 
-def test_a_decode_step_from_wqkvs_output_with_soft_capping_and_a_window():
+def test_a_decode_step_from_wqkvs_output_with_soft_capping_and_a_window(short_context):
     _check_decode(8, 2, 64, softcap=5.0, window=40)
 
 

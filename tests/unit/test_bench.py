@@ -365,3 +365,14 @@ def test_startup_profile_splits_the_start_into_parts_and_imports(tmp_path, capsy
     assert "3.50 s  torch/_dynamo/__init__.py" in out
     with pytest.raises(SystemExit, match="no such file"):
         startup_profile.main([str(tmp_path / "missing.txt")])
+
+
+def test_attention_split_bench_refuses_a_cpu_in_one_line():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the benchmark would run")
+    proc = subprocess.run([sys.executable, "-m", "quantserve.bench.attention_split", "--batches", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: the attention kernel's timing needs a CUDA GPU"]

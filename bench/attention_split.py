@@ -1,0 +1,98 @@
+"""Where a decode step should split a sequence's keys over several programs: the paged attention
+of one decode step (fastcore's `decode_attention`: rotary, cache write and attention in one kernel)
+with the keys split and merged, and with one program a (sequence, KV head), at each batch size and
+context length, on the GPU.
+
+    python -m quantserve.bench.attention_split [--shape 8b] [--batches 1,8,32] [--out FILE]
+
+Each case is recorded as a CUDA graph of one call per layer (32 of them, each over its own cache,
+as a decode step replays them), so the time a layer includes the merge kernel's launch; prints
+microseconds a layer and the ratio, and which side of each context wins (fastcore.attention's
+SHORT_CONTEXT is where one program stops winning at batch 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+SHAPES = {"8b": (32, 8, 128), "1b": (32, 8, 64)}  # (heads, KV heads, head size)
+CONTEXTS = (64, 128, 192, 256, 384, 512, 768, 1024, 2048)
+LAYERS = 32
+
+
+def time_case(H: int, HKV: int, D: int, batch: int, context: int, short: int, replays: int = 20) -> float:
+    """Microseconds a layer of the decode attention at `batch` sequences of `context` keys, with
+    $QUANTSERVE_ATTENTION_SHORT_CONTEXT = short (0: keys split; past the context: one program)."""
+    import torch
+
+    from quantserve.server.fastcore.batch import build_batch
+    from quantserve.server.fastcore.blocks import BLOCK
+    from quantserve.server.fastcore.triton_paged_attention import decode_attention
+
+    os.environ["QUANTSERVE_ATTENTION_SHORT_CONTEXT"] = str(short)
+    dev = torch.device("cuda")
+    per_seq = -(-context // BLOCK)
+    blocks = batch * per_seq
+    table = torch.arange(blocks, dtype=torch.int32, device=dev).view(batch, per_seq)
+    table = torch.cat([table, torch.full((1, per_seq), blocks, dtype=torch.int32, device=dev)])
+    caches = [(torch.randn(blocks + 1, BLOCK, HKV, D, device=dev, dtype=torch.float16),
+               torch.randn(blocks + 1, BLOCK, HKV, D, device=dev, dtype=torch.float16)) for _ in range(LAYERS)]
+    b = build_batch([(s, [1], context - 1) for s in range(batch)], dev, H // HKV)
+    qkv = torch.randn(batch, (H + 2 * HKV) * D, device=dev, dtype=torch.float16)
+    cos, sin = torch.ones(batch, D, device=dev, dtype=torch.float16), torch.zeros(batch, D, device=dev,
+                                                                                   dtype=torch.float16)
+    max_keys = b.kv_blocks.shape[0] * BLOCK
+
+    def step():
+        for k, v in caches:
+            decode_attention(qkv, cos, sin, k, v, table, b.seq_slot, b.pos, b.tiles, H, D ** -0.5, 0.0, 0, max_keys)
+
+    step()  # compiles
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / replays / LAYERS
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="quantserve.bench.attention_split", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
+    p.add_argument("--out", help="write the rows as JSON here")
+    o = p.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("error: the attention kernel's timing needs a CUDA GPU", file=sys.stderr)
+        return 2
+    H, HKV, D = SHAPES[o.shape]
+    rows = []
+    print(f"{o.shape} decode attention ({torch.cuda.get_device_name()}), us a layer: keys split + merge | one program")
+    for batch in [int(x) for x in o.batches.split(",")]:
+        for context in [int(x) for x in o.contexts.split(",")]:
+            split = time_case(H, HKV, D, batch, context, 0)
+            one = time_case(H, HKV, D, batch, context, 1 << 20)
+            rows.append({"shape": o.shape, "batch": batch, "context": context, "split_us": round(split, 2),
+                         "one_program_us": round(one, 2)})
+            print(f"  batch {batch:>3}  context {context:>5}: {split:7.2f} | {one:7.2f}  "
+                  f"{split / one:5.2f}x  {'one program' if one < split else 'split'}", flush=True)
+    if o.out:
+        with open(o.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
