@@ -8,11 +8,10 @@
 #                                     context, the compiled, CUDA-graphed decode against eager (both graphs);
 #                                     bench.attention_split (8B shape, batch 1/8/32, contexts 64-2,048); the 8B
 #                                     int8 decode step kernel by kernel, and with QUANTSERVE_ATTENTION_SHORT_CONTEXT=0
-#                                     (split keys at every length, as before; same call); bench decode at batch 8
-#                                     and 32 (fp16, int8, int4)
+#                                     (split keys at every length, as before; same call)
 #   bench/short_context_gpu.sh OUT 2  bench decode 8B at batch 1 (fp16, int8, int4; int8 and int4 with the short
-#                                     context off), then llama-bench on Q8_0 / Q4_K_M in the same call;
-#                                     bench/cold_start.sh "shipped"
+#                                     context off), then llama-bench on Q8_0 / Q4_K_M in the same call; bench
+#                                     decode at batch 8 and 32 (fp16, int8, int4) in what time is left
 set -uo pipefail
 out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
 export PYTHONPATH=$site PYTHONUNBUFFERED=1
@@ -24,16 +23,19 @@ if [ "$phase" = 1 ]; then
   (cd /tmp && timeout $(left 400) python3 -m quantserve.bench.attention_split --shape 8b --batches 1,8,32 \
       --out "$out/attention-split.json") > "$out/attention-split.log" 2>&1 || log "attention_split: rc=$?"
   grep -vE "Warning|warn" "$out/attention-split.log" >> "$out/bench.txt"
-  step_profile $(left 460) short --quants int8 --prompt-len 0
-  QUANTSERVE_ATTENTION_SHORT_CONTEXT=0 step_profile $(left 520) split-keys --quants int8 --prompt-len 0
+  step_profile $(left 430) short --quants int8 --prompt-len 0
+  QUANTSERVE_ATTENTION_SHORT_CONTEXT=0 step_profile $(left 490) split-keys --quants int8 --prompt-len 0
   log "profiles done"
-  QUANTSERVE_HOME=/tmp/qs-b832 decode $(left 590) 8b-b8-b32 --models 8b --quants none,int8,int4 --kernels triton \
-      --batches 8,32
 elif [ "$phase" = 2 ]; then
   QUANTSERVE_HOME=/tmp/qs-on2 decode $(left 150) 8b-b1 --models 8b --quants none,int8,int4 --kernels triton --batches 1
   QUANTSERVE_ATTENTION_SHORT_CONTEXT=0 QUANTSERVE_HOME=/tmp/qs-on2 decode $(left 230) 8b-b1-split-keys --models 8b \
       --quants int8,int4 --kernels triton --batches 1
-  llama_bench_8b_then_cold 320
+  until [ -f /tmp/ggufs.done ] || [ "$SECONDS" -gt 330 ]; do sleep 2; done
+  tail -n 4 /tmp/ggufs.log >> "$out/bench.txt"
+  llama_bench 60 /tmp/llama-3.1-8b-Q8_0.gguf /tmp/llama-3.1-8b-Q4_K_M.gguf
+  log "llama-bench done"
+  QUANTSERVE_HOME=/tmp/qs-on2 decode $(left 540) 8b-b8-b32 --models 8b --quants none,int8,int4 --kernels triton \
+      --batches 8,32
 else
   echo "short_context_gpu.sh: unknown phase '$phase' (1 or 2)" >&2; exit 2
 fi
