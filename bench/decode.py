@@ -199,6 +199,7 @@ def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], p
             inputs = torch.stack([torch.tensor(first, device=device), torch.full((b,), prompt_len, device=device), slots])
             at = [prompt_len]  # the steps' position, on the host as the server knows it
 
+            @torch.inference_mode()  # as the server steps (a graph recorded by a 1-token prompt holds inference tensors)
             def step(inputs):  # one token per sequence, the argmax fed back on the device
                 # the blocks the sequences span after the step, as the server passes them: the
                 # decode graph is picked by them (a short context's or a longer one's, graphs.py)
@@ -207,6 +208,8 @@ def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], p
                 return torch.stack([tok, inputs[1] + 1, inputs[2]])
 
             t1 = time.perf_counter()
+            with torch.inference_mode():  # every decode graph of this size, as a server's warm-up records them
+                core.steps.warm_decode(core.steps.padded_batch(b))
             for _ in range(3):  # compile, CUDA-graph record, first replay
                 inputs = step(inputs)
             sync(device)
@@ -231,6 +234,7 @@ def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], p
             if profile_steps and b == batches[0]:
                 fixed, kv_blocks = inputs.clone(), -(-(at[0] + 1) // 16)
 
+                @torch.inference_mode()
                 def one_step():  # the same step at a fixed position: the profile does not move the KV length
                     core.steps.decode_raw(fixed, kv_blocks).argmax(-1)
 

@@ -80,7 +80,11 @@ def new_kv_inside() -> bool:
     return value == "1"
 
 
-SHORT_CONTEXT = 256  # keys: decode steps whose sequences hold no more attend without split keys
+# keys: decode steps whose sequences hold no more attend without split keys.  On an H100 at the
+# 8B shape one program a sequence and KV head took 0.70x / 0.92x the split keys' time (and their
+# merge's) at batch 1 with 64 / 128 keys, 1.06x at 192 and 1.23x at 256; at batch 8 it won to 256
+# (bench.attention_split, bench/RESULTS.md 2026-12-06)
+SHORT_CONTEXT = 128
 
 
 def short_context() -> int:

@@ -196,8 +196,13 @@ def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, tiles_ptr, pos_ptr, window,
 
 
 def _splits(programs: int, sms: int) -> int:
-    """Key chunks per (tile, KV head): enough programs for two waves over the GPU, at most 16 (the
-    merge reads every chunk that had keys: 64 of them took 30 us a layer on the 1B shape)."""
+    """Key chunks per (tile, KV head): none once the programs fill the GPU (at the 8B shape's batch
+    32 on an H100, 256 programs on 132 multiprocessors, one program a sequence and KV head took
+    0.66-0.81x the time of two chunks and their merge at 64-2,048 keys: bench.attention_split,
+    bench/RESULTS.md 2026-12-06), else enough for two waves, at most 16 (the merge reads every
+    chunk that had keys: 64 of them took 30 us a layer on the 1B shape)."""
+    if programs >= sms:
+        return 1
     want = max(1, min(16, -(-2 * sms // max(programs, 1))))
     return 1 << (want - 1).bit_length()
 
