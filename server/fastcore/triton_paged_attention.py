@@ -11,11 +11,12 @@ softmax in fp32 (flash attention's recurrence).
 
 Decode steps have one token per tile and often few tiles (batch 1 with 8 KV heads is 8 programs
 on a GPU with 40-132 multiprocessors), so once a sequence holds more than a short context
-(attention.short_context) the keys are also split into NSPLIT chunks, each a program of its own
-("flash-decoding"), merged by their log-sum-exp in a second small kernel.  (Merging in the last of a tile's programs
-instead, after an atomic count, saved the kernel but not its time: on an H100 the attention kernel
-grew by what the merge kernel had cost, the same chain of dependent loads now on its critical path;
-bench/RESULTS.md, 2026-12-06, midday.)
+(attention.short_context), while the programs do not fill the GPU, the keys are also split into
+NSPLIT chunks, each a program of its own ("flash-decoding"), merged by their log-sum-exp in a
+second small kernel.  (Merging in the last of a tile's programs instead, after an atomic count,
+saved the kernel but not its time: on an H100 the attention kernel grew by what the merge kernel
+had cost, the same chain of dependent loads now on its critical path; bench/RESULTS.md,
+2026-12-06, midday.)
 
 int8 caches hold a scale per position and KV head: keys are scaled in the scores, values through
 the probabilities (p * scale before p @ v), so no dequantized copy is ever written.
