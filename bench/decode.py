@@ -208,9 +208,9 @@ def bench_core(cfg, device, caps, quant: str, kernel: str, batches: list[int], p
                 return torch.stack([tok, inputs[1] + 1, inputs[2]])
 
             t1 = time.perf_counter()
-            with torch.inference_mode():  # every decode graph of this size, as a server's warm-up records them
-                core.steps.warm_decode(core.steps.padded_batch(b))
-            for _ in range(3):  # compile, CUDA-graph record, first replay
+            with torch.inference_mode():  # every decode graph of b rows (the steps' width), as a server's warm-up
+                core.steps.warm_decode(b)
+            for _ in range(3):  # the first replays
                 inputs = step(inputs)
             sync(device)
             row["warmup_s"] = round(time.perf_counter() - t1, 1)

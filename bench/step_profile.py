@@ -103,7 +103,7 @@ def run_one(shape: str, quant: str, kernel: str, steps: int, prompt_len: int, ca
     t1 = time.perf_counter()
     with torch.inference_mode():  # every decode graph of batch 1, as a server's warm-up records them
         core.steps.warm_decode(1)
-    for _ in range(3):  # compile, record, first replay
+    for _ in range(3):  # the first replays
         inputs = step(inputs)
     torch.cuda.synchronize()
     row["warmup_s"] = round(time.perf_counter() - t1, 1)

@@ -89,9 +89,10 @@ SHORT_CONTEXT = 128
 
 def short_context() -> int:
     """$QUANTSERVE_ATTENTION_SHORT_CONTEXT (default SHORT_CONTEXT): the most keys a sequence may
-    hold for a decode step to attend without split keys (0: always split, as before)."""
+    hold for a decode step to attend without split keys (0: always split, as before, also where
+    the programs fill the GPU: triton_paged_attention._splits)."""
     value = os.environ.get("QUANTSERVE_ATTENTION_SHORT_CONTEXT", str(SHORT_CONTEXT)).strip()
-    if not value.isdigit() or int(value) % BLOCK:
+    if not (value.isascii() and value.isdigit()) or int(value) % BLOCK:
         raise ValueError(f"QUANTSERVE_ATTENTION_SHORT_CONTEXT={value!r}: use a multiple of {BLOCK} keys (0: off)")
     return int(value)
 

@@ -196,16 +196,24 @@ def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, tiles_ptr, pos_ptr, window,
              mask=row_ok[:, None] & (d < D)[None, :])
 
 
-def _splits(programs: int, sms: int) -> int:
-    """Key chunks per (tile, KV head): none once the programs fill the GPU (at the 8B shape's batch
-    32 on an H100, 256 programs on 132 multiprocessors, one program a sequence and KV head took
+def _splits(programs: int, sms: int, max_keys: int, short: int) -> int:
+    """Key chunks per (tile, KV head) of a decode step: none within the short context (`short`
+    keys, attention.short_context) or once the programs fill the GPU (at the 8B shape's batch 32
+    on an H100, 256 programs on 132 multiprocessors, one program a sequence and KV head took
     0.66-0.81x the time of two chunks and their merge at 64-2,048 keys: bench.attention_split,
     bench/RESULTS.md 2026-12-06), else enough for two waves, at most 16 (the merge reads every
-    chunk that had keys: 64 of them took 30 us a layer on the 1B shape)."""
-    if programs >= sms:
+    chunk that had keys: 64 of them took 30 us a layer on the 1B shape).  short 0: always split
+    (the rule before either exception)."""
+    if short and (max_keys <= short or programs >= sms):
         return 1
     want = max(1, min(16, -(-2 * sms // max(programs, 1))))
     return 1 << (want - 1).bit_length()
+
+
+def _sms(device: torch.device) -> int:
+    """Multiprocessors the launcher plans for: the GPU's, or in Triton's interpreter (tests on a
+    CPU) an H100's 132, so the interpreter takes the decisions the kernels are tuned on."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale, v_scale, table, seq_slot, pos,
@@ -223,8 +231,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_sca
     NT = tiles.shape[0]
     q = q.contiguous()
     out = torch.empty((T, H, D), device=q.device, dtype=q.dtype)
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-    nsplit = _splits(NT * HKV, sms) if block_q == 1 and max_keys > short_context() else 1
+    nsplit = _splits(NT * HKV, _sms(q.device), max_keys, short_context()) if block_q == 1 else 1
     tile_n = DECODE_TILE_N if block_q == 1 else PROMPT_TILE_N
     if nsplit > 1:
         acc = torch.empty((NT * HKV * nsplit * block_m, DP), device=q.device, dtype=torch.float32)

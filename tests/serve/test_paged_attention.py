@@ -83,19 +83,10 @@ def test_mixed_batches_match_the_reference(H, HKV, D):
 
 @pytest.fixture(params=["0", "1024"], ids=["split-keys", "short-context"])
 def short_context(request, monkeypatch):
-    """Decode steps with their keys split over programs and merged (a short context of 0 keys),
-    and in one program a sequence (the longest, 301 keys, within a short context of 1,024)."""
+    """Decode steps with their keys split over programs and merged (a short context of 0 keys:
+    always split), and in one program a sequence (the longest, 301 keys, within 1,024)."""
     monkeypatch.setenv("QUANTSERVE_ATTENTION_SHORT_CONTEXT", request.param)
     return int(request.param)
-
-
-def _merges_expected(short_context: int, HKV: int) -> int:
-    """Merge launches of one DECODES step: none within the short context, else one where the
-    launcher splits the keys of its 3 x HKV programs (on this device's multiprocessors)."""
-    from quantserve.server.fastcore import triton_paged_attention as tpa
-
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if CUDA else 4
-    return 0 if short_context else int(tpa._splits(3 * HKV, sms) > 1)
 
 
 @pytest.fixture
@@ -117,7 +108,25 @@ def merges(monkeypatch):
 @pytest.mark.parametrize("H, HKV, D", [(8, 2, 64), (4, 1, 128)])
 def test_decode_batches_with_split_keys_match_the_reference(H, HKV, D, short_context, merges):
     _check(H, HKV, D, DECODES, DECODE_LENGTHS)
-    assert len(merges) == _merges_expected(short_context, HKV)
+    assert len(merges) == (0 if short_context else 1)
+
+
+def test_keys_split_past_the_short_context_until_the_programs_fill_the_gpu():
+    from quantserve.server.fastcore.triton_paged_attention import _splits
+
+    assert _splits(8, 132, 128, 128) == 1  # batch 1, 8 KV heads, within 128 keys: one program
+    assert _splits(8, 132, 144, 128) == 16  # past it: two waves' worth, at most 16
+    assert _splits(64, 132, 2048, 128) == 8
+    assert _splits(256, 132, 2048, 128) == 1  # the programs fill the GPU
+    assert _splits(256, 132, 64, 0) == 2 and _splits(8, 132, 64, 0) == 16  # 0: always split, as before
+
+
+def test_int8_caches_soft_capping_and_windows_through_split_keys(merges):
+    """The merge kernel with int8 scales, soft-capping and a window (DECODES' 301 keys are past
+    the default short context, and 3 x 2 programs do not fill a GPU)."""
+    _check(8, 2, 64, DECODES, DECODE_LENGTHS, int8=True)
+    _check(8, 2, 64, DECODES, DECODE_LENGTHS, softcap=5.0, window=40)
+    assert len(merges) == 2
 
 
 def test_the_short_context_must_be_whole_blocks(monkeypatch):
@@ -125,7 +134,7 @@ def test_the_short_context_must_be_whole_blocks(monkeypatch):
 
     monkeypatch.delenv("QUANTSERVE_ATTENTION_SHORT_CONTEXT", raising=False)
     assert short_context() == SHORT_CONTEXT
-    for bad in ("100", "-16", "lots"):
+    for bad in ("100", "-16", "lots", "\u00b2"):
         monkeypatch.setenv("QUANTSERVE_ATTENTION_SHORT_CONTEXT", bad)
         with pytest.raises(ValueError, match="multiple of 16 keys"):
             short_context()
@@ -190,7 +199,7 @@ def _check_decode(H, HKV, D, softcap=None, window=None, dtype=torch.float32, tol
 @pytest.mark.parametrize("H, HKV, D", [(8, 2, 64), (14, 2, 96), (4, 4, 128), (12, 1, 64)])
 def test_a_decode_step_from_wqkvs_output_matches_the_separate_steps(H, HKV, D, short_context, merges):
     _check_decode(H, HKV, D)
-    assert len(merges) == _merges_expected(short_context, HKV)
+    assert len(merges) == (0 if short_context else 1)
 
 
 def test_a_decode_step_from_wqkvs_output_with_soft_capping_and_a_window(short_context):
