@@ -3,7 +3,8 @@ of one decode step (fastcore's `decode_attention`: rotary, cache write and atten
 with the keys split and merged, and with one program a (sequence, KV head), at each batch size and
 context length, on the GPU.
 
-    python -m quantserve.bench.attention_split [--shape 8b] [--batches 1,8,32] [--out FILE]
+    python -m quantserve.bench.attention_split [--shape 8b] [--batches 1,8,32] [--out FILE] [--plot PNG]
+    python -m quantserve.bench.attention_split --rows FILE --plot PNG     # a saved run's plot, no GPU
 
 Each case is recorded as a CUDA graph of one call per layer (32 of them, each over its own cache,
 as a decode step replays them), so the time a layer includes the merge kernel's launch; prints
@@ -65,13 +66,46 @@ def time_case(H: int, HKV: int, D: int, batch: int, context: int, short: int, re
     return start.elapsed_time(end) * 1e3 / replays / LAYERS
 
 
+def plot(rows: list[dict], out: str) -> str:
+    """Microseconds a layer against keys, split + merge and one program, a panel per batch size."""
+    from quantserve.bench.plot import _pyplot, _save
+
+    plt = _pyplot()
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 3.8), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        mine = sorted((r for r in rows if r["batch"] == batch), key=lambda r: r["context"])
+        keys = [r["context"] for r in mine]
+        ax.plot(keys, [r["split_us"] for r in mine], marker="o", label="keys split + merge")
+        ax.plot(keys, [r["one_program_us"] for r in mine], marker="o", label="one program a sequence")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("keys a sequence holds")
+        ax.set_ylabel("us a layer")
+        ax.set_title(f"{mine[0]['shape']} decode attention, batch {batch}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    return _save(plt, fig, out)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="quantserve.bench.attention_split", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="8b")
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     p.add_argument("--out", help="write the rows as JSON here")
+    p.add_argument("--plot", help="draw the rows into this PNG")
+    p.add_argument("--rows", help="a saved run's JSON (--out) to plot instead of measuring")
     o = p.parse_args(argv)
+    if o.rows:
+        if not o.plot:
+            p.error("--rows needs --plot")
+        try:
+            rows = json.loads(open(o.rows).read())
+            print(plot(rows, o.plot))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"error: {o.rows}: not an attention_split run ({type(e).__name__}: {e})", file=sys.stderr)
+            return 2
+        return 0
     import torch
 
     if not torch.cuda.is_available():
@@ -91,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     if o.out:
         with open(o.out, "w") as f:
             json.dump(rows, f, indent=1)
+    if o.plot:
+        print(plot(rows, o.plot))
     return 0
 
 

@@ -376,3 +376,16 @@ def test_attention_split_bench_refuses_a_cpu_in_one_line():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "error: the attention kernel's timing needs a CUDA GPU"]
+
+
+def test_attention_split_plots_a_saved_run_without_a_gpu(tmp_path):
+    rows = [{"shape": "8b", "batch": b, "context": c, "split_us": 7.0 + c / 100, "one_program_us": 5.0 + c / 30}
+            for b in (1, 32) for c in (64, 128, 256)]
+    saved, png = tmp_path / "rows.json", tmp_path / "split.png"
+    saved.write_text(json.dumps(rows))
+    run = [sys.executable, "-m", "quantserve.bench.attention_split", "--rows"]
+    proc = subprocess.run(run + [str(saved), "--plot", str(png)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", proc.stderr
+    bad = subprocess.run(run + [str(png), "--plot", str(tmp_path / "x.png")], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and len(bad.stderr.strip().splitlines()) == 1
