@@ -15,11 +15,12 @@ from quantserve.server.unsupported import refuse_unsupported
 DEFAULT_MAX_TOKENS = 16  # the OpenAI completions default
 
 
-def _legacy_logprobs(entries: list[LogprobEntry], offset: int) -> CompletionLogprobs:
+def _legacy_logprobs(entries: list[LogprobEntry], base: int) -> CompletionLogprobs:
+    """OpenAI's legacy shape; text_offset: where each token starts in the choice's text (`base`: the
+    echoed prompt's length before generated tokens, 0 before the prompt's own)."""
     out = CompletionLogprobs()
     for e in entries:
-        out.text_offset.append(offset)
-        offset += len(e.token)
+        out.text_offset.append(base + e.offset)
         out.tokens.append(e.token)
         out.token_logprobs.append(e.logprob)
         top = {t: lp for t, _, lp in e.top}
@@ -50,15 +51,19 @@ async def complete(state: ServerState, req: CompletionRequest, request) -> Compl
     choices = []
     for i, c in enumerate(job.choices):
         prefix = texts[i // req.n] if req.echo else ""
-        entries = c.prompt_logprobs + c.all_logprobs  # the prompt's are there only with echo
+        logprobs = None
+        if req.logprobs is not None:  # the prompt's entries are there only with echo
+            logprobs = _legacy_logprobs(c.prompt_logprobs, 0)
+            generated = _legacy_logprobs(c.all_logprobs, len(prefix))
+            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                getattr(logprobs, name).extend(getattr(generated, name))
         choices.append(CompletionChoice(index=i, text=prefix + c.text, finish_reason=c.finish_reason,
-                                        logprobs=_legacy_logprobs(entries, 0) if req.logprobs is not None else None))
+                                        logprobs=logprobs))
     return Completion(id=new_id("cmpl"), model=state.model_name, choices=choices, usage=job.usage())
 
 
 async def stream(state: ServerState, req: CompletionRequest, job: Job, texts: list[str]) -> AsyncIterator[str]:
     cid = new_id("cmpl")
-    offsets = [0] * len(job.choices)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     scored = req.echo and req.logprobs is not None
     echoed = [False] * len(job.choices)
@@ -71,11 +76,10 @@ async def stream(state: ServerState, req: CompletionRequest, job: Job, texts: li
             if scored and not echoed[i]:  # the echoed prompt with its logprobs, once they are known
                 echoed[i] = True
                 prompt_lp = _legacy_logprobs(job.choices[i].prompt_logprobs, 0)
-                offsets[i] = sum(len(e.token) for e in job.choices[i].prompt_logprobs)
                 yield _sse(Completion(id=cid, model=state.model_name, choices=[
                     CompletionChoice(index=i, text=texts[i // req.n], logprobs=prompt_lp)]))
-            lp = _legacy_logprobs(delta.logprobs, offsets[i]) if req.logprobs is not None else None
-            offsets[i] += len(delta.text)
+            base = len(texts[i // req.n]) if req.echo else 0
+            lp = _legacy_logprobs(delta.logprobs, base) if req.logprobs is not None else None
             if delta.finish_reason == "error":  # an error event instead of a finish_reason
                 yield sse_error(job.choices[i].error)
                 continue

@@ -87,6 +87,9 @@ class LogprobEntry:
     token_bytes: list[int]
     logprob: float | None  # None: a prompt's first token (nothing before it to predict it)
     top: list[tuple[str, list[int], float]]
+    # characters of text before this token: from the prompt's start for a prompt token, from the
+    # generated text's start for a generated one (special tokens add none: they are not in the text)
+    offset: int = 0
 
 
 @dataclass
@@ -120,22 +123,25 @@ class ChoiceText:
         self.error: str | None = None
         self.all_logprobs: list[LogprobEntry] = []  # every released entry, for non-streaming replies
         self._waiting_logprobs: list[LogprobEntry] = []  # tokens whose text is not released yet
+        self._decoded = 0  # characters the detokenizer has given so far (before stop strings cut)
 
     def push(self, event: TokenEvent) -> Delta:
         text = ""
         if event.cached_tokens is not None:
             self.cached_tokens = event.cached_tokens
         if event.prompt_logprobs is not None:
-            self.prompt_logprobs = [self._scored(t, lp, top) for t, lp, top in event.prompt_logprobs]
+            self.prompt_logprobs = self._prompt_entries(event.prompt_logprobs)
         if event.token_id is not None:
             self.completion_tokens += 1
+            at = self._decoded
             is_end_token = event.finish_reason == "stop"  # eos / stop token ids are not text
             if not is_end_token:
                 text = self.detok.push(event.token_id)
             if self.want_logprobs and (self.end_token_logprobs or not is_end_token):
-                self._waiting_logprobs.append(self._entry(event))
+                self._waiting_logprobs.append(self._scored(event.token_id, event.logprob, event.top_logprobs or [], at))
         if event.finish_reason is not None:
             text += self.detok.flush()
+        self._decoded += len(text)
         out, hit = self.stop.push(text)
         if hit:
             self.finish_reason = "stop"
@@ -151,10 +157,16 @@ class ChoiceText:
         self.all_logprobs += logprobs
         return Delta(out, logprobs, self.finish_reason)
 
-    def _entry(self, event: TokenEvent) -> LogprobEntry:
-        return self._scored(event.token_id, event.logprob, event.top_logprobs or [])
+    def _prompt_entries(self, scored) -> list[LogprobEntry]:
+        """The prompt's tokens with their logprobs, each at its offset in the prompt's text (decoded
+        token by token, as the text a client sent decodes)."""
+        detok, at, entries = IncrementalDetokenizer(self.tokenizer, []), 0, []
+        for token_id, logprob, top in scored:
+            entries.append(self._scored(token_id, logprob, top, at))
+            at += len(detok.push(token_id))
+        return entries
 
-    def _scored(self, token_id: int, logprob: float | None, top) -> LogprobEntry:
+    def _scored(self, token_id: int, logprob: float | None, top, offset: int) -> LogprobEntry:
         tok = self.tokenizer
         alternatives = [(tok.token_text(t.token_id), list(tok.token_bytes(t.token_id)), t.logprob) for t in top]
-        return LogprobEntry(tok.token_text(token_id), list(tok.token_bytes(token_id)), logprob, alternatives)
+        return LogprobEntry(tok.token_text(token_id), list(tok.token_bytes(token_id)), logprob, alternatives, offset)

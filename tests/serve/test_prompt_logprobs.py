@@ -104,6 +104,42 @@ def test_streamed_echo_with_logprobs(server, reference):
     assert offsets == sorted(offsets)
 
 
+def _streamed_logprobs(srv, body) -> tuple[str, dict]:
+    """The text and the concatenated legacy logprobs of a streamed one-choice completion."""
+    text, lp = "", {"tokens": [], "text_offset": []}
+    with httpx.stream("POST", srv.base_url + "/v1/completions", timeout=60,
+                      json={"model": "default", **body, "stream": True}) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for c in json.loads(line[6:])["choices"]:
+                    text += c["text"]
+                    for name in lp:
+                        lp[name] += (c["logprobs"] or {}).get(name, [])
+    return text, lp
+
+
+def test_text_offsets_point_into_the_returned_text_streamed_or_not(server):
+    """Each token's text_offset is where it starts in the choice's text (the echoed prompt, then the
+    generated text); special tokens (BOS) take no room; streaming gives the same offsets."""
+    body = {"prompt": "Sort: d a c b", "echo": True, "logprobs": 0, "max_tokens": 6, "ignore_eos": True,
+            "temperature": 0}
+    whole = completions(server, **body).json()["choices"][0]
+    streamed_text, streamed = _streamed_logprobs(server, body)
+    assert streamed_text == whole["text"] and streamed["text_offset"] == whole["logprobs"]["text_offset"]
+    text, offsets, tokens = whole["text"], whole["logprobs"]["text_offset"], whole["logprobs"]["tokens"]
+    assert offsets == sorted(offsets) and offsets[-1] <= len(text)
+    n_prompt = len(tokens) - 6
+    assert offsets[n_prompt] == len("Sort: d a c b")  # the first generated token starts after the echo
+    assert text.startswith("Sort")
+    sort = next(k for k, t in enumerate(tokens) if t.strip() == "Sort" or t.strip() == "S")
+    assert offsets[sort] == 0 and all(o == 0 for o in offsets[:sort])  # BOS before it takes no room
+    for off, tok in zip(offsets, tokens):  # every token that is plain text is found where it says
+        if tok and tok.isprintable() and not tok.startswith("<"):
+            want = tok.lstrip() if off == 0 else tok  # a text's first word may drop its leading space
+            assert text[off:off + len(want)] == want, (off, tok, text)
+
+
 def test_top_logprobs_always_include_the_sampled_token(server):
     r = completions(server, prompt=PROMPT, logprobs=0, max_tokens=4, temperature=1.0, seed=7)
     lp = r.json()["choices"][0]["logprobs"]
