@@ -37,7 +37,7 @@ def serve(
     port: int = typer.Option(8000, min=0, max=65535),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="QUANTSERVE_API_KEY", show_default=False,
                                           help="Require 'Authorization: Bearer KEY' (or set $QUANTSERVE_API_KEY)."),
-    max_queue: int = typer.Option(_D.max_queue, min=1, help="Requests allowed to wait; more get 429 + Retry-After."),
+    max_queue: int = typer.Option(_D.max_queue, min=1, help="Sequences allowed to wait; a request arriving when they do gets 429 + Retry-After."),
     max_batch: int = typer.Option(_D.max_batch, min=1, max=512, help="Sequences decoded together (continuous batching)."),
     prefill_chunk: Optional[int] = typer.Option(None, min=16, show_default=False, help="hf and gguf engines: prompt "
                                                 "tokens prefilled between two decode steps (default 512): a long "

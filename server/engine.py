@@ -190,8 +190,9 @@ class Engine(Protocol):
     info: EngineInfo
     tokenizer: ModelTokenizer
 
-    def submit(self, request: EngineRequest) -> TokenStream:
-        """Queue a request (raises QueueFullError / EngineClosedError at once, never later)."""
+    def submit(self, requests: list[EngineRequest]) -> list[TokenStream]:
+        """Queue one API request's sequences together, all or none (raises QueueFullError /
+        EngineClosedError at once, never later)."""
 
     def cancel(self, request_id: int) -> None:
         """Stop a request and free its KV memory; its stream ends with finish_reason "cancelled"."""

@@ -230,10 +230,10 @@ class ScheduledEngine:
         """False once the engine cannot serve any more (its scheduler thread has stopped)."""
         return self._scheduler is None or self._scheduler.alive()
 
-    def submit(self, request: EngineRequest) -> TokenStream:
-        stream = TokenStream(request, self._loop, self)
-        self._scheduler.submit(stream)
-        return stream
+    def submit(self, requests: list[EngineRequest]) -> list[TokenStream]:
+        streams = [TokenStream(request, self._loop, self) for request in requests]
+        self._scheduler.submit(streams)
+        return streams
 
     def cancel(self, request_id: int) -> None:
         if self._scheduler is not None:

@@ -64,14 +64,19 @@ class Scheduler:
 
     # ---- called from the event loop -------------------------------------------------------------
 
-    def submit(self, stream: TokenStream) -> None:
+    def submit(self, streams: list[TokenStream]) -> None:
+        """Queue one request's sequences (its choices or inputs) together, or none of them.  The
+        queue is full when `max_queue` sequences wait as the request arrives; a request that finds
+        room brings all its sequences in, so one with more choices than `max_queue` still runs on
+        an idle server (the API caps a request's sequences: serving.py)."""
         with self._cond:
             if self._closing:
                 raise EngineClosedError("the server is shutting down")
             if len(self._waiting) >= self.max_queue:
                 raise QueueFullError(f"the request queue is full ({self.max_queue} waiting, "
                                      f"{len(self._running)} running)")
-            self._waiting.append((stream, time.perf_counter()))
+            now = time.perf_counter()
+            self._waiting.extend((stream, now) for stream in streams)
             self._cond.notify()
 
     def cancel(self, request_id: int) -> None:

@@ -203,11 +203,23 @@ def sampling_params(state: ServerState, req: _SamplingFields, prompt_len: int, m
                                   constraint=constraint)
 
 
+# The most sequences (prompts x n, or embedding inputs) one request may hold: OpenAI's limit on an
+# embeddings request's inputs.  They enter the engine's queue together (scheduler.py), so this, not
+# --max-queue, bounds one request.
+MAX_SEQUENCES = 2048
+
+
+def check_sequences(count: int, what: str, param: str) -> None:
+    if count > MAX_SEQUENCES:
+        raise APIError(400, f"{count} {what} in one request; at most {MAX_SEQUENCES} are allowed", param=param)
+
+
 def start_job(state: ServerState, req: _SamplingFields, prompts: list[list[int]], max_tokens: int | None,
               logprobs: int | None, param: str, forced_format=None, prompt_logprobs: int | None = None,
               end_token_logprobs: bool = False) -> Job:
-    """Validate everything first, then submit all choices; a refused submit withdraws the others."""
+    """Validate everything first, then submit all choices together (the engine takes all or none)."""
     engine = state.engine
+    check_sequences(len(prompts) * req.n, "choices (prompts x n)", "n" if req.n > 1 else param)
     vocab = engine.tokenizer.vocab_size
     fmt = output_format(state, req, forced_format)
     planned = []
@@ -219,21 +231,10 @@ def start_job(state: ServerState, req: _SamplingFields, prompts: list[list[int]]
         for j in range(req.n):
             planned.append((prompt, sampling_params(state, req, len(prompt), max_tokens, logprobs, param,
                                                     len(planned), fmt, prompt_logprobs)))
-    capacity = engine.info.max_batch + engine.info.max_queue
-    if len(planned) > capacity:
-        # never fits, however idle the server: a 429 "retry later" would have the client retry forever
-        raise APIError(400, f"{len(planned)} choices (prompts x n) exceed what this server holds at once "
-                       f"({engine.info.max_batch} running + {engine.info.max_queue} queued)", param="n")
-    streams, choices = [], []
     state.metrics.received.inc()
     try:
-        for prompt, params in planned:
-            streams.append(engine.submit(EngineRequest(prompt, params)))
-            choices.append(ChoiceText(engine.tokenizer, prompt, req.stop_list(), logprobs is not None,
-                                      end_token_logprobs))
+        streams = engine.submit([EngineRequest(prompt, params) for prompt, params in planned])
     except (QueueFullError, EngineClosedError) as e:
-        for s in streams:
-            s.cancel()
         state.metrics.record_outcome("rejected", 0)
         status, code = engine_status(e)
         state.metrics.rejected.labels(str(status)).inc()
@@ -241,6 +242,8 @@ def start_job(state: ServerState, req: _SamplingFields, prompts: list[list[int]]
             raise APIError(status, str(e), code=code) from e
         raise APIError(status, f"Server busy: {e}. Retry later.", code=code,
                        headers={"Retry-After": str(state.retry_after_s)}) from e
+    choices = [ChoiceText(engine.tokenizer, prompt, req.stop_list(), logprobs is not None, end_token_logprobs)
+               for prompt, _ in planned]
     state.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
     return Job(streams, choices, prompt_tokens=sum(len(p) for p in prompts), metrics=state.metrics, n=req.n)
 

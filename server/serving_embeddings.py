@@ -17,7 +17,8 @@ from quantserve.server.engine import EngineClosedError, EngineRequest, QueueFull
 from quantserve.server.errors import APIError, engine_status
 from quantserve.server.protocol import EmbeddingRequest
 from quantserve.server.sampling import SamplingParams
-from quantserve.server.serving import ServerState, api_error_of, check_model, tokenized, until_disconnected
+from quantserve.server.serving import (ServerState, api_error_of, check_model, check_sequences, tokenized,
+                                       until_disconnected)
 from quantserve.server.unsupported import refuse_fields
 
 
@@ -56,17 +57,11 @@ async def embed(state: ServerState, req: EmbeddingRequest, request) -> dict:
         if pool is not None and len(ids) > pool:
             raise APIError(400, f"input {i} is {len(ids)} tokens; the server's KV cache holds {pool} tokens "
                            "in all", param="input", code="context_length_exceeded")
-    if len(prompts) > engine.info.max_batch + engine.info.max_queue:
-        raise APIError(400, f"{len(prompts)} inputs exceed what this server holds at once "
-                       f"({engine.info.max_batch} running + {engine.info.max_queue} queued)", param="input")
+    check_sequences(len(prompts), "inputs", "input")
     pooling = engine.options.embedding_pooling
-    streams = []
     try:
-        for ids in prompts:
-            streams.append(engine.submit(EngineRequest(ids, SamplingParams(max_tokens=0, embed=pooling))))
+        streams = engine.submit([EngineRequest(ids, SamplingParams(max_tokens=0, embed=pooling)) for ids in prompts])
     except (QueueFullError, EngineClosedError) as e:
-        for s in streams:
-            s.cancel()
         status, code = engine_status(e)
         raise APIError(status, f"Server busy: {e}. Retry later." if status == 429 else str(e), code=code,
                        headers={"Retry-After": str(state.retry_after_s)} if status == 429 else None) from e

@@ -44,17 +44,17 @@ def _busy_run(default_model, async_scheduling: bool):
                "e": recording_stream(tok.encode("Count the letters: a b c d e f"), 25)}
     try:
         for label in "abc":
-            sched.submit(streams[label])
+            sched.submit([streams[label]])
         deadline = time.monotonic() + 60
         while len(streams["b"].tokens) < 10:  # b decodes on through d's prompt and e's
             assert time.monotonic() < deadline
             time.sleep(0.002)
-        sched.submit(streams["d"])
+        sched.submit([streams["d"]])
         while len(streams["d"].tokens) < 5:
             assert time.monotonic() < deadline
             time.sleep(0.002)
         sched.cancel(streams["d"].request.request_id)
-        sched.submit(streams["e"])
+        sched.submit([streams["e"]])
         for s in streams.values():
             assert s.done.wait(60)
     finally:
@@ -83,7 +83,7 @@ def test_steps_launched_ahead_survive_preemption(default_model):
         streams = [recording_stream(tok.encode(t), 70) for t in ("Sort: c b a", "Reverse: x y z w", "Repeat: p q r s")]
         try:
             for s in streams:
-                sched.submit(s)
+                sched.submit([s])
             for s in streams:
                 assert s.done.wait(120)
             stats = sched._kv_stats()
@@ -117,7 +117,7 @@ def test_sampled_requests_take_the_ordinary_step(default_model):
 
     params = SamplingParams(max_tokens=20, temperature=0.8, seed=1, ignore_eos=True)
     try:
-        sched.submit(Stream(EngineRequest(tok.encode("Sort: c b a"), params), loop=None, engine=None))
+        sched.submit([Stream(EngineRequest(tok.encode("Sort: c b a"), params), loop=None, engine=None)])
         assert done.wait(60)
     finally:
         sched.shutdown(5)

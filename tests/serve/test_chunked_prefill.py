@@ -96,14 +96,14 @@ def test_running_stream_keeps_decoding_while_a_long_prompt_is_prefilled(chunk, d
     sched = Scheduler(backend, set(tok.all_special_ids), max_batch=2, max_queue=4, prefill_chunk=chunk)
     running, long = Recording("running", tok.encode("Last letter?\nq f k"), 300), Recording("long", prompt, 1)
     try:
-        sched.submit(running)
+        sched.submit([running])
         deadline = time.monotonic() + 60
         while "running" not in log:
             assert time.monotonic() < deadline, "the running stream got no token in 60 s"
             threading.Event().wait(0.005)
         with sched._cond:  # no decode step between the mark and the submission
             log.append("submitted")
-            sched.submit(long)
+            sched.submit([long])
         assert long.done.wait(60)
     finally:
         sched.cancel(running.request.request_id)
@@ -153,7 +153,7 @@ def test_a_prompt_is_not_cut_at_the_end_of_an_iterations_budget(default_model, p
         try:
             with sched._cond:  # both waiting before the scheduler's next iteration admits them
                 for s in streams:
-                    sched.submit(s)
+                    sched.submit([s])
             assert all(s.done.wait(60) for s in streams)
         finally:
             sched.shutdown(5)

@@ -31,7 +31,7 @@ def _together(default_model, prefix_cache: bool, budget: int):
     try:
         with sched._cond:  # all four waiting before the scheduler's first iteration (the lock is reentrant)
             for s in streams:
-                sched.submit(s)
+                sched.submit([s])
         for s in streams:
             assert s.done.wait(60)
     finally:

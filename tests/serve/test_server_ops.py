@@ -139,6 +139,22 @@ def test_full_queue_answers_429_with_retry_after(server):
     pytest.fail("a third request was admitted beside a running and a waiting one, three times")
 
 
+def test_a_request_with_more_choices_than_the_queue_runs_on_an_idle_server(server):
+    """One slot and one queue place: a request's choices (n) or embedding inputs still all run,
+    since they enter the queue together; only a request over the per-request cap is refused, with
+    a 400 (a 429 would have clients retry what can never fit)."""
+    client = server.client()
+    r = client.completions.create(model="tiny", prompt="hi", max_tokens=2, n=3)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    e = client.embeddings.create(model="tiny", input=["a", "b c", "d e f", "g", "h"])
+    assert [d.index for d in e.data] == [0, 1, 2, 3, 4]
+    r = httpx.post(server.base_url + "/v1/completions", headers=_auth(),
+                   json={"model": "tiny", "prompt": [[1]] * 129, "n": 16, "max_tokens": 1})
+    assert "2064 choices" in _assert_openai_error(r, 400)["message"]
+    r = httpx.post(server.base_url + "/v1/embeddings", headers=_auth(), json={"model": "tiny", "input": ["a"] * 2049})
+    assert _assert_openai_error(r, 400)["param"] == "input"
+
+
 def test_disconnect_cancels_generation_and_frees_the_kv_cache(server):
     before = server.metrics()
     client, response = _open_stream(server, 110)

@@ -89,7 +89,7 @@ def sched():
 def test_every_request_gets_its_own_greedy_continuation(sched):
     streams = [Collect([i, i + 1], max_tokens=5 + i) for i in range(6)]  # 6 > max_batch: some wait
     for st in streams:
-        sched.submit(st)
+        sched.submit([st])
     for i, st in enumerate(streams):
         assert st.done.wait(10)
         assert st.tokens == [(i + 2 + k) % VOCAB for k in range(5 + i)] and st.finish == "length"
@@ -100,7 +100,7 @@ def test_every_request_gets_its_own_greedy_continuation(sched):
 
 def test_eos_ends_a_sequence_with_stop(sched):
     st = Collect([EOS - 3], max_tokens=50, ignore_eos=False)
-    sched.submit(st)
+    sched.submit([st])
     assert st.done.wait(10)
     assert st.tokens == [EOS - 2, EOS - 1, EOS] and st.finish == "stop"
 
@@ -109,14 +109,14 @@ def test_a_full_queue_refuses_at_submit_time(sched):
     sched.backend.gate.clear()  # hold decode: running sequences stay, the queue fills
     running = [Collect([1], max_tokens=100) for _ in range(4)]
     for st in running:
-        sched.submit(st)
+        sched.submit([st])
     while sched.stats().running < 4:
         threading.Event().wait(0.01)
     waiting = [Collect([1], max_tokens=1) for _ in range(8)]
     for st in waiting:
-        sched.submit(st)
+        sched.submit([st])
     with pytest.raises(QueueFullError, match="queue is full"):
-        sched.submit(Collect([1], max_tokens=1))
+        sched.submit([Collect([1], max_tokens=1)])
     for st in running:
         sched.cancel(st.request.request_id)
     sched.backend.gate.set()
@@ -129,13 +129,33 @@ def test_a_cancelled_request_frees_its_slot_for_the_next(sched):
     # request once ran into its context limit ("length") before this thread got to cancel it
     sched.backend.gate.clear()
     long = Collect([1], max_tokens=10_000)
-    sched.submit(long)
+    sched.submit([long])
     while not long.tokens:
         threading.Event().wait(0.005)
     sched.cancel(long.request.request_id)
     sched.backend.gate.set()
     assert long.done.wait(10) and long.finish == "cancelled"
     after = Collect([5], max_tokens=3)
-    sched.submit(after)
+    sched.submit([after])
     assert after.done.wait(10) and after.tokens == [6, 7, 8]
     assert sched.backend.cached_tokens() == 0
+
+
+def test_one_request_brings_all_its_sequences_in_or_none(sched):
+    """A request's choices enter together: more of them than the queue holds still run on an idle
+    scheduler (the queue counts what waits as a request arrives), and a full queue refuses a request
+    without keeping any of its sequences."""
+    many = [Collect([i], max_tokens=2) for i in range(sched.max_queue + 5)]
+    sched.submit(many)
+    assert all(st.done.wait(10) for st in many) and {st.finish for st in many} == {"length"}
+    sched.backend.gate.clear()
+    held = [Collect([1], max_tokens=100) for _ in range(sched.max_batch + sched.max_queue)]
+    sched.submit(held)
+    refused = [Collect([1], max_tokens=1) for _ in range(3)]
+    with pytest.raises(QueueFullError):
+        sched.submit(refused)
+    assert sched.stats().waiting + sched.stats().running == len(held)
+    for st in held:
+        sched.cancel(st.request.request_id)
+    sched.backend.gate.set()
+    assert all(st.done.wait(10) for st in held) and not any(st.done.is_set() for st in refused)
