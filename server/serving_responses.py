@@ -37,8 +37,12 @@ _REFUSED = {
     "max_tool_calls": ((None,), "max_tool_calls is not supported by this server"),
     "top_logprobs": ((None, 0), "logprobs on /v1/responses are not supported (use /v1/chat/completions)"),
     "service_tier": ((None, "auto", "default"), "this server has one service tier"),
+    "stream_options": ((None, {}, {"include_obfuscation": False}),
+                       "stream_options: only include_obfuscation false is served (no obfuscation padding)"),
 }
-_HINTS = {"user", "metadata", "safety_identifier", "prompt_cache_key", "stream_options"}
+_HINTS = {"user", "metadata", "safety_identifier", "prompt_cache_key"}
+# text's fields (value -> why refused otherwise); `format` is translated below
+_TEXT_REFUSED = {"verbosity": ((None,), "verbosity cannot be honoured by this server")}
 
 
 def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
@@ -56,9 +60,9 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     if req.tool_choice is not None:
         choice = req.tool_choice
         if isinstance(choice, dict) and choice.get("type") == "function":
-            choice = {"type": "function", "function": {"name": choice.get("name")}}
+            choice = {"type": "function", "function": {"name": _required_string(choice, "name", "tool_choice")}}
         body["tool_choice"] = choice
-    fmt = (req.text or {}).get("format") if isinstance(req.text, dict) else None
+    fmt = _text_format(req.text)
     if fmt and fmt.get("type") != "text":
         if fmt.get("type") == "json_schema":
             body["response_format"] = {"type": "json_schema", "json_schema": {
@@ -72,17 +76,44 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         raise APIError(400, f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}", param=str(err["loc"][0])) from None
 
 
-def _text_of(content, where: str) -> str:
+def _text_format(text) -> dict | None:
+    """`text.format` (None: plain text), its other fields refused by name where not honoured."""
+    if text is None:
+        return None
+    extras = {k: v for k, v in text.items() if k != "format"}
+    refuse_fields(extras, _TEXT_REFUSED, set(), "the Responses API's text")
+    fmt = text.get("format")
+    if fmt is not None and not (isinstance(fmt, dict) and isinstance(fmt.get("type"), str)):
+        raise APIError(400, "text.format: an object with a type (text, json_schema or json_object)",
+                       param="text.format")
+    return fmt
+
+
+def _text_of(content, where: str, field: str = "content") -> str:
+    """A message's content (a string, or a list of text parts) as one string, or a 400."""
     if isinstance(content, str):
         return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}.{field}: a string or a list of input_text parts",
+                       param=f"{where}.{field}")
     parts = []
-    for j, part in enumerate(content or []):
+    for j, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise APIError(400, f"{where}.content.{j}: {kind!r} content is not supported (text only)",
-                           param=f"{where}.content")
-        parts.append(part.get("text", ""))
+            raise APIError(400, f"{where}.{field}.{j}: {kind!r} content is not supported (text only)",
+                           param=f"{where}.{field}")
+        text = part.get("text", "")
+        if not isinstance(text, str):
+            raise APIError(400, f"{where}.{field}.{j}.text: a string", param=f"{where}.{field}")
+        parts.append(text)
     return "".join(parts)
+
+
+def _required_string(item: dict, name: str, where: str) -> str:
+    value = item.get(name)
+    if not isinstance(value, str) or not value:
+        raise APIError(400, f"{where}.{name}: a non-empty string is required", param=f"{where}.{name}")
+    return value
 
 
 def _messages(req: ResponsesRequest) -> list[dict]:
@@ -90,6 +121,8 @@ def _messages(req: ResponsesRequest) -> list[dict]:
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
     if isinstance(req.input, str):
         return messages + [{"role": "user", "content": req.input}]
+    if not req.input:
+        raise APIError(400, "input: an empty list (send a string or at least one item)", param="input")
     for i, item in enumerate(req.input):
         where = f"input.{i}"
         if not isinstance(item, dict):
@@ -102,17 +135,19 @@ def _messages(req: ResponsesRequest) -> list[dict]:
             messages.append({"role": "system" if role == "developer" else role,
                              "content": _text_of(item.get("content"), where)})
         elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
+            arguments = item.get("arguments", "")
+            if not isinstance(arguments, str):
+                raise APIError(400, f"{where}.arguments: a string (JSON text)", param=f"{where}.arguments")
+            call = {"id": _required_string(item, "call_id", where), "type": "function",
+                    "function": {"name": _required_string(item, "name", where), "arguments": arguments}}
             last = messages[-1] if messages else None
             if last and last["role"] == "assistant" and "tool_calls" in last and not last["content"]:
                 last["tool_calls"].append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            output = item.get("output")
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                             "content": output if isinstance(output, str) else _text_of(output, where)})
+            messages.append({"role": "tool", "tool_call_id": _required_string(item, "call_id", where),
+                             "content": _text_of(item.get("output"), where, "output")})
         else:
             raise APIError(400, f"{where}.type: {kind!r} input items are not supported (messages, "
                            "function_call and function_call_output are)", param=f"{where}.type")

@@ -114,6 +114,18 @@ def test_streamed_named_tool_call(client):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content"),
     ({"no_such_field": 1}, "no_such_field"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}}, None),
+    # malformed shapes: a 400 naming the item, never a 500
+    ({"input": [{"role": "user", "content": 5}]}, "input.0.content"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}, "input.0.content"),
+    ({"input": [{"type": "function_call_output", "call_id": "c1", "output": 5}]}, "input.0.output"),
+    ({"input": [{"type": "function_call_output", "output": "sunny"}]}, "input.0.call_id"),
+    ({"input": [{"type": "function_call", "call_id": "c1", "arguments": "{}"}]}, "input.0.name"),
+    ({"input": []}, "input"),
+    ({"text": {"format": "json_object"}}, "text.format"),
+    ({"text": {"verbosity": "high"}}, "verbosity"),
+    ({"text": {"format": {"type": "text"}, "bogus": 1}}, "bogus"),
+    ({"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options"),
+    ({"tool_choice": {"type": "function"}}, "tool_choice.name"),
 ])
 def test_what_a_stateless_server_cannot_do_is_a_400(client, extra, param):
     body = {"model": "default", "input": "hi", **extra}
