@@ -29,6 +29,7 @@ from quantserve.server.protocol import (ChatCompletionRequest, CompletionRequest
 from quantserve.server.protocol_replies import ModelCard, ModelList
 from quantserve.server.serving import ServerState, check_model
 from quantserve.server.tokenizing import encode_all
+from quantserve.server.unsupported import refuse_message_fields
 
 log = logging.getLogger("quantserve.server")
 
@@ -208,8 +209,13 @@ async def tokenize(body: TokenizeRequest, request: Request):
     check_model(state, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt or messages", param="prompt")
-    if body.messages is not None:
-        tokens = await serving_chat.render_prompt(state, [{"role": m.role, "content": m.text()} for m in body.messages])
+    if body.messages is not None:  # the prompt a chat completion of these messages would get
+        if "add_special_tokens" in body.model_fields_set:
+            raise APIError(400, "add_special_tokens applies to prompt: for messages, the chat template places "
+                           "the special tokens", param="add_special_tokens")
+        refuse_message_fields(body.messages)
+        messages, template_kwargs = serving_chat.conversation(state, body, None)
+        tokens = await serving_chat.render_prompt(state, messages, template_kwargs)
     else:
         tokens = (await encode_all(state.engine.tokenizer, [body.prompt], body.add_special_tokens))[0]
     return {"tokens": tokens, "count": len(tokens), "max_model_len": state.engine.info.context_length}

@@ -44,9 +44,14 @@ def conversation(state: ServerState, req: ChatCompletionRequest, plan) -> tuple[
     template expects them, or written out by the fallback when it knows no tools."""
     from quantserve.server.tools import ToolError, history_call, render_fallback, template_knows_tools
 
+    template = state.engine.tokenizer.chat_template or ""
     messages = []
     for i, m in enumerate(req.messages):
-        msg = {"role": m.role, "content": m.text()}
+        # OpenAI's developer role is the system role of models without one of their own
+        role = "system" if m.role == "developer" and "developer" not in template else m.role
+        msg = {"role": role, "content": m.text()}
+        if m.name is not None:  # as vLLM does: templates that know names use them
+            msg["name"] = m.name
         try:
             if m.tool_calls:
                 msg["tool_calls"] = [history_call(c, f"messages.{i}.tool_calls.{j}") for j, c in enumerate(m.tool_calls)]

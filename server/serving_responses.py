@@ -132,8 +132,7 @@ def _messages(req: ResponsesRequest) -> list[dict]:
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise APIError(400, f"{where}.role: {role!r} is not a message role", param=f"{where}.role")
-            messages.append({"role": "system" if role == "developer" else role,
-                             "content": _text_of(item.get("content"), where)})
+            messages.append({"role": role, "content": _text_of(item.get("content"), where)})
         elif kind == "function_call":
             arguments = item.get("arguments", "")
             if not isinstance(arguments, str):

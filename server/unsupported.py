@@ -99,7 +99,13 @@ def refuse_unsupported(req, chat: bool) -> None:
     if getattr(req, "best_of", None) not in (None, req.n):
         raise APIError(400, "best_of other than n is not supported by this server (no server-side "
                        "selection of the best choices)", param="best_of")
-    for i, message in enumerate(getattr(req, "messages", None) or []):
+    refuse_message_fields(getattr(req, "messages", None) or [])
+
+
+def refuse_message_fields(messages) -> None:
+    """A 400 for the first chat message with a field this server would ignore, or that is
+    incomplete for its role."""
+    for i, message in enumerate(messages):
         for name, value in (message.model_extra or {}).items():
             param = f"messages.{i}.{name}"
             if name not in MESSAGE_OFF:

@@ -185,6 +185,26 @@ def test_tokenize_detokenize_and_metrics(server, reference):
         assert f"quantserve:{gauge}" in m
 
 
+def test_tokenize_renders_messages_as_a_chat_completion_does(server):
+    """/tokenize's count for messages is the prompt_tokens of a chat completion of them, tool calls
+    and their results included; what chat refuses in a message, /tokenize refuses too."""
+    messages = [{"role": "developer", "content": "Answer briefly."},
+                {"role": "user", "content": "Weather in Oslo?", "name": "alice"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    url, model = server.base_url, server.model_name
+    counted = httpx.post(url + "/tokenize", json={"model": model, "messages": messages}).json()["count"]
+    chat = httpx.post(url + "/v1/chat/completions", json={"model": model, "messages": messages, "max_tokens": 1})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["prompt_tokens"] == counted
+    for body, param in (({"messages": [{"role": "user", "content": "hi", "foo": 1}]}, "messages.0.foo"),
+                        ({"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": False},
+                         "add_special_tokens")):
+        r = httpx.post(url + "/tokenize", json={"model": model, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_time_to_first_token_counts_from_the_requests_arrival(default_model, monkeypatch):
     """/metrics' time to first token starts when the request reaches the server, as its client's
     does: tokenizing held up 0.3 s shows in it, and not in the engine's part (queue + prefill)."""
