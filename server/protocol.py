@@ -64,7 +64,9 @@ def _lone_surrogate_at(data) -> str | None:
 
 
 class _Request(BaseModel):
-    """Base of every request body: refuses text that is not valid Unicode, wherever it is."""
+    """Base of every request body: refuses text that is not valid Unicode, wherever it is, and reads
+    null as "the default" for fields that have one (OpenAI's schema marks them nullable, and clients
+    that serialise None send it)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -72,6 +74,14 @@ class _Request(BaseModel):
         where = _lone_surrogate_at(data)
         if where:
             raise ValueError(f"{where[:80]}: text must be valid Unicode (found a lone surrogate escape \\ud800-\\udfff)")
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        if isinstance(data, dict):
+            defaulted = {name for name, f in cls.model_fields.items() if not f.is_required() and f.default is not None}
+            data = {k: v for k, v in data.items() if v is not None or k not in defaulted}
         return data
 
 
@@ -104,7 +114,10 @@ class ErrorResponse(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # an option nobody honours is refused, not dropped
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk
 
 
 class _SamplingFields(_Request):
@@ -138,6 +151,12 @@ class _SamplingFields(_Request):
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     ignore_eos: bool = False
     stop_token_ids: Optional[list[int]] = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed with stream true (as OpenAI's API)")
+        return self
 
     @field_validator("stop_token_ids")
     @classmethod

@@ -180,9 +180,13 @@ class ToolCallStream:
 async def stream(state: ServerState, req: ChatCompletionRequest, job: Job, plan=None) -> AsyncIterator[str]:
     cid = new_id("chatcmpl")
     tool_streams = {i: ToolCallStream(plan) for i in range(len(job.choices))} if plan is not None and plan.parses else {}
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    options = req.stream_options
+    include_usage = bool(options and options.include_usage)
+    continuous = bool(options and options.continuous_usage_stats)
 
     def chunk(choices, usage=None) -> str:
+        if continuous and usage is None:
+            usage = job.usage()  # the tokens so far
         c = ChatCompletionChunk(id=cid, model=state.model_name, choices=choices, usage=usage)
         return f"data: {c.model_dump_json()}\n\n"
 

@@ -64,19 +64,27 @@ async def complete(state: ServerState, req: CompletionRequest, request) -> Compl
 
 async def stream(state: ServerState, req: CompletionRequest, job: Job, texts: list[str]) -> AsyncIterator[str]:
     cid = new_id("cmpl")
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    options = req.stream_options
+    include_usage = bool(options and options.include_usage)
+    continuous = bool(options and options.continuous_usage_stats)
+
+    def event(c: Completion) -> str:
+        if continuous and c.usage is None:
+            c.usage = job.usage()  # the tokens so far
+        return _sse(c)
+
     scored = req.echo and req.logprobs is not None
     echoed = [False] * len(job.choices)
     try:
         if req.echo and not scored:
             for i in range(len(job.choices)):
-                yield _sse(Completion(id=cid, model=state.model_name,
-                                      choices=[CompletionChoice(index=i, text=texts[i // req.n])]))
+                yield event(Completion(id=cid, model=state.model_name,
+                                       choices=[CompletionChoice(index=i, text=texts[i // req.n])]))
         async for i, delta in run_job(state, job):
             if scored and not echoed[i]:  # the echoed prompt with its logprobs, once they are known
                 echoed[i] = True
                 prompt_lp = _legacy_logprobs(job.choices[i].prompt_logprobs, 0)
-                yield _sse(Completion(id=cid, model=state.model_name, choices=[
+                yield event(Completion(id=cid, model=state.model_name, choices=[
                     CompletionChoice(index=i, text=texts[i // req.n], logprobs=prompt_lp)]))
             base = len(texts[i // req.n]) if req.echo else 0
             lp = _legacy_logprobs(delta.logprobs, base) if req.logprobs is not None else None
@@ -85,9 +93,9 @@ async def stream(state: ServerState, req: CompletionRequest, job: Job, texts: li
                 continue
             chunk = Completion(id=cid, model=state.model_name, choices=[
                 CompletionChoice(index=i, text=delta.text, logprobs=lp, finish_reason=delta.finish_reason)])
-            yield _sse(chunk)
+            yield event(chunk)
         if include_usage:
-            yield _sse(Completion(id=cid, model=state.model_name, choices=[], usage=job.usage()))
+            yield event(Completion(id=cid, model=state.model_name, choices=[], usage=job.usage()))
         job.settle("error" if job.first_error else "success")
         yield "data: [DONE]\n\n"
     except Exception:

@@ -7,6 +7,7 @@ greedy text and token counts, logprobs, stop truncation, seeds, n choices, conti
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 
@@ -106,6 +107,36 @@ def test_completions_sync_async_and_streaming_agree_with_offline(server, referen
         stream_options={"include_usage": True}))
     assert texts == [expected] and finish[0] in ("stop", "length")
     assert usage.prompt_tokens == len(ids) and usage.completion_tokens == sync.usage.completion_tokens
+
+
+def test_stream_options_are_honoured_or_refused(server):
+    """continuous_usage_stats puts the usage so far in every chunk (vLLM's option); stream_options
+    without stream, or with an option nobody defines, is a 400 (as OpenAI answers), never ignored."""
+    url, model = server.base_url, server.model_name
+    body = {"model": model, "prompt": "Sort: d a c b", "max_tokens": 4, "ignore_eos": True, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as resp:
+        chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    used = [c["usage"]["completion_tokens"] for c in chunks]
+    assert all(c["usage"] for c in chunks) and used == sorted(used) and used[-1] == 4
+    for options, stream in (({"include_usage": True}, False), ({"bogus": 1}, True)):
+        r = httpx.post(url + "/v1/chat/completions", json={
+            "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": stream,
+            "stream_options": options})
+        assert r.status_code == 400 and "stream_options" in r.json()["error"]["message"], r.text
+
+
+def test_null_means_the_default(server):
+    """OpenAI's schema lets clients send null for optional fields; it means the field's default."""
+    nulls = {name: None for name in ("temperature", "top_p", "n", "presence_penalty", "frequency_penalty",
+                                     "stream", "logprobs", "seed", "stop")}
+    r = httpx.post(server.base_url + "/v1/chat/completions", json={
+        "model": server.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **nulls})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None
+    r = httpx.post(server.base_url + "/v1/completions", json={
+        "model": server.model_name, "prompt": "hi", "max_tokens": 2, "echo": None, "temperature": None})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None, r.text
 
 
 def test_stop_strings_are_never_emitted(server, reference):
