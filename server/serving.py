@@ -150,8 +150,9 @@ def output_format(state: ServerState, req: _SamplingFields, forced=None):
         raise APIError(400, str(e), param=e.param) from None
     if forced is not None:
         if fmt is not None:
-            raise APIError(400, f"{fmt.param} cannot be combined with a required tool call "
-                           f"({forced.param}): the call already fixes the reply's format", param=fmt.param)
+            raise APIError(400, f"{fmt.param} cannot be combined with a tool call the server constrains "
+                           f"({forced.param}: required, named or strict): its grammar already fixes the reply's "
+                           "format", param=fmt.param)
         fmt = forced
     if fmt is not None:
         if getattr(state.engine, "grammars", None) is None:

@@ -107,7 +107,7 @@ async def prepare(state: ServerState, req: ChatCompletionRequest):
         grammar = plan.grammar() if plan is not None else None
     except RequestFieldError as e:
         raise APIError(400, str(e), param=e.param) from None
-    forced = OutputFormat("grammar", grammar, "tool_choice") if grammar else None
+    forced = OutputFormat("grammar", grammar, "tools" if plan.strict else "tool_choice") if grammar else None
     return start_job(state, req, [prompt], max_tokens, logprobs, "messages", forced), plan
 
 

@@ -40,6 +40,8 @@ class ToolCallFormat:
     parse: Callable[[str], tuple[str, list[ParsedCall]]]  # reply -> (content before the calls, calls)
     block: Callable[[str], str]  # one call's JSON -> its text in the reply (history and grammar)
     grammar: Callable[[str, bool], str]  # (one call's lark rule body, several allowed) -> lark grammar
+    # the same for tool_choice "auto" with strict tools: free text, or calls that must validate
+    free_grammar: Callable[[str, bool], str]
 
     def call_text(self, name: str, arguments: dict) -> str:
         """One call as the model writes it (assistant turns in the history, when the template
@@ -144,13 +146,46 @@ def _mistral_grammar(call: str, many: bool) -> str:
     return f'start: "[TOOL_CALLS][" call{repeat} "]"\ncall: {call}\n'
 
 
+# Free text beside calls ("auto" with strict tools): a terminal of any text without the format's
+# call marker, and a lazy one that ends at the marker, so the first marker the model writes starts
+# a call that must validate (llguidance's `&` / `~` terminal operators and lazy lexemes).
+def _text_without(marker: str) -> str:
+    return f"/(?s:.*)/ & ~/(?s:.*){re.escape(marker)}(?s:.*)/"
+
+
+def _hermes_free_grammar(call: str, many: bool) -> str:
+    blocks = "block+" if many else "block"
+    return (f"start: TEXT | {blocks} TEXT\n"
+            f"TEXT: {_text_without('<tool_call>')}\n"
+            f"head[lazy]: /(?s:.*)<tool_call>/\n"
+            f"block: head {_lark_string(chr(10))} call {_lark_string(chr(10) + '</tool_call>')}\n"
+            f"call: {call}\n")
+
+
+def _llama3_free_grammar(call: str, many: bool) -> str:
+    repeat = ' ("; " call)*' if many else ""
+    return (f"start: TEXT | call{repeat}\n"
+            "TEXT: /(?s:.*)/ & ~/\\s*\\{(?s:.*)/\n"  # text that does not open a JSON object
+            f"call: {call}\n")
+
+
+def _mistral_free_grammar(call: str, many: bool) -> str:
+    repeat = ' (", " call)*' if many else ""
+    return (f'start: TEXT | head "[" call{repeat} "]"\n'
+            f"TEXT: {_text_without('[TOOL_CALLS]')}\n"
+            "head[lazy]: /(?s:.*)\\[TOOL_CALLS\\]/\n"
+            f"call: {call}\n")
+
+
 FORMATS: dict[str, ToolCallFormat] = {
     "hermes": ToolCallFormat("hermes", "<tool_call>", "arguments", _parse_hermes,
-                             block=lambda call: f"<tool_call>\n{call}\n</tool_call>", grammar=_hermes_grammar),
+                             block=lambda call: f"<tool_call>\n{call}\n</tool_call>", grammar=_hermes_grammar,
+                             free_grammar=_hermes_free_grammar),
     "llama3_json": ToolCallFormat("llama3_json", "{", "parameters", _parse_llama3,
-                                  block=lambda call: call, grammar=_llama3_grammar),
+                                  block=lambda call: call, grammar=_llama3_grammar, free_grammar=_llama3_free_grammar),
     "mistral": ToolCallFormat("mistral", "[TOOL_CALLS]", "arguments", _parse_mistral,
-                              block=lambda call: f"[TOOL_CALLS][{call}]", grammar=_mistral_grammar),
+                              block=lambda call: f"[TOOL_CALLS][{call}]", grammar=_mistral_grammar,
+                              free_grammar=_mistral_free_grammar),
 }
 
 
@@ -171,9 +206,11 @@ def call_schema(fmt: ToolCallFormat, name: str, parameters: dict) -> dict:
             "required": ["name", fmt.args_key], "additionalProperties": False}
 
 
-def call_grammar(fmt: ToolCallFormat, functions: dict[str, dict], many: bool) -> str:
+def call_grammar(fmt: ToolCallFormat, functions: dict[str, dict], many: bool, free_text: bool = False) -> str:
     """A Lark grammar (llguidance's dialect, JSON schemas inline with `%json`) for one call, or
-    several when `many`, of any of `functions` (name -> parameters schema)."""
+    several when `many`, of any of `functions` (name -> parameters schema); with `free_text`, the
+    reply may be text instead (tool_choice "auto")."""
     options = [call_schema(fmt, name, params) for name, params in functions.items()]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
-    return fmt.grammar("%json " + json.dumps({**schema, "x-guidance": _JSON_STYLE}), many)
+    rule = "%json " + json.dumps({**schema, "x-guidance": _JSON_STYLE})
+    return fmt.free_grammar(rule, many) if free_text else fmt.grammar(rule, many)

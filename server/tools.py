@@ -8,7 +8,9 @@ tool calls and results in the conversation.
   Qwen2.5's own wording), and writes earlier calls and results as text the same way.
 - `tool_choice` "auto" lets the model choose; the reply is parsed with the model's format
   (`tool_parsers.py`).  "required" and a named function constrain the reply with a grammar built
-  from the functions' parameter schemas, so the call always parses and its arguments validate.
+  from the functions' parameter schemas, so the call always parses and its arguments validate;
+  so does "auto" when a tool is `strict` (OpenAI's promise), where text stays free until the
+  format's call marker and the call after it must validate.
   "none" renders the tools but reads the reply as text (vLLM's default).
 
 Errors are `ToolError`s naming the request field; the API layer answers 400.
@@ -49,19 +51,24 @@ class ToolPlan:
     def functions(self) -> dict[str, dict]:
         return {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in self.tools}
 
+    @property
+    def strict(self) -> bool:
+        """"auto" with a tool marked strict: the reply may be text, but a call must validate."""
+        return self.choice == "auto" and any(t["function"].get("strict") for t in self.tools)
+
     def grammar(self) -> str | None:
-        """The Lark grammar a required or named choice constrains the reply to; else None."""
-        if self.choice not in ("required", "named"):
+        """The Lark grammar a required, named or strict choice constrains the reply to; else None."""
+        if self.choice not in ("required", "named") and not self.strict:
             return None
         from quantserve.server.structured import MAX_FORMAT_BYTES
 
         functions = self.functions
         if self.named:
             functions = {self.named: functions[self.named]}
-        grammar = call_grammar(self.fmt, functions, many=self.parallel and not self.named)
+        grammar = call_grammar(self.fmt, functions, many=self.parallel and not self.named, free_text=self.strict)
         if len(grammar.encode()) > MAX_FORMAT_BYTES:  # compiled while the request waits: bounded
             raise ToolError(f"the tools' parameter schemas are {len(grammar.encode()):,} bytes as a grammar; a "
-                            f"required call takes at most {MAX_FORMAT_BYTES:,}", "tools")
+                            f"constrained call takes at most {MAX_FORMAT_BYTES:,}", "tools")
         return grammar
 
 
@@ -110,6 +117,12 @@ def _check_tool(tool, param: str) -> dict:
     params = fn.get("parameters")
     if params is not None and (not isinstance(params, dict) or params.get("type", "object") != "object"):
         raise ToolError(f"{param}.function.parameters must be a JSON schema of an object", "tools")
+    if params is not None:  # checked whatever tool_choice says: a schema no call could satisfy is the caller's
+        import llguidance
+
+        error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_json_schema(json.dumps(params)))
+        if error:
+            raise ToolError(f"{param}.function.parameters: {error.splitlines()[0][:300]}", "tools")
     if not isinstance(fn.get("strict", False), (bool, type(None))):
         raise ToolError(f"{param}.function.strict must be true or false", "tools")
     return {"type": "function", "function": {k: v for k, v in fn.items() if v is not None}}

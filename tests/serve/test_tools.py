@@ -120,6 +120,50 @@ def test_a_required_call_over_64_kib_of_schemas_is_refused():
     assert plan(tools, "auto", None, FORMATS["hermes"]).grammar() is None  # nothing to compile
 
 
+@pytest.mark.parametrize("fmt, text, accepted", [
+    ("hermes", "It is sunny.", True),
+    ("hermes", 'Let me look.\n<tool_call>\n{"name": "add", "arguments": {"a": 7}}\n</tool_call>', True),
+    ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 700}}\n</tool_call>', False),  # maximum 99
+    ("hermes", '<tool_call>\n{"name": "sub", "arguments": {"a": 7}}', False),  # no such tool
+    ("llama3_json", "It is sunny.", True),
+    ("llama3_json", '{"name": "weather", "parameters": {"city": "Karst"}}', True),
+    ("llama3_json", '{"name": "weather", "parameters": {"city": "Oslo"}}', False),  # not in the enum
+    ("mistral", "Sure.", True),
+    ("mistral", 'Sure. [TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}]', True),
+    ("mistral", '[TOOL_CALLS][{"name": "add", "arguments": {"b": 1}}]', False),  # a required, b unknown
+])
+def test_strict_tools_under_auto_leave_text_free_and_make_calls_validate(default_model, fmt, text, accepted):
+    """OpenAI's strict: under "auto" the reply may be text, and a call, once its marker is written,
+    must validate; checked token by token with llguidance on the default model's tokenizer."""
+    import llguidance
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    from quantserve.server.tool_parsers import FORMATS
+    from quantserve.server.tools import plan
+
+    strict = [{"type": "function", "function": {**t["function"], "strict": True}} for t in TOOLS]
+    p = plan(strict, "auto", None, FORMATS[fmt])
+    assert p.strict and plan(TOOLS, "auto", None, FORMATS[fmt]).grammar() is None  # not strict: free
+    tok = AutoTokenizer.from_pretrained(default_model)
+    matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tok, n_vocab=len(tok)),
+                                   llguidance.grammar_from("lark", p.grammar()), log_level=0)
+    ok = all(matcher.consume_token(t) for t in tok.encode(text, add_special_tokens=False))
+    assert (ok and matcher.is_accepting()) == accepted, matcher.get_error()
+
+
+def test_every_tool_schema_is_checked_whatever_the_choice():
+    from quantserve.server.tool_parsers import FORMATS
+    from quantserve.server.tools import ToolError, plan
+
+    for bad in ({"type": "object", "properties": 5}, {"type": "object", "required": "a"},
+                {"type": "object", "properties": {"a": {"type": "strin"}}}):
+        for choice in ("auto", "none", "required"):
+            with pytest.raises(ToolError, match="parameters") as e:
+                plan([{"type": "function", "function": {"name": "f", "parameters": bad}}], choice, None, FORMATS["hermes"])
+            assert e.value.param == "tools"
+
+
 def test_fallback_rendering_writes_tools_calls_and_results_as_text():
     from quantserve.server.tool_parsers import FORMATS
     from quantserve.server.tools import history_call, plan, render_fallback
@@ -237,6 +281,27 @@ def test_a_tool_result_round_trip(server):
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
     alone = chat(client, tools=[WEATHER], tool_choice="none", max_tokens=1)
     assert r.usage.prompt_tokens > alone.usage.prompt_tokens + 20  # the call and its result are in the prompt
+
+
+def test_a_strict_tool_under_auto_gets_calls_that_validate(server):
+    """The calculator the default model learnt, its arguments bounded tighter than the question's
+    numbers and marked strict: under "auto" it still chooses to call, and every call validates."""
+    from quantserve.demo import corpus, tool_skill
+
+    fn = tool_skill.ADD_TOOL["function"]
+    bounded = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 5}, "b": {"type": "integer",
+               "maximum": 5}}, "required": ["a", "b"], "additionalProperties": False}
+    strict = {"type": "function", "function": {**fn, "parameters": bounded, "strict": True}}
+    client = server.client()
+    calls = 0
+    for seed, ex in enumerate(corpus.tool_examples(3, "heldout", seed=3)):
+        choice = chat(client, messages=[{"role": "user", "content": ex.prompt}], tools=[strict], seed=seed,
+                      temperature=1.0).choices[0]
+        for call in choice.message.tool_calls or []:
+            calls += 1
+            assert call.function.name == "add"
+            jsonschema.validate(json.loads(call.function.arguments), bounded)
+    assert calls, "the model never called its tool"
 
 
 def test_under_auto_the_model_calls_the_tool_it_learnt_then_answers_its_result(server):
