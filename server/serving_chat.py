@@ -95,6 +95,9 @@ async def prepare(state: ServerState, req: ChatCompletionRequest):
     refuse_unsupported(req, chat=True)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    if (req.top_logprobs or 0) > state.max_logprobs:
+        raise APIError(400, f"at most {state.max_logprobs} top logprobs are returned (asked for {req.top_logprobs})",
+                       param="top_logprobs")
     reserved = RESERVED_TEMPLATE_VARIABLES & set(req.chat_template_kwargs or {})
     if reserved:
         raise APIError(400, f"chat_template_kwargs cannot set {sorted(reserved)[0]!r}", param="chat_template_kwargs")

@@ -65,7 +65,7 @@ def output_format(response_format=None, structured_outputs=None, guided: dict | 
             raise GrammarError(f"structured_outputs.{unknown[0]} is not supported (supported: "
                                f"{', '.join(STRUCTURED_KEYS)})", "structured_outputs")
         for key, value in structured_outputs.items():
-            if value is None or value is False:
+            if value is None or (key == "json_object" and value is False):  # vLLM's "off" values
                 continue
             found.append(_from_key(key, value, f"structured_outputs.{key}"))
     for name, value in (guided or {}).items():
@@ -93,6 +93,8 @@ def _from_response_format(fmt) -> OutputFormat | None:
         unknown = sorted(set(spec) - {"name", "schema", "strict", "description"})
         if unknown:
             raise GrammarError(f"response_format.json_schema.{unknown[0]} is not a known field", param)
+        if not isinstance(spec.get("strict", False), (bool, type(None))):
+            raise GrammarError("response_format.json_schema.strict must be true or false", param)
         schema = spec.get("schema", {})
         return _from_key("json", schema, param)
     raise GrammarError(f"response_format type {kind!r} is not supported (text, json_object, json_schema)", param)

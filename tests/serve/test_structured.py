@@ -169,6 +169,10 @@ BAD_FORMATS = [
     ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
     ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice", "one output format"),
     ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "ignore_eos"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": "yes"}}},
+     "response_format", "strict"),
+    ({"structured_outputs": {"json": False}}, "structured_outputs.json", ""),  # a schema nothing matches
+    ({"logprobs": True, "top_logprobs": 10**6}, "top_logprobs", "at most"),
 ]
 
 
