@@ -152,7 +152,8 @@ def _source_logits(src: Path, text_file: Path | None):
             with reference_run(load_model(ckpt.path)) as model:
                 logits = transformers_logits(model, windows)
             _SOURCE_CACHE.clear()
-            _SOURCE_CACHE[key] = (windows, logits, label, sum(f.stat().st_size for f in ckpt.weight_files))
+            _SOURCE_CACHE[key] = (windows, logits, label, sum(f.stat().st_size for f in ckpt.weight_files),
+                                  ckpt.source_files)
         return _SOURCE_CACHE[key]
 
 
@@ -162,7 +163,11 @@ def evaluate(src: Path, quantized: Path, text_file: Path | None = None) -> dict:
 
     kind, target, manifest = _quantized_kind(Path(quantized))
     with transformers_bars(False):  # weight-loading bars: noise around a one-line result
-        windows, src_logits, text_label, source_bytes = _source_logits(Path(src), text_file)
+        windows, src_logits, text_label, source_bytes, source_files = _source_logits(Path(src), text_file)
+        converted_from = ((manifest or {}).get("source") or {}).get("files_sha256")
+        if converted_from and converted_from != source_files:
+            raise UserError(f"{quantized} was converted from another checkpoint than {src} (its manifest's source "
+                            "hashes differ): convert it again from this one (quant table: --force)")
         if kind == "gguf":
             q_logits = gguf_logits(target, windows)
             size = target.stat().st_size

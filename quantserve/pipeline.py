@@ -170,7 +170,8 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
 
     # 3. fine-tune
     train_dir = out / "train"
-    train_inputs = fingerprint(base, train_data, cfg.method, cfg.train_epochs)
+    # the held-out set too: the run's gate and its scores (the stage's result) are taken on it
+    train_inputs = fingerprint(base, train_data, cfg.method, cfg.train_epochs, eval_data, cfg.n_eval)
     train_result = Stage("train", train_dir, train_inputs, cfg.force).run(
         lambda: _train(base, train_data, train_dir, cfg, heldout, tool_heldout, files))
 

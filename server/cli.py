@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -13,6 +14,8 @@ import typer
 from quantserve.server.config import APIOptions as _A  # the one source of defaults
 from quantserve.server.config import EngineOptions as _D
 from quantserve.settings import UsageError, UserError
+
+MAX_SHUTDOWN_GRACE_S = 86400  # a day: longer is no grace period, and past time_t for the thread join
 
 
 class _NoQueryStrings(logging.Filter):
@@ -103,6 +106,13 @@ def serve(
     # uvicorn's 'trace' level logs whole ASGI scopes, Authorization header (the API key) included
     if log_level.lower() not in ("debug", "info", "warning", "error"):
         raise UsageError(f"unknown --log-level {log_level!r}: choose debug, info, warning or error")
+    # an empty value from an unset shell variable ("--api-key $KEY") must not mean "all addresses"
+    # or "no key"
+    for flag, value in (("--host", host), ("--api-key", api_key), ("--served-model-name", served_model_name)):
+        if value is not None and not value.strip():
+            raise UsageError(f"{flag} is empty (an unset variable?): leave the option out for its default")
+    if not math.isfinite(shutdown_grace) or shutdown_grace > MAX_SHUTDOWN_GRACE_S:
+        raise UsageError(f"--shutdown-grace must be at most {MAX_SHUTDOWN_GRACE_S} seconds, not {shutdown_grace}")
     if model == "default":
         from quantserve.settings import resolve_checkpoint
 
@@ -166,8 +176,9 @@ def serve(
     # asks for it and, at Python's default 5 ms switch interval, may stand still that long while
     # the loop streams tokens: longer than a whole decode step.
     sys.setswitchinterval(0.001)
+    url_host = f"[{host}]" if ":" in host else host  # an IPv6 address is bracketed in a URL
     print(f"serving {name!r} from {engine.path} ({engine.kind} engine) on "
-          f"http://{host}:{sock.getsockname()[1]}/v1", flush=True)
+          f"http://{url_host}:{sock.getsockname()[1]}/v1", flush=True)
     server.run(sockets=[sock])
     if failure:
         raise UserError(f"the model failed to load: {failure[0]}")

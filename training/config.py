@@ -8,6 +8,7 @@ process has still done nothing expensive: no model loaded, no GPU memory allocat
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Optional
@@ -165,20 +166,29 @@ class TrainConfig:
         if self.merge and self.method == "full":
             raise UserError("--merge applies to --method lora/qlora only")
         if self.save_steps < 0:
-            raise UserError("--save-steps must be 0 (no resumable checkpoints) or more")
-        for name in ("micro_batch", "lora_r", "logging_steps"):
+            raise UsageError("--save-steps must be 0 (no resumable checkpoints) or more")
+        for name in ("micro_batch", "lora_r", "lora_alpha", "logging_steps"):
             if getattr(self, name) < 1:
-                raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+                raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
         if self.global_batch is not None and self.global_batch < 1:
-            raise UserError("--global-batch must be at least 1")
+            raise UsageError("--global-batch must be at least 1")
         if self.seq_len is not None and self.seq_len < 8:
-            raise UserError("--seq-len must be at least 8")
+            raise UsageError("--seq-len must be at least 8")
         if self.max_steps is not None and self.max_steps < 1:
-            raise UserError("--max-steps must be at least 1")
-        if self.epochs <= 0 or self.lr <= 0:
-            raise UserError("--epochs and --lr must be positive")
+            raise UsageError("--max-steps must be at least 1")
+        # NaN passes every comparison and inf trains a model of NaNs: finite first
+        for flag, value, ok in (("--epochs", self.epochs, self.epochs > 0), ("--lr", self.lr, self.lr > 0),
+                                ("--warmup-ratio", self.warmup_ratio, 0 <= self.warmup_ratio < 1),
+                                ("--weight-decay", self.weight_decay, self.weight_decay >= 0),
+                                ("--max-grad-norm", self.max_grad_norm, self.max_grad_norm >= 0),
+                                ("--lora-dropout", self.lora_dropout, 0 <= self.lora_dropout < 1)):
+            if not (math.isfinite(value) and ok):
+                raise UsageError(f"{flag} {value} is out of range (--epochs, --lr: positive; --warmup-ratio, "
+                                 "--lora-dropout: in [0, 1); --weight-decay, --max-grad-norm: 0 or more)")
+        if self.save_total_limit < 1:
+            raise UsageError("--save-total-limit must be at least 1 (the checkpoint a run resumes from)")
         if self.eval_steps < 1:
-            raise UserError("--eval-steps must be at least 1")
+            raise UsageError("--eval-steps must be at least 1")
         if self.stop_at_exact_match is not None:
             if self.eval_data is None:
                 raise UserError("--stop-at-exact-match needs --eval-data (the prompts it is scored on)")
@@ -201,6 +211,10 @@ class TrainConfig:
             raise UserError(f"{self.data}: is a folder, expected a JSONL file")
         if self.out.exists() and not self.out.is_dir():
             raise UserError(f"{self.out}: exists and is not a folder")
+        base = Path(self.model)
+        if base.is_dir() and self.out.resolve() in (base.resolve(), *base.resolve().parents):
+            # never, not even with --force: the run would write over (or clear) the model it starts from
+            raise UserError(f"--out {self.out} holds the base model {self.model}: choose another --out")
 
     def accumulation(self, world_size: int) -> int:
         """Gradient accumulation steps that turn micro-batches on `world_size` ranks into the global batch."""

@@ -160,6 +160,10 @@ def train(cfg: TrainConfig) -> Path:
         # and leave its model under the new command's name
         raise UserError(f"{cfg.out} holds a run of another config ({other}); pass --force to replace "
                         "it, or choose another --out")
+    if cfg.out.is_dir() and not (cfg.out / RUN_FILE).exists() and any(cfg.out.iterdir()) and not cfg.force:
+        # a run writes its run.json first: a folder of other files is someone else's
+        raise UserError(f"{cfg.out} holds other files and no training run ({RUN_FILE}); pass --force to train "
+                        "into it anyway, or choose another --out")
     if cfg.force and cfg.out.is_dir():
         for old in cfg.out.glob("checkpoint-*"):
             shutil.rmtree(old, ignore_errors=True)  # a forced run starts over, never resumes

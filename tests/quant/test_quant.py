@@ -323,6 +323,31 @@ def test_eval_rejects_a_foreign_model(outputs, tmp_path, small_heldout):
         evaluate(outputs["gguf-q8_0"], outputs["gguf-q8_0"], small_heldout)
 
 
+def test_eval_refuses_a_conversion_of_another_checkpoint(outputs, default_model, tmp_path, small_heldout):
+    """The manifest names its source by hash: scoring it against another checkpoint (a fine-tune of
+    the same shape, here the default model with one weight changed) is refused, and the manifest's
+    quality row is left as it was."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from quantserve.quant.evaluate import evaluate
+    from quantserve.settings import UserError
+
+    other = tmp_path / "other"
+    shutil.copytree(default_model, other)
+    weights = next(other.glob("*.safetensors"))
+    tensors = load_file(weights)
+    name = next(iter(tensors))
+    tensors[name] = tensors[name] + 0.01
+    save_file(tensors, weights, metadata={"format": "pt"})
+    before = json.loads((outputs["gguf-q8_0"] / "manifest.json").read_text())
+    with pytest.raises(UserError, match="another checkpoint"):
+        evaluate(other, outputs["gguf-q8_0"], small_heldout)
+    assert json.loads((outputs["gguf-q8_0"] / "manifest.json").read_text()) == before
+
+
 def test_lora_adapter_is_merged_first(default_model, hf, tmp_path):
     """A LoRA adapter folder converts to the merged model (checked against peft's own output)."""
     import torch

@@ -199,3 +199,21 @@ def test_liger_module_patches_are_undone_after_training():
     assert [getattr(modeling_llama, n) for n in names] + [F.cross_entropy] == before
     ids = torch.randint(0, 128, (1, 8))
     assert torch.isfinite(LlamaForCausalLM(cfg)(input_ids=ids, labels=ids).loss)  # plain torch, on the CPU
+
+
+def test_a_run_never_writes_over_its_base_model_or_a_folder_of_other_files(tmp_path, default_model, good):
+    """--out the base model's own folder (or one holding it) is refused even with --force; a folder
+    of other files (no run.json) is refused without --force, and nothing in either is touched."""
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(default_model, base)
+    before = {p.name: p.stat().st_mtime_ns for p in base.iterdir()}
+    for out in (base, tmp_path):
+        one_line_error(cli("--data", str(good), "--model", str(base), "--out", str(out), "--force"), "base model")
+    theirs = tmp_path / "notes"
+    theirs.mkdir()
+    (theirs / "thesis.txt").write_text("mine")
+    one_line_error(cli("--data", str(good), "--model", str(base), "--out", str(theirs)), "--force", "run.json")
+    assert {p.name: p.stat().st_mtime_ns for p in base.iterdir()} == before
+    assert [p.name for p in theirs.iterdir()] == ["thesis.txt"]
