@@ -9,6 +9,7 @@ like); the value parsers below serve `quantserve bench`'s typer options, whose c
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -88,3 +89,14 @@ def existing_file(text: str) -> str:
     if not Path(text).is_file():
         raise typer.BadParameter(f"{text}: no such file")
     return text
+
+
+def positive_seconds(text: str) -> float:
+    """A finite number of seconds above 0 (NaN slips past typer's min=, and 0 would mean "none")."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise typer.BadParameter(f"'{text}' is not a number of seconds") from None
+    if not (math.isfinite(value) and value > 0):
+        raise typer.BadParameter(f"{text}: a number of seconds above 0")
+    return value

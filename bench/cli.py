@@ -19,7 +19,7 @@ from quantserve.bench import kernels as bk
 from quantserve.bench import plot as bp
 from quantserve.bench import serve as bs
 from quantserve.bench import serve_client
-from quantserve.bench.args import choice, choice_list, existing_file, int_list
+from quantserve.bench.args import choice, choice_list, existing_file, int_list, positive_seconds
 from quantserve.cli_util import new_app
 from quantserve.settings import UserError
 
@@ -96,7 +96,7 @@ def serve(
                                               "with --ignore-eos free text)"),
     api_key: Optional[str] = typer.Option(S.api_key, help="sent as a bearer token (servers started with --api-key)"),
     seed: int = typer.Option(S.seed, help="seed of the random prompts and their order"),
-    timeout: float = typer.Option(S.timeout, help="seconds per request"),
+    timeout: float = typer.Option(S.timeout, parser=positive_seconds, help="seconds per request"),
     no_warmup: bool = typer.Option(S.no_warmup, "--no-warmup", help="skip the untimed requests sent before each level"),
     out: Optional[str] = typer.Option(S.out, help="JSON file to write"),
     save_records: bool = typer.Option(S.save_records, "--save-records", help="also store every request's timings"),

@@ -88,6 +88,8 @@ def make_prompts(n: int, input_len: int, seed: int, corpus: str | None = None) -
                 pass
             words = str(ln).split()  # keep the text as written (newlines matter) unless too long
             texts.append(" ".join(words[:input_len]) if len(words) > input_len else str(ln))
+        if not texts:
+            raise UserError(f"{corpus}: no lines of text to make prompts of")
         rng.shuffle(texts)
         return [texts[i % len(texts)] for i in range(n)]
     return [" ".join(rng.choice(WORDS) for _ in range(input_len)) for _ in range(n)]
@@ -191,6 +193,15 @@ def print_table(result: dict) -> None:
 def run(o: ServeOptions) -> None:
     """Load the server at each concurrency level of `o`, writing `o.out` after each level; raises
     UserError when the server cannot be benchmarked or some requests failed (the JSON is written)."""
+    if o.out:  # before any request: a run's figures must not be lost to a bad path at its end
+        try:
+            Path(o.out).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"--out {o.out}: cannot write there ({e.strerror or e})") from None
+        if Path(o.out).is_dir():
+            raise UserError(f"--out {o.out} is a folder: name a JSON file")
+    if o.corpus:
+        make_prompts(1, o.input_len, o.seed, o.corpus)  # an empty corpus fails now, not after the warm-up
     model = o.model or served_model(o.base_url, o.api_key, o.timeout)
     result = {"label": o.label or model, "base_url": o.base_url, "model": model,
               "settings": {**asdict(o), "api_key": "***" if o.api_key else None}, "runs": []}  # never the key

@@ -15,7 +15,7 @@ import shutil
 import time
 from pathlib import Path
 
-from quantserve.formats import GGUF_FILE, WeightFormat, check_format
+from quantserve.formats import GGUF_FILE, MANIFEST, WeightFormat, check_format
 from quantserve.quant.manifest import build_manifest, write_manifest
 from quantserve.quant.gguf_architectures import gguf_architecture
 from quantserve.quant.source import open_checkpoint, require_causal_lm
@@ -113,8 +113,15 @@ def staging(out: Path, force: bool):
 
 
 def _check_target(src: Path, out: Path, force: bool) -> None:
+    if str(out) in ("", ".", ".."):
+        raise UserError(f"-o {str(out)!r}: name a new folder for the conversion")
     if (out.exists() or out.is_symlink()) and not force:
         raise UserError(f"{out} already exists (use --force to replace it)")
+    # --force replaces an earlier conversion, never a folder of other files (it would delete them)
+    replaceable = out.is_dir() and not out.is_symlink() and (not any(out.iterdir()) or (out / MANIFEST).is_file())
+    if force and (out.exists() or out.is_symlink()) and not replaceable:
+        raise UserError(f"{out} is not an earlier conversion (no {MANIFEST}): --force only replaces one; "
+                        "choose another -o")
     s, o = src.resolve(), out.resolve()
     if o == s or s.is_relative_to(o) or o.is_relative_to(s):
         raise UserError(f"{out}: the output folder must not be the source folder, inside it, "

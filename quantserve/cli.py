@@ -16,6 +16,7 @@ import quantserve.demo  # noqa: F401  (registers the name "default" for every co
 from quantserve.bytecode_cache import use_bytecode_cache
 from quantserve.cli_util import new_app, run
 from quantserve.quiet import quiet_libraries
+from quantserve.settings import UserError
 
 app = new_app("Fine-tune, quantize and serve a language model on one T4-class GPU.")
 
@@ -82,10 +83,15 @@ def default_model(rebuild: bool = typer.Option(False, "--rebuild", help="Build i
 
 @app.command()
 def data(out: Path = typer.Option(..., help="Folder to write the default task data into."),
-         seed: int = 0) -> None:
+         seed: int = 0, force: bool = typer.Option(False, "--force", help="Replace data files already there.")) -> None:
     """Write the default corpus's fine-tune task data and held-out text as JSONL."""
-    from quantserve.demo.corpus import write_default_data
+    from quantserve.demo.corpus import DATA_FILES, write_default_data
 
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out}: exists and is not a folder")
+    there = [f for f in DATA_FILES.values() if (out / f).exists()]
+    if there and not force:
+        raise UserError(f"{out / there[0]} already exists (use --force to replace the data files)")
     for name, path in write_default_data(out, seed).items():
         print(f"{name}: {path}")
 

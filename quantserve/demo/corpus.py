@@ -270,6 +270,10 @@ REPLAY_SHARE = 0.25
 TOOL_FINETUNE_EXAMPLES = 1000
 
 
+DATA_FILES = {"task_train": "task_train.jsonl", "task_dev": "task_dev.jsonl", "task_heldout": "task_heldout.jsonl",
+              "tool_heldout": "tool_heldout.jsonl", "heldout_text": "heldout.jsonl"}
+
+
 def write_default_data(out_dir: Path, seed: int = 0, n_task_train: int = 4000,
                        n_task_heldout: int = 200, n_heldout_text: int = 400,
                        n_task_dev: int = 100, replay_share: float = REPLAY_SHARE,
@@ -280,13 +284,7 @@ def write_default_data(out_dir: Path, seed: int = 0, n_task_train: int = 4000,
     (dev: the task's prompts, and the tool skill's twice, ending at the call and at the reply to the
     result), the task's and the tool skill's held-out sets (the latter ending at the call) and
     held-out text."""
-    files = {
-        "task_train": out_dir / "task_train.jsonl",
-        "task_dev": out_dir / "task_dev.jsonl",
-        "task_heldout": out_dir / "task_heldout.jsonl",
-        "tool_heldout": out_dir / "tool_heldout.jsonl",
-        "heldout_text": out_dir / "heldout.jsonl",
-    }
+    files = {name: out_dir / file for name, file in DATA_FILES.items()}
     train = task_examples(n_task_train, "train", seed, without_dev=True)
     train += tool_examples(n_tool_train, "train", seed, without_dev=True)
     n_replay = round(len(train) * replay_share / (1 - replay_share))

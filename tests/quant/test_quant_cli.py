@@ -53,6 +53,13 @@ def test_cli_convert_inspect_eval(default_model, tmp_path, monkeypatch, capsys, 
                          "-q", "--force")
     assert code == 0 and json.loads((out / "manifest.json").read_text())["format"] == "gguf-f16"
     assert leftovers(tmp_path) == ["q8"]  # no temporary or old folders left beside it
+    # --force replaces an earlier conversion only: a folder of other files is never deleted
+    theirs = tmp_path / "notes"
+    theirs.mkdir()
+    (theirs / "thesis.txt").write_text("mine")
+    code, _, err = run_cli(monkeypatch, capsys, "convert", str(default_model), "-f", "gguf-f16", "-o", str(theirs),
+                           "-q", "--force")
+    assert code == 1 and "not an earlier conversion" in err and leftovers(theirs) == ["thesis.txt"]
 
 
 def test_killed_conversion_leaves_nothing_that_looks_valid(default_model, tmp_path):

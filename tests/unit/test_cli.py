@@ -85,6 +85,12 @@ def test_bench_commands_refuse_bad_input_in_one_line(tmp_path):
     assert_one_line_error(cli("bench", "serve", "--concurrency", "1,x"), 2, "--concurrency", "'x'")
     assert_one_line_error(cli("bench", "serve", "--concurrency", "0"), 2, "at least 1")
     assert_one_line_error(cli("bench", "serve", "--corpus", str(tmp_path / "none.txt")), 2, "no such file")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    assert_one_line_error(cli("bench", "serve", "--base-url", unreachable, "--corpus", str(empty)), 1, "no lines")
+    assert_one_line_error(cli("bench", "serve", "--base-url", unreachable, "--out", str(empty / "x.json")), 1, "--out")
+    for timeout in ("0", "-1", "nan"):
+        assert_one_line_error(cli("bench", "serve", "--timeout", timeout), 2, "seconds")
     assert_one_line_error(cli("bench", "decode", "--models", "70b"), 2, "--models", "choose from")
     assert_one_line_error(cli("bench", "decode", "--quants", "int8,int3"), 2, "'int3'")
     not_a_result = tmp_path / "other.json"
@@ -140,3 +146,13 @@ def test_a_busy_port_is_refused_before_the_model_loads():
         assert "loaded" not in proc.stdout + proc.stderr and time.monotonic() - t0 < 30
         proc = cli("pipeline", "--out", "/nonexistent/never-written", "--port", str(port))
         assert_one_line_error(proc, 1, "in use")
+
+
+def test_data_never_replaces_files_without_force(tmp_path):
+    out = tmp_path / "d"
+    assert cli("data", "--out", str(out)).returncode == 0
+    (out / "task_train.jsonl").write_text("mine\n")
+    assert_one_line_error(cli("data", "--out", str(out)), 1, "already exists", "--force")
+    assert (out / "task_train.jsonl").read_text() == "mine\n"
+    assert cli("data", "--out", str(out), "--force").returncode == 0
+    assert (out / "task_train.jsonl").read_text() != "mine\n"
