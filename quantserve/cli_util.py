@@ -68,8 +68,10 @@ def _run(app: typer.Typer, prog: str) -> None:
     except Exception as e:  # last resort: never a traceback for users unless they ask
         if os.environ.get("QUANTSERVE_DEBUG"):
             raise
-        fail(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
-             "(set QUANTSERVE_DEBUG=1 for the traceback)", 1)
+        # every line, joined (up to 300 characters): some libraries' first line only announces the reason
+        # ("Class validation error for validator ...:"), which the second gives
+        reason = " ".join(line.strip() for line in str(e).splitlines() if line.strip())[:300]
+        fail(f"{type(e).__name__}: {reason} (set QUANTSERVE_DEBUG=1 for the traceback)", 1)
     # without standalone mode click returns a command's `typer.Exit(code)` instead of exiting with it
     if isinstance(code, int) and code:
         raise SystemExit(code)

@@ -31,6 +31,7 @@ DeepSpeed's own estimators (`estimate_zero2/3_model_states_mem_needs`) are shown
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -286,8 +287,8 @@ def _budget(gpu: str | None, gpu_mem_gib: float | None) -> float | None:
         if gpu.lower() not in GPUS:
             raise UsageError(f"unknown --gpu {gpu!r}; known: {', '.join(GPUS)} (or use --gpu-mem GB)")
         return GPUS[gpu.lower()]
-    if gpu_mem_gib is not None and gpu_mem_gib <= 0:
-        raise UserError("--gpu-mem must be positive")
+    if gpu_mem_gib is not None and not (math.isfinite(gpu_mem_gib) and gpu_mem_gib > 0):
+        raise UsageError(f"--gpu-mem must be a positive number of GiB, not {gpu_mem_gib}")
     return gpu_mem_gib
 
 
@@ -295,7 +296,7 @@ def plan_for_config(config, seq_len: int, micro_batch: int = 1, gpus: int = 1, g
                     method: str | None = None, liger: bool = False, label: str = "model",
                     accumulate: bool = True, bf16: bool = False) -> Report:
     if seq_len < 1 or micro_batch < 1 or gpus < 1:
-        raise UserError("--seq-len, --micro-batch and --gpus must be at least 1")
+        raise UsageError("--seq-len, --micro-batch and --gpus must be at least 1")
     if method not in (None, "full", "lora", "qlora"):
         raise UsageError(f"--method must be full, lora or qlora, not {method!r}")
     s = Shape.from_config(config)

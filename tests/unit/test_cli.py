@@ -113,7 +113,8 @@ def test_bench_commands_refuse_bad_input_in_one_line(tmp_path):
     ("train", "--data", "x.jsonl", "--out", "o", "--micro-batch", "0"),
     ("train", "--data", "x.jsonl", "--out", "o", "--nproc", "0"),
     ("convert", "default", "-f", "bogus", "-o", "o"), ("pipeline", "--formats", "gguf-q3_xs", "--no-serve"),
-    ("plan", "--seq-len", "128", "--gpu", "tpu"),
+    ("plan", "--seq-len", "128", "--gpu", "tpu"), ("plan", "--seq-len", "128", "--gpu-mem", "nan"),
+    ("plan", "--seq-len", "0", "--gpu-mem", "8"),
 ])
 def test_a_value_an_option_cannot_take_exits_2(args):
     proc = cli(*args)
@@ -156,3 +157,18 @@ def test_data_never_replaces_files_without_force(tmp_path):
     assert (out / "task_train.jsonl").read_text() == "mine\n"
     assert cli("data", "--out", str(out), "--force").returncode == 0
     assert (out / "task_train.jsonl").read_text() != "mine\n"
+
+
+def test_an_unexpected_error_shows_its_whole_reason_on_one_line(tmp_path, default_model):
+    """A library error whose first line only announces the reason (transformers' config
+    validation) still says it: the lines are joined into the one error line."""
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(default_model, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "hidden_size": -1}))
+    proc = cli("info", str(bad))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert "hidden_size" in line or "-1" in line, line
