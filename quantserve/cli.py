@@ -16,7 +16,7 @@ import quantserve.demo  # noqa: F401  (registers the name "default" for every co
 from quantserve.bytecode_cache import use_bytecode_cache
 from quantserve.cli_util import new_app, run
 from quantserve.quiet import quiet_libraries
-from quantserve.settings import UserError
+from quantserve.settings import UsageError, UserError
 
 app = new_app("Fine-tune, quantize and serve a language model on one T4-class GPU.")
 
@@ -74,6 +74,8 @@ def default_model(rebuild: bool = typer.Option(False, "--rebuild", help="Build i
     """Print the embedded default model's folder (shipped with the package; --rebuild builds one)."""
     from quantserve.demo.default_model import build_default_model, default_model_path
 
+    if force and not rebuild:
+        raise UsageError("--force rebuilds the cached build: it needs --rebuild")
     path = build_default_model(force=force, progress=not quiet) if rebuild else default_model_path(not quiet)
     build = json.loads((path / "build.json").read_text())
     print(f"{path}  ({build['parameters'] / 1e6:.2f} M params, final loss {build['losses'][-1]:.3f}, "

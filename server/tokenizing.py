@@ -33,11 +33,16 @@ import asyncio
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+from quantserve.settings import UserError
+
 
 def _off_loop_chars() -> int:
     """A request's texts shorter than this together stay on the loop (see above)."""
-    if os.environ.get("QUANTSERVE_OFF_LOOP_CHARS", "").isdigit():
-        return int(os.environ["QUANTSERVE_OFF_LOOP_CHARS"])
+    value = os.environ.get("QUANTSERVE_OFF_LOOP_CHARS", "").strip()
+    if value:
+        if not (value.isascii() and value.isdigit()):
+            raise UserError(f"QUANTSERVE_OFF_LOOP_CHARS={value!r}: a number of characters (0: every text off the loop)")
+        return int(value)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return 1024 if cores >= 8 else 8192
 

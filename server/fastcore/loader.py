@@ -46,6 +46,7 @@ def load_fast(path: Path, gpu_profile: str | None, context: int | None, max_batc
     if context and context > trained:
         raise ModelLoadError(f"exceeds the model's trained context of {trained} tokens", "context", context)
     context = context or trained
+    _check_environment()
     compile_cache = kernel_table = None
     if caps.device == "cuda":
         from quantserve.server.fastcore.compile_cache import use_compile_cache
@@ -85,3 +86,16 @@ def load_fast(path: Path, gpu_profile: str | None, context: int | None, max_batc
                              "kernel_choices_loaded": core.kernel_choices_loaded,
                              "start_up_s": {part: round(t, 2) for part, t in start_up.items()}})
     return backend, tokenizer, info
+
+
+def _check_environment() -> None:
+    """The fast engine's environment variables, read now: a bad one is the user's to fix (one line),
+    not a reason to suggest another engine."""
+    from quantserve.server.fastcore.attention import short_context
+    from quantserve.server.fastcore.fused import fused_decode_forms
+
+    try:
+        fused_decode_forms("int8")
+        short_context()
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None

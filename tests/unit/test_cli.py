@@ -172,3 +172,12 @@ def test_an_unexpected_error_shows_its_whole_reason_on_one_line(tmp_path, defaul
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     (line,) = proc.stderr.strip().splitlines()
     assert "hidden_size" in line or "-1" in line, line
+
+
+@pytest.mark.parametrize("engine, name, value", [("hf", "QUANTSERVE_OFF_LOOP_CHARS", "-5"),
+                                                 ("fast", "QUANTSERVE_FUSED_DECODE", "bogus")])
+def test_a_bad_environment_variable_is_named_never_ignored(engine, name, value):
+    proc = cli("serve", "default", "--engine", engine, "--port", "0", env={name: value}, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and f"{name}={value!r}" in errors[0] and "hf engine" not in errors[0], proc.stderr
