@@ -179,7 +179,10 @@ def convert(src: Path, format_name: str, out: Path, force: bool = False, progres
         shutil.rmtree(tmp / ".merged-source", ignore_errors=True)
         shutil.rmtree(tmp / ".dequantized-source", ignore_errors=True)
 
-        ctx = context or int(ckpt.text_config.get("max_position_embeddings") or 2048)
+        trained = int(ckpt.text_config.get("max_position_embeddings") or 2048)
+        if context is not None and context > trained:
+            raise UserError(f"--context {context} exceeds the model's trained context of {trained} tokens")
+        ctx = context or trained
         manifest = build_manifest(ckpt=ckpt, fmt=fmt.name, out_dir=tmp, weight_files=weights,
                                   summary=summary, context=ctx, seconds=time.time() - t0)
         if gguf:

@@ -129,6 +129,9 @@ def test_bad_inputs_fail_clearly(fmt, default_model, tmp_path, monkeypatch, caps
     code, _, err = run_cli(monkeypatch, capsys, "convert", str(default_model), "-f", "gguf-q3_14", "-o",
                            str(tmp_path / "out" / "x"))
     assert code == 2 and "unknown format 'gguf-q3_14'" in err and leftovers(tmp_path / "out") == []
+    code, _, err = run_cli(monkeypatch, capsys, "convert", str(default_model), "-f", fmt, "-o",
+                           str(tmp_path / "out" / "x"), "--context", "99999999999", "-q")
+    assert code == 1 and "trained context of 512" in err and leftovers(tmp_path / "out") == []
 
 
 def _unshare_works() -> bool:
