@@ -204,6 +204,14 @@ def main(argv: list[str] | None = None) -> int:
     replay = REPLAY_SHARE if args.replay_share is None else args.replay_share
     if args.train is None:
         args.train = {}  # what the pipeline runs: the default task's own gated recipe
+    from dataclasses import fields
+
+    from quantserve.training.config import TrainConfig
+
+    known = {f.name for f in fields(TrainConfig)}
+    if not isinstance(args.train, dict) or set(args.train) - known:
+        p.error(f"--train: a JSON object of TrainConfig fields; unknown: {sorted(set(args.train) - known)[:5]}"
+                if isinstance(args.train, dict) else "--train: a JSON object of TrainConfig fields")
     threads = [int(t) for t in args.threads.split(",")]
     noises = [float(n) for n in args.noise.split(",")]
     runs = [(args.stage, s, t, n) for n in noises for t in threads for s in args.seeds]

@@ -42,13 +42,14 @@ class StandInEngine:
     def alive(self) -> bool:
         return True
 
-    def submit(self, request):
+    def submit(self, requests):
         from quantserve.server.engine import TokenStream
 
-        stream = TokenStream(request, self._loop, self)
+        streams = [TokenStream(request, self._loop, self) for request in requests]
         with self._lock:
-            self._live[request.request_id] = [stream, 0, request.params.max_tokens]
-        return stream
+            for stream, request in zip(streams, requests):
+                self._live[request.request_id] = [stream, 0, request.params.max_tokens]
+        return streams
 
     def cancel(self, request_id: int) -> None:
         with self._lock:
@@ -86,8 +87,11 @@ class StandInEngine:
 
 
 def main(argv: list[str]) -> None:
+    if argv[:1] in (["-h"], ["--help"]):
+        print("usage: python -m bench.http_probe PORT STEP_MS [MODEL_DIR]\n" + __doc__.strip())
+        return
     if len(argv) not in (2, 3) or not argv[0].isdigit():
-        sys.exit("usage: http_probe.py PORT STEP_MS [MODEL_DIR]")
+        sys.exit("usage: python -m bench.http_probe PORT STEP_MS [MODEL_DIR]")
     import uvicorn
 
     from quantserve.modeling import load_tokenizer

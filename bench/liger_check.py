@@ -32,6 +32,12 @@ def peak_step(liger: bool) -> float:
 
 
 if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:]:  # --help included: it takes no options, and runs on a CUDA GPU only
+        sys.exit(f"usage: python -m bench.liger_check (no options; a CUDA GPU)\n{__doc__.strip()}")
+    if not torch.cuda.is_available():
+        sys.exit("error: bench.liger_check needs a CUDA GPU")
     plain = peak_step(False)
     lig = peak_step(True)
     print(f"peak GiB: plain {plain:.2f}  liger {lig:.2f}  ratio {lig / plain:.2f}")

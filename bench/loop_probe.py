@@ -80,6 +80,9 @@ def serve_and_probe(port: int, words: int, where: str | None) -> str:
 
 if __name__ == "__main__":
     flags = {"--on-loop": "on", "--off-loop": "off"}
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print("usage: loop_probe.py BASE_URL [WORDS] | loop_probe.py --serve [--on-loop|--off-loop] PORT WORDS")
+        sys.exit(0)
     if len(sys.argv) < 2 or (sys.argv[1] == "--serve" and len([a for a in sys.argv[2:] if a not in flags]) != 2):
         sys.exit("usage: loop_probe.py BASE_URL [WORDS] | loop_probe.py --serve [--on-loop|--off-loop] PORT WORDS")
     if sys.argv[1] == "--serve":

@@ -30,6 +30,10 @@ def main() -> None:
                     help="the public model's vocabulary size and embedding tying (training memory and "
                          "the logits' width need the real sizes); ids past the tokenizer's get zero output rows")
     args = ap.parse_args()
+    if args.out.exists() and not args.out.is_dir():
+        ap.error(f"--out {args.out}: exists and is not a folder")
+    if args.context < 1:
+        ap.error("--context must be at least 1")
 
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM

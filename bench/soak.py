@@ -274,11 +274,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="allowed growth of resident memory (default: 10 %% of the baseline, at least 32 MiB)")
     p.add_argument("--out", default=None, help="write the full report as JSON here")
     a = p.parse_args(argv)
+    if a.clients < 1 or not a.duration > 0 or not 0 <= a.abort_fraction <= 1:
+        p.error("--clients at least 1, --duration above 0, --abort-fraction in [0, 1]")
     warmup = a.warmup if a.warmup is not None else min(15.0, max(3.0, a.duration / 10))
     cfg = SoakConfig(url=a.url.rstrip("/"), clients=a.clients, duration_s=a.duration, warmup_s=warmup,
                      abort_fraction=a.abort_fraction, seed=a.seed, model=a.model,
                      api_key=os.environ.get("QUANTSERVE_API_KEY"), rss_tolerance_mib=a.rss_tolerance_mib)
-    report = run_soak(cfg)
+    import httpx
+
+    try:
+        report = run_soak(cfg)
+    except httpx.TransportError as e:  # no server there: one line, not a traceback
+        print(f"error: cannot reach {cfg.url}: {e}", file=sys.stderr)
+        return 1
     print(summary(report))
     if a.out:
         with open(a.out, "w") as f:

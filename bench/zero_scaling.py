@@ -134,6 +134,8 @@ def main() -> None:
     ap.add_argument("--replot", type=Path, default=None, help="draw FILE.json's PNG beside it and exit")
     ap.add_argument("train_args", nargs="*", help="more `quantserve train` options, after --")
     args = ap.parse_args()
+    if args.nproc < 1 or args.steps <= args.warmup_steps:
+        ap.error("--nproc at least 1, and --steps more than --warmup-steps")
     if args.replot:
         print(plot(json.loads(args.replot.read_text()), args.replot.with_suffix(".png")))
         return
