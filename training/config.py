@@ -185,6 +185,8 @@ class TrainConfig:
             if not (math.isfinite(value) and ok):
                 raise UsageError(f"{flag} {value} is out of range (--epochs, --lr: positive; --warmup-ratio, "
                                  "--lora-dropout: in [0, 1); --weight-decay, --max-grad-norm: 0 or more)")
+        if self.threads is not None and self.threads < 1:
+            raise UsageError("--threads must be at least 1 (leave it out for torch's default)")
         if self.save_total_limit < 1:
             raise UsageError("--save-total-limit must be at least 1 (the checkpoint a run resumes from)")
         if self.eval_steps < 1:
