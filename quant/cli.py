@@ -13,6 +13,7 @@ from typing import Optional
 import typer
 
 from quantserve.cli_util import new_app, run
+from quantserve.settings import UsageError
 
 app = new_app("Quantize a checkpoint (bitsandbytes int8/nf4/fp4, GGUF F16/Q8_0/k-quants) and "
               "measure the quality cost.")
@@ -106,7 +107,9 @@ def table(src: str = typer.Argument("default", help="Checkpoint folder; 'default
     from quantserve.quant.convert import convert as do_convert
     from quantserve.quant.evaluate import evaluate
 
-    fmts = [check_format(f).name for f in formats.split(",") if f.strip()]
+    fmts = [check_format(f.strip()).name for f in formats.split(",") if f.strip()]
+    if not fmts:
+        raise UsageError("--formats: a comma-separated list of formats (quant formats lists them)")
     source = _source(src)
     rows = []
     for fmt in fmts:
