@@ -87,6 +87,26 @@ def _logprobs_out(entries: list[LogprobEntry]) -> ChoiceLogprobs:
         for e in entries])
 
 
+def format_into_tools(req: ChatCompletionRequest) -> tuple[ChatCompletionRequest, str | None]:
+    """Strict tools under "auto" with a response format (the Agents SDK's output_type): one
+    grammar holds both, a reply that is the format's JSON or calls that validate.  Returns the
+    request without its format, and the format's JSON schema (None: no format)."""
+    from quantserve.server.structured import GrammarError, output_format
+
+    try:
+        fmt = output_format(req.response_format, req.structured_outputs, req.guided())
+    except GrammarError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    if fmt is None:
+        return req, None
+    if fmt.kind != "json":
+        raise APIError(400, f"{fmt.param}: with strict tools under tool_choice auto, only a JSON response format "
+                       "is served (one grammar holds the answer and the calls)", param=fmt.param)
+    cleared = {name: None for name in ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                                       "guided_choice", "guided_grammar")}
+    return req.model_copy(update=cleared), fmt.text
+
+
 async def prepare(state: ServerState, req: ChatCompletionRequest):
     """(the job, its tool plan or None)."""
     from quantserve.server.structured import OutputFormat
@@ -102,12 +122,15 @@ async def prepare(state: ServerState, req: ChatCompletionRequest):
     if reserved:
         raise APIError(400, f"chat_template_kwargs cannot set {sorted(reserved)[0]!r}", param="chat_template_kwargs")
     plan = tool_plan(state, req)
+    answer_schema = None
+    if plan is not None and plan.strict:
+        req, answer_schema = format_into_tools(req)
     messages, tool_kwargs = conversation(state, req, plan)
     prompt = await render_prompt(state, messages, {**(req.chat_template_kwargs or {}), **tool_kwargs})
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     try:
-        grammar = plan.grammar() if plan is not None else None
+        grammar = plan.grammar(answer_schema) if plan is not None else None
     except RequestFieldError as e:
         raise APIError(400, str(e), param=e.param) from None
     forced = OutputFormat("grammar", grammar, "tools" if plan.strict else "tool_choice") if grammar else None

@@ -155,7 +155,7 @@ def _text_without(marker: str) -> str:
 
 def _hermes_free_grammar(call: str, many: bool) -> str:
     blocks = "block+" if many else "block"
-    return (f"start: TEXT | {blocks} TEXT\n"
+    return (f"start: TEXT | {blocks} TEXT\n"  # after the calls, text without another marker
             f"TEXT: {_text_without('<tool_call>')}\n"
             f"head[lazy]: /(?s:.*)<tool_call>/\n"
             f"block: head {_lark_string(chr(10))} call {_lark_string(chr(10) + '</tool_call>')}\n"
@@ -164,15 +164,17 @@ def _hermes_free_grammar(call: str, many: bool) -> str:
 
 def _llama3_free_grammar(call: str, many: bool) -> str:
     repeat = ' ("; " call)*' if many else ""
-    return (f"start: TEXT | call{repeat}\n"
+    return (f"start: TEXT | WS? call{repeat}\n"
             "TEXT: /(?s:.*)/ & ~/\\s*\\{(?s:.*)/\n"  # text that does not open a JSON object
+            "WS: /\\s+/\n"
             f"call: {call}\n")
 
 
 def _mistral_free_grammar(call: str, many: bool) -> str:
     repeat = ' (", " call)*' if many else ""
-    return (f'start: TEXT | head "[" call{repeat} "]"\n'
+    return (f'start: TEXT | head WS? "[" call{repeat} "]" TEXT\n'
             f"TEXT: {_text_without('[TOOL_CALLS]')}\n"
+            "WS: /\\s+/\n"
             "head[lazy]: /(?s:.*)\\[TOOL_CALLS\\]/\n"
             f"call: {call}\n")
 
@@ -206,11 +208,23 @@ def call_schema(fmt: ToolCallFormat, name: str, parameters: dict) -> dict:
             "required": ["name", fmt.args_key], "additionalProperties": False}
 
 
-def call_grammar(fmt: ToolCallFormat, functions: dict[str, dict], many: bool, free_text: bool = False) -> str:
+def call_grammar(fmt: ToolCallFormat, functions: dict[str, dict], many: bool, free_text: bool = False,
+                 answer_schema: str | None = None) -> str:
     """A Lark grammar (llguidance's dialect, JSON schemas inline with `%json`) for one call, or
     several when `many`, of any of `functions` (name -> parameters schema); with `free_text`, the
-    reply may be text instead (tool_choice "auto")."""
+    reply may be text instead (tool_choice "auto"), or with `answer_schema` (a JSON schema's text)
+    a JSON answer of that schema."""
     options = [call_schema(fmt, name, params) for name, params in functions.items()]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     rule = "%json " + json.dumps({**schema, "x-guidance": _JSON_STYLE})
-    return fmt.free_grammar(rule, many) if free_text else fmt.grammar(rule, many)
+    if not free_text:
+        return fmt.grammar(rule, many)
+    if answer_schema is None:
+        return fmt.free_grammar(rule, many)
+    # The answer is the format's JSON, or the reply is calls as a required choice writes them (no
+    # text before them: a lazy "text up to the marker" lexeme beside the JSON's would leave the
+    # parser two ways to read a reply's first bytes, and it takes one)
+    answer = json.loads(answer_schema)
+    answer = answer if isinstance(answer, dict) else {}  # the schema `true`: any JSON
+    calls = fmt.grammar(rule, many).replace("start:", "calls:", 1)
+    return f"start: answer | calls\nanswer: %json {json.dumps({**answer, 'x-guidance': _JSON_STYLE})}\n{calls}"

@@ -56,8 +56,10 @@ class ToolPlan:
         """"auto" with a tool marked strict: the reply may be text, but a call must validate."""
         return self.choice == "auto" and any(t["function"].get("strict") for t in self.tools)
 
-    def grammar(self) -> str | None:
-        """The Lark grammar a required, named or strict choice constrains the reply to; else None."""
+    def grammar(self, answer_schema: str | None = None) -> str | None:
+        """The Lark grammar a required, named or strict choice constrains the reply to; else None.
+        `answer_schema`: under a strict "auto", the JSON schema a reply that is not a call follows
+        (the request's response format), else free text."""
         if self.choice not in ("required", "named") and not self.strict:
             return None
         from quantserve.server.structured import MAX_FORMAT_BYTES
@@ -65,7 +67,8 @@ class ToolPlan:
         functions = self.functions
         if self.named:
             functions = {self.named: functions[self.named]}
-        grammar = call_grammar(self.fmt, functions, many=self.parallel and not self.named, free_text=self.strict)
+        grammar = call_grammar(self.fmt, functions, many=self.parallel and not self.named, free_text=self.strict,
+                               answer_schema=answer_schema)
         if len(grammar.encode()) > MAX_FORMAT_BYTES:  # compiled while the request waits: bounded
             raise ToolError(f"the tools' parameter schemas are {len(grammar.encode()):,} bytes as a grammar; a "
                             f"constrained call takes at most {MAX_FORMAT_BYTES:,}", "tools")
@@ -117,10 +120,14 @@ def _check_tool(tool, param: str) -> dict:
     params = fn.get("parameters")
     if params is not None and (not isinstance(params, dict) or params.get("type", "object") != "object"):
         raise ToolError(f"{param}.function.parameters must be a JSON schema of an object", "tools")
-    if params is not None:  # checked whatever tool_choice says: a schema no call could satisfy is the caller's
+    if params is not None:
+        # checked whatever tool_choice says, leniently: a malformed schema is the caller's mistake, but
+        # keywords llguidance cannot enforce (uniqueItems, not, ...) only matter where a grammar is
+        # built from it (required, named, strict), which reports them then
         import llguidance
 
-        error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_json_schema(json.dumps(params)))
+        lenient = json.dumps({**params, "x-guidance": {"lenient": True}})
+        error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_json_schema(lenient))
         if error:
             raise ToolError(f"{param}.function.parameters: {error.splitlines()[0][:300]}", "tools")
     if not isinstance(fn.get("strict", False), (bool, type(None))):

@@ -120,8 +120,14 @@ def test_a_required_call_over_64_kib_of_schemas_is_refused():
     assert plan(tools, "auto", None, FORMATS["hermes"]).grammar() is None  # nothing to compile
 
 
+ANSWER = json.dumps({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                     "additionalProperties": False})
+
+
 @pytest.mark.parametrize("fmt, text, accepted", [
     ("hermes", "It is sunny.", True),
+    ("llama3_json", '\n{"name": "weather", "parameters": {"city": "Karst"}}', True),  # whitespace first
+    ("mistral", 'Sure. [TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}}] Done.', True),
     ("hermes", 'Let me look.\n<tool_call>\n{"name": "add", "arguments": {"a": 7}}\n</tool_call>', True),
     ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 700}}\n</tool_call>', False),  # maximum 99
     ("hermes", '<tool_call>\n{"name": "sub", "arguments": {"a": 7}}', False),  # no such tool
@@ -152,6 +158,34 @@ def test_strict_tools_under_auto_leave_text_free_and_make_calls_validate(default
     assert (ok and matcher.is_accepting()) == accepted, matcher.get_error()
 
 
+@pytest.mark.parametrize("fmt, text, accepted", [
+    ("hermes", '{"city": "Karst"}', True),
+    ("hermes", "It is sunny.", False),  # the answer must be the response format's JSON
+    ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 7}}\n</tool_call>', True),
+    ("llama3_json", '{"city": "Karst"}', True),
+    ("llama3_json", '{"name": "add", "parameters": {"a": 7}}', True),
+    ("mistral", '{"city": "Karst"}', True),
+    ("mistral", '{"town": "Karst"}', False),
+])
+def test_strict_tools_with_a_response_format_answer_in_it_or_call(default_model, fmt, text, accepted):
+    """The Agents SDK's strict tools with an output type: one grammar, a JSON answer of the
+    response format or calls that validate."""
+    import llguidance
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    from quantserve.server.tool_parsers import FORMATS
+    from quantserve.server.tools import plan
+
+    strict = [{"type": "function", "function": {**t["function"], "strict": True}} for t in TOOLS]
+    tok = AutoTokenizer.from_pretrained(default_model)
+    grammar = plan(strict, "auto", None, FORMATS[fmt]).grammar(ANSWER)
+    matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tok, n_vocab=len(tok)),
+                                   llguidance.grammar_from("lark", grammar), log_level=0)
+    ok = all(matcher.consume_token(t) for t in tok.encode(text, add_special_tokens=False))
+    assert (ok and matcher.is_accepting()) == accepted, matcher.get_error()
+
+
 def test_every_tool_schema_is_checked_whatever_the_choice():
     from quantserve.server.tool_parsers import FORMATS
     from quantserve.server.tools import ToolError, plan
@@ -162,6 +196,12 @@ def test_every_tool_schema_is_checked_whatever_the_choice():
             with pytest.raises(ToolError, match="parameters") as e:
                 plan([{"type": "function", "function": {"name": "f", "parameters": bad}}], choice, None, FORMATS["hermes"])
             assert e.value.param == "tools"
+    # keywords a grammar cannot enforce (pydantic's set[str]) are fine where no grammar is built
+    unique = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"},
+                                                        "uniqueItems": True}}}
+    for choice in ("auto", "none"):
+        assert plan([{"type": "function", "function": {"name": "f", "parameters": unique}}], choice, None,
+                    FORMATS["hermes"]).grammar() is None
 
 
 def test_fallback_rendering_writes_tools_calls_and_results_as_text():
@@ -302,6 +342,33 @@ def test_a_strict_tool_under_auto_gets_calls_that_validate(server):
             assert call.function.name == "add"
             jsonschema.validate(json.loads(call.function.arguments), bounded)
     assert calls, "the model never called its tool"
+
+
+def test_strict_tools_and_a_response_format_give_a_call_or_the_format(server):
+    """The Agents SDK's shape: strict tools under "auto" and a JSON schema output; every reply is
+    calls that validate or content that validates against the response format."""
+    from quantserve.demo import corpus, tool_skill
+
+    strict = {"type": "function", "function": {**tool_skill.ADD_TOOL["function"], "strict": True}}
+    answer = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}}, "required": ["n"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": answer, "strict": True}}
+    client = server.client()
+    kinds = set()
+    for seed, ex in enumerate(corpus.tool_examples(2, "heldout", seed=5)):
+        for ask in (ex.prompt, "Sort: c b a"):
+            choice = chat(client, messages=[{"role": "user", "content": ask}], tools=[strict], response_format=fmt,
+                          seed=seed, temperature=1.0, max_tokens=40).choices[0]
+            if choice.finish_reason == "length":
+                continue  # cut: neither a whole call nor a whole answer
+            if choice.message.tool_calls:
+                kinds.add("call")
+                for call in choice.message.tool_calls:
+                    jsonschema.validate(json.loads(call.function.arguments), tool_skill.ADD_TOOL["function"]["parameters"])
+            else:
+                kinds.add("answer")
+                jsonschema.validate(json.loads(choice.message.content), answer)
+    assert kinds, "every reply was cut by max_tokens"
 
 
 def test_under_auto_the_model_calls_the_tool_it_learnt_then_answers_its_result(server):
