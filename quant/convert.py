@@ -165,6 +165,9 @@ def convert(src: Path, format_name: str, out: Path, force: bool = False, progres
             # starts from those weights (quant eval measures the cost of the new quantization)
             source = write_dequantized(src, tmp / ".dequantized-source")
         ckpt = open_checkpoint(source, merge_dir=tmp / ".merged-source")
+        trained = int(ckpt.text_config.get("max_position_embeddings") or 2048)
+        if context is not None and context > trained:  # before any weight is written
+            raise UserError(f"--context {context} exceeds the model's trained context of {trained} tokens")
         if source is not src:  # the manifest names and hashes what the user gave
             ckpt.origin, ckpt.source_files = src, hash_folder(src)
         gguf = fmt.container == "gguf"
@@ -179,9 +182,6 @@ def convert(src: Path, format_name: str, out: Path, force: bool = False, progres
         shutil.rmtree(tmp / ".merged-source", ignore_errors=True)
         shutil.rmtree(tmp / ".dequantized-source", ignore_errors=True)
 
-        trained = int(ckpt.text_config.get("max_position_embeddings") or 2048)
-        if context is not None and context > trained:
-            raise UserError(f"--context {context} exceeds the model's trained context of {trained} tokens")
         ctx = context or trained
         manifest = build_manifest(ckpt=ckpt, fmt=fmt.name, out_dir=tmp, weight_files=weights,
                                   summary=summary, context=ctx, seconds=time.time() - t0)

@@ -157,6 +157,13 @@ def _source_logits(src: Path, text_file: Path | None):
         return _SOURCE_CACHE[key]
 
 
+def _model_files(hashes: dict[str, str]) -> dict[str, str]:
+    """The hashes that say which model a folder is: its weights and configs (a README edited or a
+    generation_config added since does not make it another model)."""
+    return {name: h for name, h in hashes.items() if name.endswith((".safetensors", "config.json"))
+            and name != "generation_config.json"}
+
+
 def evaluate(src: Path, quantized: Path, text_file: Path | None = None) -> dict:
     """Score `quantized` against its source; store the row in the quantized folder's manifest."""
     from quantserve.progress import transformers_bars
@@ -165,7 +172,7 @@ def evaluate(src: Path, quantized: Path, text_file: Path | None = None) -> dict:
     with transformers_bars(False):  # weight-loading bars: noise around a one-line result
         windows, src_logits, text_label, source_bytes, source_files = _source_logits(Path(src), text_file)
         converted_from = ((manifest or {}).get("source") or {}).get("files_sha256")
-        if converted_from and converted_from != source_files:
+        if converted_from and _model_files(converted_from) != _model_files(source_files):
             raise UserError(f"{quantized} was converted from another checkpoint than {src} (its manifest's source "
                             "hashes differ): convert it again from this one (quant table: --force)")
         if kind == "gguf":

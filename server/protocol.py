@@ -118,6 +118,8 @@ class StreamOptions(BaseModel):
 
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk
+    # OpenAI's random padding of stream events against length side channels: not done here
+    include_obfuscation: Literal[False] = False
 
 
 class _SamplingFields(_Request):

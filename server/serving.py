@@ -232,6 +232,8 @@ def start_job(state: ServerState, req: _SamplingFields, prompts: list[list[int]]
         for j in range(req.n):
             planned.append((prompt, sampling_params(state, req, len(prompt), max_tokens, logprobs, param,
                                                     len(planned), fmt, prompt_logprobs)))
+    choices = [ChoiceText(engine.tokenizer, prompt, req.stop_list(), logprobs is not None, end_token_logprobs)
+               for prompt, _ in planned]
     state.metrics.received.inc()
     try:
         streams = engine.submit([EngineRequest(prompt, params) for prompt, params in planned])
@@ -243,8 +245,6 @@ def start_job(state: ServerState, req: _SamplingFields, prompts: list[list[int]]
             raise APIError(status, str(e), code=code) from e
         raise APIError(status, f"Server busy: {e}. Retry later.", code=code,
                        headers={"Retry-After": str(state.retry_after_s)}) from e
-    choices = [ChoiceText(engine.tokenizer, prompt, req.stop_list(), logprobs is not None, end_token_logprobs)
-               for prompt, _ in planned]
     state.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
     return Job(streams, choices, prompt_tokens=sum(len(p) for p in prompts), metrics=state.metrics, n=req.n)
 

@@ -42,6 +42,8 @@ async def prepare(state: ServerState, req: CompletionRequest) -> tuple[Job, list
     scored = req.logprobs if req.echo and req.logprobs is not None else None
     job = start_job(state, req, prompts, max_tokens, req.logprobs, "prompt", prompt_logprobs=scored,
                     end_token_logprobs=True)
+    for i, choice in enumerate(job.choices):  # the prompt's offsets point into the echoed text
+        choice.prompt_text = texts[i // req.n]
     return job, texts
 
 

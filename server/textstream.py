@@ -124,6 +124,7 @@ class ChoiceText:
         self.all_logprobs: list[LogprobEntry] = []  # every released entry, for non-streaming replies
         self._waiting_logprobs: list[LogprobEntry] = []  # tokens whose text is not released yet
         self._decoded = 0  # characters the detokenizer has given so far (before stop strings cut)
+        self.prompt_text: str | None = None  # the prompt as the client wrote it, where it is echoed
 
     def push(self, event: TokenEvent) -> Delta:
         text = ""
@@ -159,11 +160,18 @@ class ChoiceText:
 
     def _prompt_entries(self, scored) -> list[LogprobEntry]:
         """The prompt's tokens with their logprobs, each at its offset in the prompt's text (decoded
-        token by token, as the text a client sent decodes)."""
+        token by token, as the text a client sent decodes).  A special token takes room only where
+        the client's text holds it (a BOS the tokenizer adds is not in it)."""
         detok, at, entries = IncrementalDetokenizer(self.tokenizer, []), 0, []
+        text = self.prompt_text
         for token_id, logprob, top in scored:
             entries.append(self._scored(token_id, logprob, top, at))
-            at += len(detok.push(token_id))
+            piece = detok.push(token_id)
+            if not piece and text is not None:
+                written = self.tokenizer.token_text(token_id)
+                if written and text.startswith(written, at):
+                    piece = written
+            at += len(piece)
         return entries
 
     def _scored(self, token_id: int, logprob: float | None, top, offset: int) -> LogprobEntry:

@@ -213,9 +213,11 @@ class TrainConfig:
             raise UserError(f"{self.data}: is a folder, expected a JSONL file")
         if self.out.exists() and not self.out.is_dir():
             raise UserError(f"{self.out}: exists and is not a folder")
-        base = Path(self.model)
-        if base.is_dir() and self.out.resolve() in (base.resolve(), *base.resolve().parents):
-            # never, not even with --force: the run would write over (or clear) the model it starts from
+        base = Path(self.model).resolve()
+        out = self.out.resolve()
+        # never, not even with --force: the run would write over the model it starts from, or (a
+        # checkpoint-* folder of the run's own) clear it with its old checkpoints
+        if Path(self.model).is_dir() and (out == base or (base.parent == out and base.name.startswith("checkpoint-"))):
             raise UserError(f"--out {self.out} holds the base model {self.model}: choose another --out")
 
     def accumulation(self, world_size: int) -> int:

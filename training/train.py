@@ -145,6 +145,14 @@ def cfg_profile(cfg: TrainConfig) -> str:
     return resolve_profile(cfg.gpu_profile)
 
 
+def _a_run(out: Path) -> bool:
+    """Whether `out` is empty or a training run's folder: its run.json (written first), or from
+    before run.json, a checkpoint's trainer_state.json or the pipeline's stage.json.  Anything
+    else there is someone's files, which a run must not write over."""
+    return (not any(out.iterdir()) or (out / RUN_FILE).exists() or (out / "stage.json").exists()
+            or any(out.glob("checkpoint-*/trainer_state.json")))
+
+
 def train(cfg: TrainConfig) -> Path:
     """Fine-tune `cfg.model` on `cfg.data`; return `cfg.out`, a loadable Hugging Face checkpoint."""
     cfg.validate()
@@ -160,8 +168,7 @@ def train(cfg: TrainConfig) -> Path:
         # and leave its model under the new command's name
         raise UserError(f"{cfg.out} holds a run of another config ({other}); pass --force to replace "
                         "it, or choose another --out")
-    if cfg.out.is_dir() and not (cfg.out / RUN_FILE).exists() and any(cfg.out.iterdir()) and not cfg.force:
-        # a run writes its run.json first: a folder of other files is someone else's
+    if cfg.out.is_dir() and not _a_run(cfg.out) and not cfg.force:
         raise UserError(f"{cfg.out} holds other files and no training run ({RUN_FILE}); pass --force to train "
                         "into it anyway, or choose another --out")
     if cfg.force and cfg.out.is_dir():

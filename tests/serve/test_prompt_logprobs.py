@@ -140,6 +140,20 @@ def test_text_offsets_point_into_the_returned_text_streamed_or_not(server):
             assert text[off:off + len(want)] == want, (off, tok, text)
 
 
+def test_special_tokens_written_in_a_prompt_take_their_room_in_its_offsets(server):
+    """A raw ChatML prompt: its <|im_start|> is in the echoed text, so the words after it are found
+    where their offsets say (the BOS the tokenizer adds is not in the text, and takes no room)."""
+    prompt = "<|im_start|>Sort: d a<|im_end|>"
+    r = completions(server, prompt=prompt, echo=True, logprobs=0, max_tokens=1, temperature=0)
+    lp = r.json()["choices"][0]["logprobs"]
+    text = r.json()["choices"][0]["text"]
+    assert text.startswith(prompt)
+    where = dict(zip(lp["tokens"], lp["text_offset"]))
+    assert text[where["<|im_start|>"]:].startswith("<|im_start|>")
+    sort = next(t for t in lp["tokens"] if t.strip() == "Sort")
+    assert text[where[sort]:].startswith("Sort") and text[where["<|im_end|>"]:].startswith("<|im_end|>")
+
+
 def test_top_logprobs_always_include_the_sampled_token(server):
     r = completions(server, prompt=PROMPT, logprobs=0, max_tokens=4, temperature=1.0, seed=7)
     lp = r.json()["choices"][0]["logprobs"]

@@ -119,7 +119,10 @@ def test_stream_options_are_honoured_or_refused(server):
         chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
     used = [c["usage"]["completion_tokens"] for c in chunks]
     assert all(c["usage"] for c in chunks) and used == sorted(used) and used[-1] == 4
-    for options, stream in (({"include_usage": True}, False), ({"bogus": 1}, True)):
+    ok = httpx.post(url + "/v1/completions", json={**body, "stream_options": {"include_obfuscation": False}})
+    assert ok.status_code == 200, ok.text  # the official client's field, at the value this server serves
+    for options, stream in (({"include_usage": True}, False), ({"bogus": 1}, True),
+                            ({"include_obfuscation": True}, True)):
         r = httpx.post(url + "/v1/chat/completions", json={
             "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": stream,
             "stream_options": options})

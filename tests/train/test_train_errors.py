@@ -209,8 +209,10 @@ def test_a_run_never_writes_over_its_base_model_or_a_folder_of_other_files(tmp_p
     base = tmp_path / "base"
     shutil.copytree(default_model, base)
     before = {p.name: p.stat().st_mtime_ns for p in base.iterdir()}
-    for out in (base, tmp_path):
-        one_line_error(cli("--data", str(good), "--model", str(base), "--out", str(out), "--force"), "base model")
+    (tmp_path / "run").mkdir()
+    shutil.copytree(default_model, tmp_path / "run" / "checkpoint-5")  # a run's own checkpoint as the base
+    for model, out in ((base, base), (tmp_path / "run" / "checkpoint-5", tmp_path / "run")):
+        one_line_error(cli("--data", str(good), "--model", str(model), "--out", str(out), "--force"), "base model")
     theirs = tmp_path / "notes"
     theirs.mkdir()
     (theirs / "thesis.txt").write_text("mine")
