@@ -17,6 +17,8 @@ router, sglang-router): neither a request nor a stream's events pass through Ray
 - A client that leaves closes the connection to the replica, which stops the generation there.
 - An answer is streamed through when it is `text/event-stream`, else read whole first (so that a
   replica dying half-way through it can still be retried).
+- `/metrics` is the gateway's own: every replica's page, each sample labelled `replica` (one
+  replica's page per scrape would have Prometheus read each switch as a counter reset).
 
 The registry is watched from a thread of its own through `watch` (a blocking long poll that
 server/replicas.py builds on Ray), so this module never imports Ray.
@@ -28,6 +30,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -38,6 +41,8 @@ REPLICA_HEADER = b"x-quantserve-replica"  # which replica answered (tests, debug
 SESSION_HEADER = b"x-session-id"
 DOWN_S = 10.0  # how long a replica that failed a request is passed over
 KEEPALIVE_S = 30.0  # idle connections to replicas are closed after this (replicas keep theirs 75 s)
+METRICS_TIMEOUT_S = 5.0  # a replica's /metrics page, for the gateway's merged one
+PROBE_IDLE_S, PROBE_INTERVAL_S, PROBE_COUNT = 10, 5, 3  # TCP keepalive: a vanished replica fails in ~25 s
 # connection-level headers: each hop has its own (RFC 9110 7.6.1); Host and Content-Length are
 # set again for the replica's connection
 _REQUEST_HOP = {b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"te", b"trailer",
@@ -103,18 +108,23 @@ def _session_key(headers: list, body: bytes) -> str | None:
             return v.decode("latin-1")[:256]
     try:
         payload = json.loads(body) if body else None
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the parser's depth: not a ValueError
         return None  # the replica answers a bad body with its own 400
     user = payload.get("user") if isinstance(payload, dict) else None
     return user[:256] if isinstance(user, str) and user else None
+
+
+RETRY_AFTER_S = 5  # the gateway's 503s (loading, no replica up): as the server's own while it loads
 
 
 async def _send_error(send, status: int, message: str, code: str) -> None:
     from quantserve.server.errors import error_body
 
     body = json.dumps(error_body(status, message, code=code)).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status == 503:  # clients (the openai SDK) wait this long before their retry
+        headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -122,6 +132,21 @@ async def _left(receive) -> None:
     """Returns when the client has gone (uvicorn also says so once the answer is complete)."""
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+def _probed_socket(addr_info) -> socket.socket:
+    """A connection to a replica with TCP keepalive probes: a node that vanishes (power, network)
+    sends no reset, and without them a request waiting on it would wait forever (there is no read
+    timeout: a long answer may take minutes).  Idle PROBE_IDLE_S, then PROBE_COUNT probes
+    PROBE_INTERVAL_S apart, then the connection fails and the request is retried or ended."""
+    family, kind, proto, _, _ = addr_info
+    sock = socket.socket(family=family, type=kind, proto=proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", PROBE_IDLE_S), ("TCP_KEEPINTVL", PROBE_INTERVAL_S),
+                          ("TCP_KEEPCNT", PROBE_COUNT)):
+        if hasattr(socket, option):  # Linux; elsewhere the system's defaults
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+    return sock
 
 
 def _sse_error(message: str) -> bytes:
@@ -155,7 +180,7 @@ class Gateway:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 self.client = aiohttp.ClientSession(
-                    connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
+                    connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S, socket_factory=_probed_socket),
                     timeout=aiohttp.ClientTimeout(total=None, sock_connect=5), auto_decompress=False,
                     skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"))
                 loop = asyncio.get_running_loop()
@@ -187,6 +212,8 @@ class Gateway:
     # ---- one request -------------------------------------------------------------------------
 
     async def _http(self, scope, receive, send) -> None:
+        if scope["path"] == "/metrics" and scope["method"] == "GET":
+            return await self._metrics(send)
         chunks, size = [], 0
         while True:  # the whole body first: it may be sent twice
             message = await receive()
@@ -205,7 +232,10 @@ class Gateway:
         target = scope.get("raw_path") or scope["path"].encode()
         if scope.get("query_string"):
             target += b"?" + scope["query_string"]
-        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"] if k not in _REQUEST_HOP]
+        try:  # aiohttp writes header values as UTF-8: read them so, or a non-ASCII byte is sent twice encoded
+            headers = [(k.decode("latin-1"), v.decode("utf-8")) for k, v in scope["headers"] if k not in _REQUEST_HOP]
+        except UnicodeDecodeError:
+            return await _send_error(send, 400, "a request header is not valid UTF-8", "invalid_header")
         relay = asyncio.ensure_future(self._relay(scope["method"], target.decode("latin-1"), headers, body,
                                                   session, send))
         gone = asyncio.ensure_future(_left(receive))
@@ -221,6 +251,42 @@ class Gateway:
                     pass
         if not relay.cancelled():
             relay.result()
+
+    async def _metrics(self, send) -> None:
+        """Every replica's /metrics merged by prometheus_client (families kept whole, as the text
+        format wants them), each sample labelled with its replica; a replica that does not answer
+        within METRICS_TIMEOUT_S is left out of this scrape."""
+        from prometheus_client import generate_latest
+        from prometheus_client.exposition import CONTENT_TYPE_LATEST
+        from prometheus_client.parser import text_string_to_metric_families
+
+        async def page(replica: Replica) -> tuple[str, str | None]:
+            try:
+                async with asyncio.timeout(METRICS_TIMEOUT_S):
+                    async with self.client.get(replica.url + "/metrics") as response:
+                        return replica.id, (await response.text()) if response.status == 200 else None
+            except Exception:  # noqa: BLE001 - down or slow: this scrape goes on without it
+                return replica.id, None
+
+        pages = [p for p in await asyncio.gather(*(page(r) for r in list(self.routes.replicas.values())))
+                 if p[1] is not None]
+        if not pages:
+            return await _send_error(send, 503, "no replica is up to report metrics; retry later", "no_replica")
+        families: dict[str, object] = {}
+        for rid, text in pages:
+            for family in text_string_to_metric_families(text):
+                merged = families.setdefault(family.name, type(family)(family.name, family.documentation, family.type))
+                merged.samples += [s._replace(labels={**s.labels, "replica": rid}) for s in family.samples]
+
+        class _Pages:  # what generate_latest asks of a registry
+            def collect(self):
+                return list(families.values())
+
+        body = generate_latest(_Pages())
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", CONTENT_TYPE_LATEST.encode()),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
 
     async def _relay(self, method: str, target: str, headers: list, body: bytes, session: str | None, send) -> None:
         tried: set[str] = set()
@@ -246,9 +312,12 @@ class Gateway:
 
     async def _forward(self, replica: Replica, method: str, target: str, headers: list, body: bytes, send) -> None:
         import aiohttp
+        import yarl
 
         try:
-            response = await self.client.request(method, replica.url + target, headers=headers,
+            # encoded=True: the path and query go on as the client sent them (yarl would re-quote %zz
+            # and resolve /../ otherwise)
+            response = await self.client.request(method, yarl.URL(replica.url + target, encoded=True), headers=headers,
                                                  data=body if body else None, allow_redirects=False)
         except aiohttp.ClientError as e:  # refused, reset, or closed before the answer's head
             raise _Failed(f"{type(e).__name__}: {e}") from None
@@ -264,12 +333,16 @@ class Gateway:
                 await send({"type": "http.response.body", "body": content})
                 return
             await send({"type": "http.response.start", "status": response.status, "headers": out})
+            last = b"\n\n"
             try:
                 async for chunk in response.content.iter_any():
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    last = chunk[-2:] if len(chunk) >= 2 else last[-1:] + chunk
             except aiohttp.ClientError as e:
                 replica.down_until = time.monotonic() + DOWN_S
                 log.warning("replica %s died under a stream: %s", replica.id, type(e).__name__)
+                # an event cut midway ends first, so the error is an event of its own
+                cut = b"" if last == b"\n\n" else b"\n\n"
                 await send({"type": "http.response.body", "more_body": True,
-                            "body": _sse_error("the replica serving this stream died; the reply is incomplete")})
+                            "body": cut + _sse_error("the replica serving this stream died; the reply is incomplete")})
             await send({"type": "http.response.body", "body": b""})

@@ -109,12 +109,13 @@ class JSONBodyMiddleware:
 class APIKeyMiddleware:
     """`Authorization: Bearer <key>` on everything but the open paths; constant-time comparison."""
 
-    def __init__(self, app, api_key: str):
+    def __init__(self, app, api_key: str, open_methods: tuple[str, ...] = ()):
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
+        self._open_methods = open_methods  # the gateway's OPTIONS: CORS preflights go on to a replica
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope.get("method") in self._open_methods:
             return await self.app(scope, receive, send)
         given = dict(scope.get("headers") or []).get(b"authorization", b"")
         if not hmac.compare_digest(given, self._expected):

@@ -158,11 +158,18 @@ def serve_replicas(model: str, engine_options: EngineOptions, name: str, app_kwa
                                                 max_restarts=-1).remote()
         gateway = Gateway(opts.routing, lambda version: ray.get(registry.watch.remote(version, 5.0)),
                           app_kwargs.get("max_body_bytes", _API.max_body_bytes))
+        app = gateway
+        if app_kwargs.get("api_key"):  # checked at the door too: no body is read or relayed without it
+            from quantserve.server.middleware import APIKeyMiddleware
+
+            app = APIKeyMiddleware(gateway, app_kwargs["api_key"], open_methods=("OPTIONS",))
         grace = app_kwargs.get("shutdown_grace_s", _API.shutdown_grace_s)
         server = server_class()(uvicorn.Config(
-            gateway, host=opts.host, port=opts.port, log_level="warning", access_log=False, lifespan="on",
+            app, host=opts.host, port=opts.port, log_level="warning", access_log=False, lifespan="on",
             timeout_graceful_shutdown=grace, proxy_headers=False,
             server_header=False, date_header=False))  # the replica's own Server and Date headers pass through
+        if opts.address:  # a shared cluster outlives this process: its replicas must not (they hold GPUs)
+            server.before_abrupt_exit = lambda: serve.delete(app_name, _blocking=False)
         failure: list[str] = []
 
         def deploy() -> None:
@@ -174,7 +181,9 @@ def serve_replicas(model: str, engine_options: EngineOptions, name: str, app_kwa
                 server.should_exit = True
                 return
             count = opts.replicas or f"1 (autoscaled up to {opts.max_replicas})"
-            print(f"serving {name} with {count} replica(s) on http://{opts.host}:{opts.port}/v1 "
+            host = f"[{opts.host}]" if ":" in opts.host else opts.host
+            bound = [s.getsockname()[1] for srv in getattr(server, "servers", []) for s in srv.sockets]
+            print(f"serving {name} with {count} replica(s) on http://{host}:{bound[0] if bound else opts.port}/v1 "
                   f"(Ray Serve places them; routing {opts.routing})", file=sys.stderr, flush=True)
 
         threading.Thread(target=deploy, name="quantserve-deploy", daemon=True).start()

@@ -93,8 +93,16 @@ def test_errors_pass_through_as_they_are(two):
     r = httpx.post(two.base_url + "/v1/chat/completions", content=b"{not json", timeout=30,
                    headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    # a body nested past the JSON parser's depth, read by the gateway for session routing: a 400 too
+    r = httpx.post(two.base_url + "/v1/chat/completions", content=b"[" * 100_000, timeout=30,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+    # /metrics is every replica's page, each sample labelled: a scrape never switches replica
     metrics = httpx.get(two.base_url + "/metrics", timeout=30).text
     assert "vllm:num_requests_waiting" in metrics and "quantserve:num_requests_running" in metrics
+    running = [ln for ln in metrics.splitlines() if ln.startswith("quantserve:num_requests_running{")]
+    assert len({ln.split('replica="')[1].split('"')[0] for ln in running}) == 2, running
+    assert sum(ln.startswith("# TYPE quantserve:num_requests_running ") for ln in metrics.splitlines()) == 1
 
 
 def test_a_killed_replica_loses_no_request(two, figures):
@@ -205,3 +213,21 @@ def test_routing_least_loaded_in_turn_and_sessions_by_rendezvous():
     sessions.update({"a": "http://127.0.0.1:0", "b": "http://127.0.0.1:1"})
     assert {s: sessions.pick(s, set()).id for s in home} == moved
     assert Routes("least-loaded").pick(None, set()) is None
+
+
+def test_the_gateway_checks_the_api_key_before_reading_a_body(default_model):
+    """With --api-key, the gateway answers 401 itself (no body is relayed without the key); the
+    key works through it, /health stays open."""
+    key = "sk-gw-5e1"
+    srv = ServerProcess(default_model, "--engine", "hf", "--replicas", "1", api_key=key, name="default",
+                        start_timeout=240)
+    try:
+        r = httpx.post(srv.base_url + "/v1/chat/completions", content=b"x" * 1000, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert "x-quantserve-replica" not in r.headers  # the gateway's own answer
+        ok = srv.client().chat.completions.create(model="default", messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=2)
+        assert ok.choices[0].finish_reason in ("stop", "length")
+        assert httpx.get(srv.base_url + "/health", timeout=30).status_code == 200
+    finally:
+        assert srv.stop(timeout=90) == 0, srv.log()
