@@ -92,12 +92,27 @@ class ModelReplica:
         log.info("replica %s serving on %s", self.id, self.url)
 
     async def _beat(self) -> None:
+        import ray
+        from ray import serve
+
         while True:
             await asyncio.sleep(BEAT_S)
             if not (self.engine.alive() and self.thread.is_alive()):
                 self.registry.leave.remote(self.id)  # off the list now; Ray Serve's health check replaces it
                 return
-            self.registry.beat.remote(self.id, self.url)
+            try:
+                await self.registry.beat.remote(self.id, self.url)
+            except ray.exceptions.ActorDiedError:
+                # The registry dies with the command that made it: that command was killed outright
+                # (SIGKILL, out of memory) on a shared cluster (--address), where Ray Serve apps
+                # outlive their driver.  Nothing routes here any more: remove this command's app,
+                # or its replicas would hold their GPUs for good.
+                app = serve.get_replica_context().app_name
+                log.warning("the command that started replica %s is gone: removing its app %s", self.id, app)
+                await asyncio.to_thread(serve.delete, app, _blocking=False)
+                return
+            except ray.exceptions.RayError as e:  # restarting (max_restarts): the next beat lists us again
+                log.debug("replica %s: a heartbeat was not taken (%s)", self.id, type(e).__name__)
 
     def check_health(self) -> None:
         """Ray Serve's health check: failing, the replica is replaced."""
