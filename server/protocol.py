@@ -10,6 +10,7 @@ refuse them by name: no field is dropped without a word.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Literal, Optional, Union
 
@@ -80,9 +81,15 @@ class _Request(BaseModel):
     @classmethod
     def _null_is_default(cls, data):
         if isinstance(data, dict):
-            defaulted = {name for name, f in cls.model_fields.items() if not f.is_required() and f.default is not None}
+            defaulted = _defaulted_fields(cls)
             data = {k: v for k, v in data.items() if v is not None or k not in defaulted}
         return data
+
+
+@functools.cache
+def _defaulted_fields(model: type[BaseModel]) -> frozenset[str]:
+    """A request model's fields whose default is not None (a null sent for them means that default)."""
+    return frozenset(name for name, f in model.model_fields.items() if not f.is_required() and f.default is not None)
 
 
 def _check_token_ids(ids: list[int]) -> None:

@@ -10,7 +10,7 @@ from quantserve.server.protocol import ChatCompletionRequest
 from quantserve.server.protocol_replies import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                                 ChatCompletionChunk, ChoiceLogprobs, DeltaFunctionCall, DeltaMessage,
                                                 DeltaToolCall, FunctionCall, TokenLogprobOut, ToolCall, TopLogprobOut)
-from quantserve.server.serving import (Job, ServerState, check_model, collect, new_id, run_job,
+from quantserve.server.serving import (Job, ServerState, check_model, collect, new_id, output_format, run_job,
                                        run_to_reply, sse_error, start_job)
 from quantserve.server.textstream import LogprobEntry
 from quantserve.server.tokenizing import encode_all
@@ -87,23 +87,17 @@ def _logprobs_out(entries: list[LogprobEntry]) -> ChoiceLogprobs:
         for e in entries])
 
 
-def format_into_tools(req: ChatCompletionRequest) -> tuple[ChatCompletionRequest, str | None]:
+def format_into_tools(state: ServerState, req: ChatCompletionRequest) -> tuple[ChatCompletionRequest, str | None]:
     """Strict tools under "auto" with a response format (the Agents SDK's output_type): one
     grammar holds both, a reply that is the format's JSON or calls that validate.  Returns the
     request without its format, and the format's JSON schema (None: no format)."""
-    from quantserve.server.structured import GrammarError, output_format
-
-    try:
-        fmt = output_format(req.response_format, req.structured_outputs, req.guided())
-    except GrammarError as e:
-        raise APIError(400, str(e), param=e.param) from None
+    fmt = output_format(state, req)
     if fmt is None:
         return req, None
     if fmt.kind != "json":
         raise APIError(400, f"{fmt.param}: with strict tools under tool_choice auto, only a JSON response format "
                        "is served (one grammar holds the answer and the calls)", param=fmt.param)
-    cleared = {name: None for name in ("response_format", "structured_outputs", "guided_json", "guided_regex",
-                                       "guided_choice", "guided_grammar")}
+    cleared = dict.fromkeys(["response_format", "structured_outputs", *req.guided()])
     return req.model_copy(update=cleared), fmt.text
 
 
@@ -124,7 +118,7 @@ async def prepare(state: ServerState, req: ChatCompletionRequest):
     plan = tool_plan(state, req)
     answer_schema = None
     if plan is not None and plan.strict:
-        req, answer_schema = format_into_tools(req)
+        req, answer_schema = format_into_tools(state, req)
     messages, tool_kwargs = conversation(state, req, plan)
     prompt = await render_prompt(state, messages, {**(req.chat_template_kwargs or {}), **tool_kwargs})
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

@@ -15,18 +15,19 @@ from quantserve.server.unsupported import refuse_unsupported
 DEFAULT_MAX_TOKENS = 16  # the OpenAI completions default
 
 
-def _legacy_logprobs(entries: list[LogprobEntry], base: int) -> CompletionLogprobs:
-    """OpenAI's legacy shape; text_offset: where each token starts in the choice's text (`base`: the
-    echoed prompt's length before generated tokens, 0 before the prompt's own)."""
+def _legacy_logprobs(*parts: tuple[list[LogprobEntry], int]) -> CompletionLogprobs:
+    """OpenAI's legacy shape of (entries, base) parts; text_offset: where each token starts in the
+    choice's text (base: 0 for the prompt's own tokens, the echoed prompt's length for generated ones)."""
     out = CompletionLogprobs()
-    for e in entries:
-        out.text_offset.append(base + e.offset)
-        out.tokens.append(e.token)
-        out.token_logprobs.append(e.logprob)
-        top = {t: lp for t, _, lp in e.top}
-        if e.logprob is not None:  # OpenAI always includes the chosen token: up to logprobs + 1 entries
-            top.setdefault(e.token, e.logprob)
-        out.top_logprobs.append(top or None)
+    for entries, base in parts:
+        for e in entries:
+            out.text_offset.append(base + e.offset)
+            out.tokens.append(e.token)
+            out.token_logprobs.append(e.logprob)
+            top = {t: lp for t, _, lp in e.top}
+            if e.logprob is not None:  # OpenAI always includes the chosen token: up to logprobs + 1 entries
+                top.setdefault(e.token, e.logprob)
+            out.top_logprobs.append(top or None)
     return out
 
 
@@ -55,10 +56,7 @@ async def complete(state: ServerState, req: CompletionRequest, request) -> Compl
         prefix = texts[i // req.n] if req.echo else ""
         logprobs = None
         if req.logprobs is not None:  # the prompt's entries are there only with echo
-            logprobs = _legacy_logprobs(c.prompt_logprobs, 0)
-            generated = _legacy_logprobs(c.all_logprobs, len(prefix))
-            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-                getattr(logprobs, name).extend(getattr(generated, name))
+            logprobs = _legacy_logprobs((c.prompt_logprobs, 0), (c.all_logprobs, len(prefix)))
         choices.append(CompletionChoice(index=i, text=prefix + c.text, finish_reason=c.finish_reason,
                                         logprobs=logprobs))
     return Completion(id=new_id("cmpl"), model=state.model_name, choices=choices, usage=job.usage())
@@ -85,11 +83,11 @@ async def stream(state: ServerState, req: CompletionRequest, job: Job, texts: li
         async for i, delta in run_job(state, job):
             if scored and not echoed[i]:  # the echoed prompt with its logprobs, once they are known
                 echoed[i] = True
-                prompt_lp = _legacy_logprobs(job.choices[i].prompt_logprobs, 0)
+                prompt_lp = _legacy_logprobs((job.choices[i].prompt_logprobs, 0))
                 yield event(Completion(id=cid, model=state.model_name, choices=[
                     CompletionChoice(index=i, text=texts[i // req.n], logprobs=prompt_lp)]))
             base = len(texts[i // req.n]) if req.echo else 0
-            lp = _legacy_logprobs(delta.logprobs, base) if req.logprobs is not None else None
+            lp = _legacy_logprobs((delta.logprobs, base)) if req.logprobs is not None else None
             if delta.finish_reason == "error":  # an error event instead of a finish_reason
                 yield sse_error(job.choices[i].error)
                 continue

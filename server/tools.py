@@ -18,6 +18,7 @@ Errors are `ToolError`s naming the request field; the API layer answers 400.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -121,18 +122,24 @@ def _check_tool(tool, param: str) -> dict:
     if params is not None and (not isinstance(params, dict) or params.get("type", "object") != "object"):
         raise ToolError(f"{param}.function.parameters must be a JSON schema of an object", "tools")
     if params is not None:
-        # checked whatever tool_choice says, leniently: a malformed schema is the caller's mistake, but
-        # keywords llguidance cannot enforce (uniqueItems, not, ...) only matter where a grammar is
-        # built from it (required, named, strict), which reports them then
-        import llguidance
-
-        lenient = json.dumps({**params, "x-guidance": {"lenient": True}})
-        error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_json_schema(lenient))
+        error = _schema_error(json.dumps(params, sort_keys=True))
         if error:
             raise ToolError(f"{param}.function.parameters: {error.splitlines()[0][:300]}", "tools")
     if not isinstance(fn.get("strict", False), (bool, type(None))):
         raise ToolError(f"{param}.function.strict must be true or false", "tools")
     return {"type": "function", "function": {k: v for k, v in fn.items() if v is not None}}
+
+
+@functools.lru_cache(maxsize=256)  # an agent sends the same tools on every turn
+def _schema_error(schema: str) -> str:
+    """llguidance's complaint about a parameters schema (JSON text), '' when none.  Lenient: a
+    malformed schema is the caller's mistake whatever tool_choice says, but keywords a grammar
+    cannot enforce (uniqueItems, not, ...) only matter where one is built from it (required,
+    named, strict), which reports them then."""
+    import llguidance
+
+    lenient = json.dumps({**json.loads(schema), "x-guidance": {"lenient": True}})
+    return llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_json_schema(lenient))
 
 
 def _choice(tool_choice, names: set[str]) -> tuple[str, str | None]:

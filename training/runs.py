@@ -46,6 +46,14 @@ def run_identity(cfg: TrainConfig) -> dict:
     return {"config": json.loads(json.dumps(config, default=str)), "data_fingerprint": data_fingerprint(cfg.data)}
 
 
+def is_run_folder(out: Path) -> bool:
+    """Whether `out` is empty or a training run's folder: its run.json (written first), or from
+    before run.json, a checkpoint's trainer_state.json or the pipeline's stage.json.  Anything
+    else there is someone's files, which a run must not write over."""
+    return (not any(out.iterdir()) or (out / RUN_FILE).exists() or (out / "stage.json").exists()
+            or any(out.glob("checkpoint-*/trainer_state.json")))
+
+
 def other_run(cfg: TrainConfig, identity: dict | None = None) -> str | None:
     """If `cfg.out` holds the start of (or a finished) run of another config or data: what differs.
     `identity`: `run_identity(cfg)` where the caller has it."""

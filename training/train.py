@@ -25,8 +25,8 @@ from pathlib import Path
 from quantserve.settings import UserError, make_readable
 from quantserve.training import distributed
 from quantserve.training.distributed import log
-from quantserve.training.runs import (RUN_FILE, data_fingerprint, finished_run, last_complete_checkpoint, other_run,
-                                      run_identity)
+from quantserve.training.runs import (RUN_FILE, data_fingerprint, finished_run, is_run_folder,
+                                      last_complete_checkpoint, other_run, run_identity)
 from quantserve.training.config import ATTN_IMPL, SCHEDULES, Resolved, TrainConfig
 
 PROBE_PROMPT = "Reverse: a b c d"
@@ -145,14 +145,6 @@ def cfg_profile(cfg: TrainConfig) -> str:
     return resolve_profile(cfg.gpu_profile)
 
 
-def _a_run(out: Path) -> bool:
-    """Whether `out` is empty or a training run's folder: its run.json (written first), or from
-    before run.json, a checkpoint's trainer_state.json or the pipeline's stage.json.  Anything
-    else there is someone's files, which a run must not write over."""
-    return (not any(out.iterdir()) or (out / RUN_FILE).exists() or (out / "stage.json").exists()
-            or any(out.glob("checkpoint-*/trainer_state.json")))
-
-
 def train(cfg: TrainConfig) -> Path:
     """Fine-tune `cfg.model` on `cfg.data`; return `cfg.out`, a loadable Hugging Face checkpoint."""
     cfg.validate()
@@ -168,7 +160,7 @@ def train(cfg: TrainConfig) -> Path:
         # and leave its model under the new command's name
         raise UserError(f"{cfg.out} holds a run of another config ({other}); pass --force to replace "
                         "it, or choose another --out")
-    if cfg.out.is_dir() and not _a_run(cfg.out) and not cfg.force:
+    if cfg.out.is_dir() and not is_run_folder(cfg.out) and not cfg.force:
         raise UserError(f"{cfg.out} holds other files and no training run ({RUN_FILE}); pass --force to train "
                         "into it anyway, or choose another --out")
     if cfg.force and cfg.out.is_dir():
