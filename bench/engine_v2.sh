@@ -29,6 +29,14 @@
 #                              start with nothing cached, a warm start without the bytecode cache
 #                              (QUANTSERVE_BYTECODE_CACHE=0) and two with it; then the 1B: its first start, the random
 #                              loads and idle prompts, ours then llama-server on its Q8_0 GGUF
+#   bench/engine_v2.sh OUT 24  a fresh machine, 8B, the whole table in one call (carry .devllama too): llama.cpp's
+#                              build detached; ours cold (nothing cached: random loads, idle prompts, shared load),
+#                              a warm start with --no-prefix-cache (shared load); the Q8_0 GGUF; llama-server on
+#                              the same three loads if its build is ready in time (else phase 25 runs them)
+#   bench/engine_v2.sh OUT 25  phase 24's machine kept warm: llama-server on the 8B if phase 24 left it out; the 1B:
+#                              ours on a first start (random, idle, shared), warm with --no-prefix-cache (shared),
+#                              llama-server (random, idle, shared; httpx client); the GPU tests of the engine and
+#                              its kernels in what time is left
 # The phases that earlier sections of bench/RESULTS.md ran (1-14) are in git history at the commit
 # each section names; the capacity runs at --context 8192 are bench/gpu_checks.sh's call 2.
 # Run from the repo root with .devwheels carried (the wheels the GPU image lacks).
@@ -260,4 +268,48 @@ EOF
   finish
 fi
 
-echo "engine_v2.sh: unknown phase '$phase' (this file has 15-23)" >&2; exit 2
+llama_loads() {  # SHAPE: llama-server on the shape's Q8_0 GGUF, the random loads, idle prompts, the shared load
+  local client=(); [ "$1" = llama-3.2-1b ] && client=(--client httpx)  # aiohttp dropped kept-alive connections there (phase 15)
+  local label=llama-${1##*-}
+  start_llama "$label" /tmp/gguf-$1/*.gguf && {
+    for kind in random idle shared; do SERVE_EXTRA="${client[*]}" load "$label" 8001 $kind; done; stop; }
+}
+
+if [ "$phase" = 24 ]; then
+  install
+  machine
+  build_llama_cpp
+  checkpoint llama-3.1-8b || { log "no checkpoint"; exit 1; }
+  rm -rf "$QUANTSERVE_HOME"  # cold: no compile cache, no bytecode cache, no kernel choices
+  start_ours ours-8b-cold /tmp/ck-llama-3.1-8b "${ours[@]}" \
+      && { load ours-8b 8000 random; load ours-8b 8000 idle; shared_split ours-8b; stop; }
+  start_ours ours-8b-nocache /tmp/ck-llama-3.1-8b "${ours[@]}" --no-prefix-cache && { shared_split ours-8b-nocache; stop; }
+  gguf llama-3.1-8b || log "no GGUF"
+  while [ ! -x /tmp/llama-cpp/bin/llama-server ] && [ $SECONDS -lt 440 ]; do sleep 1; done
+  log "llama.cpp's build: $([ -x /tmp/llama-cpp/bin/llama-server ] && echo ready || echo 'not ready: phase 25 runs it')"
+  [ -x /tmp/llama-cpp/bin/llama-server ] && { llama_loads llama-3.1-8b; touch /tmp/llama-8b.done; }
+  finish
+fi
+
+if [ "$phase" = 25 ]; then  # phase 24's machine kept warm
+  install; machine
+  if [ ! -f /tmp/llama-8b.done ]; then
+    for i in $(seq 240); do [ -x /tmp/llama-cpp/bin/llama-server ] && break; sleep 1; done
+    llama_loads llama-3.1-8b
+  fi
+  checkpoint llama-3.2-1b && gguf llama-3.2-1b || { log "no 1B checkpoint"; finish; }
+  start_ours ours-1b-first /tmp/ck-llama-3.2-1b "${ours[@]}" \
+      && { load ours-1b 8000 random; load ours-1b 8000 idle; shared_split ours-1b; stop; }
+  start_ours ours-1b-nocache /tmp/ck-llama-3.2-1b "${ours[@]}" --no-prefix-cache && { shared_split ours-1b-nocache; stop; }
+  llama_loads llama-3.2-1b
+  rest=$(( 560 - SECONDS ))
+  if [ $rest -gt 90 ]; then  # the engine's and kernels' GPU tests at this commit, in what time is left
+    (cd /tmp && QUANTSERVE_HOME=/tmp/qs-tests timeout $rest python3 -m pytest --import-mode=append -q -p no:cacheprovider -rfs \
+        "$repo/tests/serve/test_gpu_kernels.py" "$repo/tests/serve/test_paged_attention.py") > "$out/tests.log" 2>&1 \
+        || log "tests: rc=$?"
+    grep -E "^FAILED|passed|failed|rror" "$out/tests.log" | tail -n 12 >> "$out/bench.txt"
+  fi
+  finish
+fi
+
+echo "engine_v2.sh: unknown phase '$phase' (this file has 15-25)" >&2; exit 2
