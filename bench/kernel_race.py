@@ -15,7 +15,11 @@ and cast included), int8-gemv / int4-gemv / int4-halfdot (batch 1: this tree's m
 kernel alone at its autotuner's config, with the bit-pattern dequantization; int4-halfdot with
 its products in packed fp16; int8-dp4a / int4-dp4a with x rounded to int8 and dp4a products, triton_dp4a.py), int8-gemlite / int4-gemlite, int8-dense / int4-dense and int8-tiles / int4-tiles (prompts
 only: the dequantize-then-cuBLAS path alone, the 128-row tiles alone), int4-tiled (decode batches: the tiled `tl.dot`
-kernel alone) and int4-rows (2-16 rows: triton_rows.py's kernel alone).  Every row also records the error against the
+kernel alone) and int4-rows (2-16 rows: triton_rows.py's kernel alone).  int8-w8a8 (prompts only; not a
+path the server takes) rounds x to int8 with one scale per row and multiplies on the int8 tensor
+cores through cuBLASLt (`torch._int_mm`; a T4 has them too, while Triton's `tl.dot` has no tensor
+cores below sm_80): what a prompt could cost without an fp16 copy of the weight, and, in its
+error column, what rounding the activations costs.  Every row also records the error against the
 fp32 product of the same integers dequantized.
 """
 
@@ -31,7 +35,7 @@ from pathlib import Path
 from quantserve.bench.decode_device import copy_bandwidth
 from quantserve.bench.kernels import SHAPES
 
-KINDS = ("fp16", "int8", "int8-old", "int8-gemv", "int8-dp4a", "int8-gemlite", "int8-dense", "int8-tiles", "int4",
+KINDS = ("fp16", "int8", "int8-old", "int8-gemv", "int8-dp4a", "int8-gemlite", "int8-dense", "int8-tiles", "int8-w8a8", "int4",
          "int4-old", "int4-gemv", "int4-halfdot", "int4-dp4a", "int4-gemlite", "int4-dense", "int4-tiles", "int4-tiled",
          "int4-rows")
 BATCH1_ONLY = ("-old", "-gemv", "-halfdot", "-dp4a", "-gemlite")  # kinds timed at M = 1 only
@@ -84,7 +88,7 @@ def build(kind: str, w, old):
     weights, _, library = kind.partition("-")
     layer = make_linear(w, None, weights, torch.float16, "gemlite" if library == "gemlite" else "triton")
     fn = {"old": lambda: _old_layer(kind, layer, old), "dense": lambda: _dense_layer(layer),
-          "tiles": lambda: _alone(layer, "tiles"), "gemv": lambda: _alone(layer, "gemv", {"BIT_DEQUANT": True}),
+          "tiles": lambda: _alone(layer, "tiles"), "w8a8": lambda: _w8a8_layer(layer), "gemv": lambda: _alone(layer, "gemv", {"BIT_DEQUANT": True}),
           "tiled": lambda: _alone(layer, "tiled"), "rows": lambda: _alone(layer, "rows"),
           "halfdot": lambda: _alone(layer, "gemv", {"BIT_DEQUANT": True, "HALF_DOT": True}),
           "dp4a": lambda: _alone(layer, "gemv", {"BIT_DEQUANT": True, "DOT4": True})}.get(library, lambda: layer)()
@@ -99,6 +103,36 @@ def _dense_layer(layer):
     if hasattr(layer, "mins"):
         return lambda x: triton_mm._int4_dense(x, layer.weight, layer.scales, layer.mins, layer.group_size)
     return lambda x: triton_mm._int8_dense(x, layer.weight, layer.scales)
+
+
+def _rows_to_int8(x):
+    """x [M, K] -> (int8 [M, K], fp32 scales [M, 1]): one symmetric scale per row, max|x| / 127."""
+    scale = x.float().abs().amax(1, keepdim=True).clamp_min(1e-8) / 127
+    return (x.float() / scale).round().clamp(-127, 127).char(), scale
+
+
+def _scaled(acc, row_scales, col_scales, dtype):
+    """int32 [M, N] products -> [M, N] in dtype, times each row's and each column's scale."""
+    return (acc.float() * row_scales * col_scales.float()).to(dtype)
+
+
+_compiled: dict = {}
+
+
+def _w8a8_layer(layer):
+    """x -> y with x rounded to int8 per row, int8 x int8 -> int32 on cuBLASLt (`torch._int_mm`, the
+    weight's [N, K] buffer read as its column-major transpose), then both scales in one pass.  The
+    rounding and the scaling are compiled (one kernel each), as a server would run them."""
+    import torch
+
+    if not _compiled:
+        _compiled.update(rows=torch.compile(_rows_to_int8, dynamic=True), scaled=torch.compile(_scaled, dynamic=True))
+    weight_t = layer.weight.t()
+
+    def call(x):
+        xq, row_scales = _compiled["rows"](x)
+        return _compiled["scaled"](torch._int_mm(xq, weight_t), row_scales, layer.scales, x.dtype)
+    return call
 
 
 def _alone(layer, kind: str, flags: dict | None = None):
@@ -215,7 +249,7 @@ def run(shapes, kinds, batches, out: str, old_path: str | None, budget_mb: int =
                 for M in batches:
                     if M > 1 and kind.endswith(BATCH1_ONLY):
                         continue  # batch-1 kernels (ours alone, old) / GemLite's own per-M tuning: batch 1 only here
-                    if M <= 64 and kind.endswith(("-dense", "-tiles")):
+                    if M <= 64 and kind.endswith(("-dense", "-tiles", "-w8a8")):
                         continue  # a prompt path
                     if (M > 64 and kind.endswith(DECODE_ONLY)) or (not 2 <= M <= 16 and kind.endswith(FEW_ROWS_ONLY)):
                         continue
