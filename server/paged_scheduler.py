@@ -113,10 +113,9 @@ class PagedScheduler(Scheduler):
         """Step k + 1 for the batch of the step in flight, fed its tokens on the device; then read
         step k.  False (nothing done) when the batch must change first."""
         step = self._in_flight
-        running = [s for s in self._running.values() if s.stream.request.params.embed is None]
-        if len(running) != len(step.batch) or any(self._running.get(s.stream.request.request_id) is not s
-                                                   for s in step.batch):
-            return False  # a sequence ended or was cancelled, or a new one was admitted
+        if len(self._running) != len(step.batch) or any(self._running.get(s.stream.request.request_id) is not s
+                                                        for s in step.batch):
+            return False  # a sequence ended or was cancelled, or a new one (an embedding too) was admitted
         with self._cond:
             if (self._waiting and self._free_slots) or self._preempted:
                 return False  # someone can start: the next step carries their prompt
@@ -202,9 +201,12 @@ class PagedScheduler(Scheduler):
         """Is the block `seq` would compute next being computed in this step by an older sequence's
         piece?  Then `seq` sits this step out and takes that block from the cache in the next one
         (SGLang's in-batch prefix caching).  Otherwise clients arriving at once with one system
-        prompt each computed as much of it as the step's budget reached."""
+        prompt each computed as much of it as the step's budget reached.  Only for a block the cache
+        could hand `seq`: never the one holding its last token, which every sequence computes itself
+        (BlockPool._match), or identical prompts of whole blocks would start one step apart."""
         block = seq.prefilled // BLOCK
-        return seq.prefilled % BLOCK == 0 and block < len(keys) and keys[block] in computing
+        return seq.prefilled % BLOCK == 0 and block < (seq.context_len() - 1) // BLOCK \
+            and block < len(keys) and keys[block] in computing
 
     def _preempt(self, seq: RunningSequence) -> None:
         """Send `seq` back to wait: its blocks return to the pool (the full ones stay cached).  A

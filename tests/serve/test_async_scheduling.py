@@ -121,3 +121,37 @@ def test_sampled_requests_take_the_ordinary_step(default_model):
         assert done.wait(60)
     finally:
         sched.shutdown(5)
+
+
+def test_an_embedding_is_not_held_back_by_steps_launched_ahead(default_model):
+    """An embedding request arriving while a long greedy generation runs ahead is served at once.
+    It used to wait for the generation to end: the launcher left embeddings out of its check that
+    the batch had changed, so the ordinary step that embeds never ran."""
+    from quantserve.server.engine import EngineRequest, TokenStream
+    from quantserve.server.sampling import SamplingParams
+
+    sched, backend, tok, launches = _scheduler(default_model, async_scheduling=True)
+    decode = recording_stream(tok.encode("Repeat: x y z"), 300)
+    embedded = threading.Event()
+    tokens_then = []
+
+    class Embedding(TokenStream):
+        def deliver(self, event) -> None:
+            if event.finish_reason:
+                tokens_then.append(len(decode.tokens))
+                embedded.set()
+
+    params = SamplingParams(max_tokens=0, temperature=0.0, ignore_eos=True, embed="last")
+    try:
+        sched.submit([decode])
+        deadline = time.monotonic() + 60
+        while len(decode.tokens) < 5:
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        sched.submit([Embedding(EngineRequest(tok.encode("Count the letters: a b c"), params), loop=None, engine=None)])
+        assert embedded.wait(60) and decode.done.wait(60)
+    finally:
+        sched.shutdown(5)
+    assert launches, "the generation never ran ahead"
+    assert tokens_then[0] < 150, f"the embedding waited for {tokens_then[0]} of the generation's 300 tokens"
+    assert backend.pool.used_blocks() == 0

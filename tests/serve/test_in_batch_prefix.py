@@ -59,3 +59,37 @@ def test_requests_trail_a_prefix_that_takes_several_steps(default_model):
     assert tokens == cold
     shared_blocks = (prompt_len - 12) // 16
     assert hits >= 3 * shared_blocks * 16, (hits, shared_blocks)
+
+
+def test_identical_prompts_of_whole_blocks_start_together(default_model):
+    """Eight copies of one 64-token prompt (4 whole blocks; n > 1 or clients repeating a prompt).
+    A sequence always computes the block holding its last token itself, so waiting for another
+    sequence to compute that block gains nothing: the copies take the first 3 blocks from the
+    cache in the second forward and all start there.  They used to start one forward apart."""
+    from quantserve.server.fastcore.adapter import FastCoreBackend
+    from quantserve.server.paged_scheduler import PagedScheduler
+
+    backend = FastCoreBackend(default_model, max_batch=8, context_length=512)
+    forwards = []
+    real = backend.step
+    backend.step = lambda items: forwards.append(len(items)) or real(items)
+    sched = PagedScheduler(backend, set(), max_batch=8, max_queue=16, max_batched_tokens=512,
+                           async_scheduling=False)
+    prompt = [(11 * i) % 700 + 3 for i in range(64)]
+    streams = [recording_stream(prompt, 4) for _ in range(8)]
+    started = {}
+    for i, s in enumerate(streams):  # the forwards run before each one's first token
+        deliver = s.deliver
+        s.deliver = lambda event, i=i, deliver=deliver: (started.setdefault(i, len(forwards)), deliver(event))
+    try:
+        with sched._cond:  # all eight waiting before the scheduler's first iteration
+            for s in streams:
+                sched.submit([s])
+        for s in streams:
+            assert s.done.wait(60)
+    finally:
+        sched.shutdown(5)
+    assert [started[i] for i in range(8)] == [1] + [2] * 7, started
+    assert all(s.tokens == streams[0].tokens for s in streams)
+    assert backend.pool.hit_tokens == 7 * 48
+    assert backend.pool.used_blocks() == 0
