@@ -217,8 +217,9 @@ def check_sequences(count: int, what: str, param: str) -> None:
 
 def start_job(state: ServerState, req: _SamplingFields, prompts: list[list[int]], max_tokens: int | None,
               logprobs: int | None, param: str, forced_format=None, prompt_logprobs: int | None = None,
-              end_token_logprobs: bool = False) -> Job:
-    """Validate everything first, then submit all choices together (the engine takes all or none)."""
+              end_token_logprobs: bool = False, kept_tokens: dict[int, str] | None = None) -> Job:
+    """Validate everything first, then submit all choices together (the engine takes all or none).
+    kept_tokens: special token ids written into the reply's text (a tool format's markers)."""
     engine = state.engine
     check_sequences(len(prompts) * req.n, "choices (prompts x n)", "n" if req.n > 1 else param)
     vocab = engine.tokenizer.vocab_size
@@ -232,8 +233,8 @@ def start_job(state: ServerState, req: _SamplingFields, prompts: list[list[int]]
         for j in range(req.n):
             planned.append((prompt, sampling_params(state, req, len(prompt), max_tokens, logprobs, param,
                                                     len(planned), fmt, prompt_logprobs)))
-    choices = [ChoiceText(engine.tokenizer, prompt, req.stop_list(), logprobs is not None, end_token_logprobs)
-               for prompt, _ in planned]
+    choices = [ChoiceText(engine.tokenizer, prompt, req.stop_list(), logprobs is not None, end_token_logprobs,
+                          kept_tokens) for prompt, _ in planned]
     state.metrics.received.inc()
     try:
         streams = engine.submit([EngineRequest(prompt, params) for prompt, params in planned])

@@ -23,11 +23,12 @@ RESERVED_TEMPLATE_VARIABLES = {"messages", "add_generation_prompt", "bos_token",
 
 
 def tool_format(state: ServerState):
-    from quantserve.server.tool_parsers import FORMATS, detect
+    """The model's tool-call format, bound to its tokenizer's special tokens (tool_parsers.for_tokenizer)."""
+    from quantserve.server.tool_parsers import FORMATS, detect, for_tokenizer
 
-    if state.tool_call_parser == "auto":
-        return detect(state.engine.tokenizer.chat_template)
-    return FORMATS[state.tool_call_parser]
+    tokenizer = state.engine.tokenizer
+    fmt = detect(tokenizer.chat_template) if state.tool_call_parser == "auto" else FORMATS[state.tool_call_parser]
+    return for_tokenizer(fmt, tokenizer)
 
 
 def tool_plan(state: ServerState, req: ChatCompletionRequest):
@@ -128,7 +129,8 @@ async def prepare(state: ServerState, req: ChatCompletionRequest):
     except RequestFieldError as e:
         raise APIError(400, str(e), param=e.param) from None
     forced = OutputFormat("grammar", grammar, "tools" if plan.strict else "tool_choice") if grammar else None
-    return start_job(state, req, [prompt], max_tokens, logprobs, "messages", forced), plan
+    kept = plan.fmt.kept_tokens() if plan is not None and plan.parses else None  # markers that are special tokens
+    return start_job(state, req, [prompt], max_tokens, logprobs, "messages", forced, kept_tokens=kept), plan
 
 
 def reply_message(text: str, finish_reason: str | None, plan) -> tuple[AssistantMessage, str | None]:

@@ -107,8 +107,11 @@ class ChoiceText:
     """One choice's text as it grows; `push(event)` returns what to send for that event."""
 
     def __init__(self, tokenizer: ModelTokenizer, prompt_ids: list[int], stop: list[str], want_logprobs: bool,
-                 end_token_logprobs: bool = False):
+                 end_token_logprobs: bool = False, kept_tokens: dict[int, str] | None = None):
+        """kept_tokens: special token ids whose text the reply keeps (decoding leaves special tokens
+        out): a tool-call format's marker, which its parser reads."""
         self.tokenizer = tokenizer
+        self.kept_tokens = kept_tokens or {}
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
         self.stop = StopMatcher(stop)
         self.want_logprobs = want_logprobs
@@ -137,7 +140,7 @@ class ChoiceText:
             at = self._decoded
             is_end_token = event.finish_reason == "stop"  # eos / stop token ids are not text
             if not is_end_token:
-                text = self.detok.push(event.token_id)
+                text = self.detok.push(event.token_id) + self.kept_tokens.get(event.token_id, "")
             if self.want_logprobs and (self.end_token_logprobs or not is_end_token):
                 self._waiting_logprobs.append(self._scored(event.token_id, event.logprob, event.top_logprobs or [], at))
         if event.finish_reason is not None:

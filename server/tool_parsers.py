@@ -12,10 +12,18 @@ function), constrain the output to it so that it always parses.  One `ToolCallFo
 
 A format is chosen by `--tool-call-parser`, or else guessed from the chat template's text
 (`detect`).  Nothing here knows HTTP: a reply that does not parse is plain content, as in vLLM.
+
+A marker may be one special token of the model's tokenizer (Mistral's `[TOOL_CALLS]`, Hermes 2
+Pro's `<tool_call>`).  Special tokens are left out of the reply's text, so `for_tokenizer` binds
+the format to those ids: its grammars name the token itself (`<[id]>` in llguidance's Lark, a
+text literal would never match it), and the reply's text keeps the marker (`kept_tokens`), as
+vLLM's parsers keep special tokens for requests with tools.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -38,10 +46,22 @@ class ToolCallFormat:
     start: str  # the text a call begins with: streaming holds text back from here on
     args_key: str  # the key holding the arguments in one call's JSON
     parse: Callable[[str], tuple[str, list[ParsedCall]]]  # reply -> (content before the calls, calls)
-    block: Callable[[str], str]  # one call's JSON -> its text in the reply (history and grammar)
-    grammar: Callable[[str, bool], str]  # (one call's lark rule body, several allowed) -> lark grammar
+    block: Callable[[str], str]  # one call's JSON -> its text in the reply (history)
+    # (this format, one call's lark rule body, several allowed) -> lark grammar
+    grammar: Callable[["ToolCallFormat", str, bool], str]
     # the same for tool_choice "auto" with strict tools: free text, or calls that must validate
-    free_grammar: Callable[[str, bool], str]
+    free_grammar: Callable[["ToolCallFormat", str, bool], str]
+    markers: tuple[str, ...] = ()  # the texts around calls that a tokenizer may have as special tokens
+    special: tuple[tuple[str, int], ...] = ()  # (marker, token id) where it is one special token
+
+    def lark(self, marker: str) -> str:
+        """The marker in a Lark grammar: its special token where it is one, else its text."""
+        token = dict(self.special).get(marker)
+        return f"<[{token}]>" if token is not None else _lark_string(marker)
+
+    def kept_tokens(self) -> dict[int, str]:
+        """Special token id -> its text, for the markers a reply's text must keep to parse."""
+        return {token: marker for marker, token in self.special}
 
     def call_text(self, name: str, arguments: dict) -> str:
         """One call as the model writes it (assistant turns in the history, when the template
@@ -128,22 +148,22 @@ def _lark_string(text: str) -> str:
     return json.dumps(text)  # a JSON string literal is a valid Lark string literal
 
 
-def _hermes_grammar(call: str, many: bool) -> str:
+def _hermes_grammar(fmt: ToolCallFormat, call: str, many: bool) -> str:
     nl = _lark_string("\n")
     repeat = f" ({nl} block)*" if many else ""
     return (f"start: block{repeat}\n"
-            f"block: {_lark_string('<tool_call>' + chr(10))} call {_lark_string(chr(10) + '</tool_call>')}\n"
+            f"block: {fmt.lark('<tool_call>')} {nl} call {nl} {fmt.lark('</tool_call>')}\n"
             f"call: {call}\n")
 
 
-def _llama3_grammar(call: str, many: bool) -> str:
+def _llama3_grammar(fmt: ToolCallFormat, call: str, many: bool) -> str:
     repeat = ' ("; " call)*' if many else ""
     return f"start: call{repeat}\ncall: {call}\n"
 
 
-def _mistral_grammar(call: str, many: bool) -> str:
+def _mistral_grammar(fmt: ToolCallFormat, call: str, many: bool) -> str:
     repeat = ' (", " call)*' if many else ""
-    return f'start: "[TOOL_CALLS][" call{repeat} "]"\ncall: {call}\n'
+    return f'start: {fmt.lark("[TOOL_CALLS]")} "[" call{repeat} "]"\ncall: {call}\n'
 
 
 # Free text beside calls ("auto" with strict tools): a terminal of any text without the format's
@@ -153,16 +173,25 @@ def _text_without(marker: str) -> str:
     return f"/(?s:.*)/ & ~/(?s:.*){re.escape(marker)}(?s:.*)/"
 
 
-def _hermes_free_grammar(call: str, many: bool) -> str:
+def _head(fmt: ToolCallFormat, marker: str) -> str:
+    """The rule `head`: free text up to and including the marker that starts a call.  A text marker
+    ends a lazy lexeme; a special token follows text (which cannot hold it) as a token of its own."""
+    if dict(fmt.special).get(marker) is not None:
+        return f"head: TEXT {fmt.lark(marker)}\n"
+    return f"head[lazy]: /(?s:.*){re.escape(marker)}/\n"
+
+
+def _hermes_free_grammar(fmt: ToolCallFormat, call: str, many: bool) -> str:
     blocks = "block+" if many else "block"
+    nl = _lark_string("\n")
     return (f"start: TEXT | {blocks} TEXT\n"  # after the calls, text without another marker
             f"TEXT: {_text_without('<tool_call>')}\n"
-            f"head[lazy]: /(?s:.*)<tool_call>/\n"
-            f"block: head {_lark_string(chr(10))} call {_lark_string(chr(10) + '</tool_call>')}\n"
+            + _head(fmt, "<tool_call>") +
+            f"block: head {nl} call {nl} {fmt.lark('</tool_call>')}\n"
             f"call: {call}\n")
 
 
-def _llama3_free_grammar(call: str, many: bool) -> str:
+def _llama3_free_grammar(fmt: ToolCallFormat, call: str, many: bool) -> str:
     repeat = ' ("; " call)*' if many else ""
     return (f"start: TEXT | WS? call{repeat}\n"
             "TEXT: /(?s:.*)/ & ~/\\s*\\{(?s:.*)/\n"  # text that does not open a JSON object
@@ -170,25 +199,40 @@ def _llama3_free_grammar(call: str, many: bool) -> str:
             f"call: {call}\n")
 
 
-def _mistral_free_grammar(call: str, many: bool) -> str:
+def _mistral_free_grammar(fmt: ToolCallFormat, call: str, many: bool) -> str:
     repeat = ' (", " call)*' if many else ""
     return (f'start: TEXT | head WS? "[" call{repeat} "]" TEXT\n'
             f"TEXT: {_text_without('[TOOL_CALLS]')}\n"
             "WS: /\\s+/\n"
-            "head[lazy]: /(?s:.*)\\[TOOL_CALLS\\]/\n"
+            + _head(fmt, "[TOOL_CALLS]") +
             f"call: {call}\n")
 
 
 FORMATS: dict[str, ToolCallFormat] = {
     "hermes": ToolCallFormat("hermes", "<tool_call>", "arguments", _parse_hermes,
                              block=lambda call: f"<tool_call>\n{call}\n</tool_call>", grammar=_hermes_grammar,
-                             free_grammar=_hermes_free_grammar),
+                             free_grammar=_hermes_free_grammar, markers=("<tool_call>", "</tool_call>")),
     "llama3_json": ToolCallFormat("llama3_json", "{", "parameters", _parse_llama3,
                                   block=lambda call: call, grammar=_llama3_grammar, free_grammar=_llama3_free_grammar),
     "mistral": ToolCallFormat("mistral", "[TOOL_CALLS]", "arguments", _parse_mistral,
                               block=lambda call: f"[TOOL_CALLS][{call}]", grammar=_mistral_grammar,
-                              free_grammar=_mistral_free_grammar),
+                              free_grammar=_mistral_free_grammar, markers=("[TOOL_CALLS]",)),
 }
+
+
+@functools.lru_cache(maxsize=16)
+def for_tokenizer(fmt: ToolCallFormat, tokenizer) -> ToolCallFormat:
+    """`fmt` with the markers this tokenizer has as one special token each: a token whose text
+    the decoded reply leaves out (`decode` skips special tokens, `token_text` does not)."""
+    special = []
+    for marker in fmt.markers:
+        try:
+            ids = tokenizer.encode(marker, add_special_tokens=False)
+        except Exception:  # noqa: BLE001 - a tokenizer that cannot say: the marker stays text
+            continue
+        if len(ids) == 1 and tokenizer.token_text(ids[0]) == marker and tokenizer.decode(ids) == "":
+            special.append((marker, ids[0]))
+    return dataclasses.replace(fmt, special=tuple(special)) if special else fmt
 
 
 def detect(template: str | None) -> ToolCallFormat:
@@ -218,13 +262,13 @@ def call_grammar(fmt: ToolCallFormat, functions: dict[str, dict], many: bool, fr
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     rule = "%json " + json.dumps({**schema, "x-guidance": _JSON_STYLE})
     if not free_text:
-        return fmt.grammar(rule, many)
+        return fmt.grammar(fmt, rule, many)
     if answer_schema is None:
-        return fmt.free_grammar(rule, many)
+        return fmt.free_grammar(fmt, rule, many)
     # The answer is the format's JSON, or the reply is calls as a required choice writes them (no
     # text before them: a lazy "text up to the marker" lexeme beside the JSON's would leave the
     # parser two ways to read a reply's first bytes, and it takes one)
     answer = json.loads(answer_schema)
     answer = answer if isinstance(answer, dict) else {}  # the schema `true`: any JSON
-    calls = fmt.grammar(rule, many).replace("start:", "calls:", 1)
+    calls = fmt.grammar(fmt, rule, many).replace("start:", "calls:", 1)
     return f"start: answer | calls\nanswer: %json {json.dumps({**answer, 'x-guidance': _JSON_STYLE})}\n{calls}"

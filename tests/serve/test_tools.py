@@ -394,3 +394,66 @@ def test_under_auto_the_model_calls_the_tool_it_learnt_then_answers_its_result(s
     reply = chat(client, messages=history, tools=[tool_skill.ADD_TOOL], temperature=0, max_tokens=8).choices[0]
     assert reply.finish_reason == "stop" and reply.message.tool_calls is None
     assert reply.message.content.isdigit(), reply
+
+
+def _special_marker_tokenizer(default_model):
+    """The default model's tokenizer with Mistral's [TOOL_CALLS] as a special token (as Mistral's
+    own tokenizers have it) -> (transformers tokenizer, the server's wrapper, the marker's id)."""
+    from transformers import AutoTokenizer
+
+    from quantserve.server.hf_engine import HFTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model)
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    return tok, HFTokenizer(tok), tok.convert_tokens_to_ids("[TOOL_CALLS]")
+
+
+def test_a_marker_that_is_a_special_token_reaches_the_parser(default_model):
+    """Decoding leaves special tokens out of the text, so Mistral's [TOOL_CALLS] token never
+    reached the parser: the call came back as content.  The format bound to the tokenizer keeps
+    that token's text in the reply."""
+    from quantserve.server.engine import TokenEvent
+    from quantserve.server.hf_engine import HFTokenizer
+    from quantserve.server.textstream import ChoiceText
+    from quantserve.server.tool_parsers import FORMATS, for_tokenizer
+
+    tok, wrapped, marker = _special_marker_tokenizer(default_model)
+    fmt = for_tokenizer(FORMATS["mistral"], wrapped)
+    assert dict(fmt.special) == {"[TOOL_CALLS]": marker}
+    assert for_tokenizer(FORMATS["mistral"], HFTokenizer(tok.__class__.from_pretrained(default_model))).special == ()
+    reply = [marker] + tok.encode('[{"name": "add", "arguments": {"a": 7}}]', add_special_tokens=False)
+
+    def text(kept):
+        choice = ChoiceText(wrapped, tok.encode("Add 7"), [], False, kept_tokens=kept)
+        return "".join(choice.push(TokenEvent(t)).text for t in reply) + choice.push(TokenEvent(None, finish_reason="stop")).text
+
+    assert fmt.parse(text(None))[1] == []  # the marker lost: no call
+    content, calls = fmt.parse(text(fmt.kept_tokens()))
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 7})]
+
+
+@pytest.mark.parametrize("choice, before, call, accepted", [
+    ("required", "", '[{"name": "add", "arguments": {"a": 7}}]', True),
+    ("auto", "Let me add. ", '[{"name": "add", "arguments": {"a": 7}}]', True),  # strict: text, then the call
+    ("auto", "", '[{"name": "sub", "arguments": {"a": 7}}]', False),  # no such tool
+    ("required", "", '[{"name": "add", "arguments": {"a": 700}}]', False),  # a above its maximum
+])
+def test_a_special_marker_is_constrained_as_its_token(default_model, choice, before, call, accepted):
+    """A required or strict call under the mistral format: the grammar names the [TOOL_CALLS] token
+    itself.  As text it never matched the token (llguidance rejected the token the mask allowed, a
+    500 for every required call on a Mistral model)."""
+    import llguidance
+    import llguidance.hf
+
+    from quantserve.server.tool_parsers import FORMATS, for_tokenizer
+    from quantserve.server.tools import plan
+
+    tok, wrapped, marker = _special_marker_tokenizer(default_model)
+    strict = [{"type": "function", "function": {**ADD["function"], "strict": True}}]
+    grammar = plan(strict, choice, None, for_tokenizer(FORMATS["mistral"], wrapped)).grammar()
+    assert f"<[{marker}]>" in grammar
+    matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tok, n_vocab=len(tok)),
+                                   llguidance.grammar_from("lark", grammar), log_level=0)
+    ids = tok.encode(before, add_special_tokens=False) + [marker] + tok.encode(call, add_special_tokens=False)
+    ok = all(matcher.consume_token(t) for t in ids)
+    assert (ok and matcher.is_accepting()) == accepted, matcher.get_error()
