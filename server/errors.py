@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse
 
 from quantserve.server.exceptions import (EngineClosedError, EngineError, NoChatTemplateError, OutOfMemoryError,
-                                          QueueFullError)
+                                          OutputFormatError, QueueFullError)
 from quantserve.server.protocol import ErrorInfo, ErrorResponse
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -20,6 +20,7 @@ ENGINE_ERRORS: list[tuple[type, int, str]] = [
     (QueueFullError, 429, "queue_full"),
     (EngineClosedError, 503, "shutting_down"),
     (NoChatTemplateError, 400, "no_chat_template"),
+    (OutputFormatError, 400, "invalid_output_format"),
     (EngineError, 500, "engine_error"),
 ]
 

@@ -33,6 +33,12 @@ class EngineClosedError(EngineError):
     """The engine is shutting down and takes no new work."""
 
 
+class OutputFormatError(EngineError):
+    """The request's output format could not be followed to an end: its grammar stopped taking
+    tokens part-way (a JSON schema with no finite instance, such as an object that must contain
+    itself).  The request's fault, found only while generating."""
+
+
 class NoChatTemplateError(EngineError):
     """The model's tokenizer has no chat template: only plain-text prompts can be served."""
 

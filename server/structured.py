@@ -217,8 +217,12 @@ class Constraint:
         return np.concatenate([allowed, np.zeros(width - allowed.size, dtype=bool)])
 
     def accept(self, token: int) -> None:
-        if not self._matcher.consume_token(token):
-            raise RuntimeError(f"the output grammar rejected token {token}: {self._matcher.get_error()}")
+        if not self._matcher.consume_token(token):  # the mask allowed it: the grammar itself gave out
+            from quantserve.server.exceptions import OutputFormatError
+
+            reason = (self._matcher.get_error() or "its parser stopped").strip().splitlines()[0]  # then a state dump
+            raise OutputFormatError(f"the output format cannot be followed to an end (does its schema or grammar "
+                                    f"have a finite instance?): {reason}")
 
     @property
     def finished(self) -> bool:

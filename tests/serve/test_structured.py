@@ -200,6 +200,27 @@ def test_recursive_schema_is_served(server):
         jsonschema.validate(json.loads(r.choices[0].message.content), tree)
 
 
+def test_a_schema_with_no_finite_instance_is_a_400(server):
+    """An object that must contain itself compiles, and its grammar gives out while generating
+    (llguidance's forced-token limit).  That is the request's fault: a 400 naming the format, or
+    an error event when streamed; it was a 500 "engine_error" with a traceback in the log."""
+    import httpx
+
+    endless = {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}},
+               "$ref": "#/$defs/n"}
+    body = {"model": "default", "messages": [{"role": "user", "content": "x"}], "max_tokens": 64,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "endless", "schema": endless}}}
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=120, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "invalid_output_format" and "finite instance" in err["message"], err
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", timeout=120, json={**body, "stream": True}) as s:
+        events = [line for line in s.iter_lines() if line.startswith("data: ")]
+    assert any('"invalid_output_format"' in e for e in events), events[-3:]
+    assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200  # still serving
+    assert "Traceback" not in server.log()
+
+
 def test_openai_client_errors_are_bad_requests(server):
     with pytest.raises(openai.BadRequestError):
         chat(server.client(), response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}})
