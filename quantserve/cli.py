@@ -130,6 +130,9 @@ def pipeline(
 ) -> None:
     """Fine-tune → quantize → evaluate → serve, with task accuracy measured through the HTTP API."""
     from quantserve.pipeline import PipelineConfig, run_pipeline
+    from quantserve.pipeline_serving import stop_on_sigterm
+
+    stop_on_sigterm()
 
     run_pipeline(PipelineConfig(
         out=out, model=model, data=data, eval_data=eval_data, method=method,

@@ -21,6 +21,22 @@ if TYPE_CHECKING:
 
 TOOL_MAX_TOKENS = 64  # a call of the default corpus's tool is ~31 tokens
 
+# A SIGTERM to the pipeline (kill, timeout, a supervisor) reaches it alone, not its servers, and
+# Python's default is to exit on the spot: the server of the last stage was left running, holding
+# the port (and a GPU).  `stop_on_sigterm` makes it end the way Ctrl-C does, servers stopped first.
+_terminated = False
+
+
+def stop_on_sigterm() -> None:
+    import signal
+
+    def on_sigterm(signum, frame):
+        global _terminated
+        _terminated = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
 
 class ServerProcess:
     """`quantserve serve` in a child process, stopped (SIGINT, then SIGKILL) on exit."""
@@ -149,10 +165,18 @@ def serve_forever(model: Path, cfg: "PipelineConfig", example) -> None:
     cmd = [sys.executable, "-m", "quantserve", "serve", str(model), "--host", cfg.host, "--port", str(cfg.port)]
     if cfg.gpu_profile:
         cmd += ["--gpu-profile", cfg.gpu_profile]
+    proc = subprocess.Popen(cmd)
     try:
-        proc = subprocess.run(cmd)
+        returncode = proc.wait()
     except KeyboardInterrupt:
+        if _terminated:  # Ctrl-C in a terminal reached the server too; a SIGTERM did not
+            proc.send_signal(2)
+        try:
+            proc.wait(timeout=60)  # its requests drained, as `quantserve serve` does on Ctrl-C
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
         print("stopped")
         return
-    if proc.returncode not in (0, 130, -2):
-        raise UserError(f"server exited with status {proc.returncode}")
+    if returncode not in (0, 130, -2):
+        raise UserError(f"server exited with status {returncode}")

@@ -120,6 +120,38 @@ def test_rerun_reuses_every_stage(run_dir):
 
 
 @pytest.mark.slow
+def test_a_sigterm_stops_the_pipelines_server_too(run_dir):
+    """`kill` (or `timeout`, a supervisor) sends SIGTERM to the pipeline alone: its last stage's
+    server used to be left running on the port.  Now the pipeline stops it as Ctrl-C does."""
+    import signal
+    import time
+
+    import httpx
+
+    from quantserve.settings import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "quantserve", "pipeline", "--out", str(run_dir), "--n-eval", "40",
+                             "--formats", FORMATS, "--port", str(port)], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while True:  # every stage is up to date: straight to serving
+            assert proc.poll() is None and time.monotonic() < deadline, "the pipeline never served"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=90)
+        with pytest.raises(httpx.ConnectError):  # nothing left on the port
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+    finally:
+        proc.kill()
+
+
+@pytest.mark.slow
 def test_bad_data_stops_at_train_and_keeps_earlier_stages(run_dir, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
