@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -209,6 +210,10 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     print_summary(summary)
     if cfg.serve:
         serve_forever(Path(results[cfg.serve_format].path), cfg, heldout[0])
+    else:  # what to do with the outputs, as the serving stage would have shown
+        pick = results.get(cfg.serve_format) or list(results.values())[-1]
+        print(f"\nsummary: {out / 'summary.json'}\nserve a format: quantserve serve {shlex.quote(str(pick.path))}"
+              f"  (formats: {', '.join(results)})", flush=True)
     return summary
 
 

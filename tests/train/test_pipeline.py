@@ -117,6 +117,7 @@ def test_rerun_reuses_every_stage(run_dir):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "running" not in proc.stdout, proc.stdout
     assert proc.stdout.count("up to date") >= 2 + 2 * len(FORMATS.split(","))
+    assert f"serve a format: quantserve serve {run_dir}" in proc.stdout  # --no-serve: what to do next
 
 
 @pytest.mark.slow
