@@ -121,8 +121,38 @@ def open_checkpoint(src: Path, merge_dir: Path | None = None) -> Checkpoint:
     return ckpt
 
 
-def _merge_adapter(adapter: Path, out: Path) -> Checkpoint:
-    """Merge a PEFT LoRA adapter into its base and save the result as a plain checkpoint."""
+def merged_adapter(adapter: Path) -> Path:
+    """A LoRA adapter folder merged into its base, for serving: made once under the cache folder
+    (`merged/`), keyed by the adapter's files and the base's (path, sizes, times), then reused."""
+    import os
+    import shutil
+
+    from quantserve.settings import cache_dir
+
+    adapter = Path(adapter)
+    base = _adapter_base(adapter)
+    key = hashlib.sha256(json.dumps({
+        "adapter": hash_folder(adapter), "base": str(base.resolve()),
+        "base_files": sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in base.iterdir() if f.is_file()),
+    }, sort_keys=True).encode()).hexdigest()[:16]
+    folder = cache_dir() / "merged" / f"{adapter.resolve().name}-{key}"
+    if (folder / "config.json").is_file():
+        return folder
+    work = folder.with_name(f"{folder.name}.part-{os.getpid()}")
+    shutil.rmtree(work, ignore_errors=True)
+    try:
+        _merge_adapter(adapter, work)
+        work.rename(folder)  # whole or not at all: a merge cut short is never served
+    except OSError:
+        if not (folder / "config.json").is_file():  # not another server's merge finishing first
+            raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return folder
+
+
+def _adapter_base(adapter: Path) -> Path:
+    """The local base checkpoint folder an adapter names (relative names: beside the adapter first)."""
     adapter_cfg = read_json(adapter / "adapter_config.json")
     base_name = adapter_cfg.get("base_model_name_or_path")
     if not base_name:
@@ -132,7 +162,12 @@ def _merge_adapter(adapter: Path, out: Path) -> Checkpoint:
         base_path = (adapter / base_path) if (adapter / base_path).is_dir() else base_path
     if not base_path.is_dir():
         raise UserError(f"{adapter}: base model {base_name!r} of the adapter is not a local folder")
-    base = open_checkpoint(base_path)
+    return base_path
+
+
+def _merge_adapter(adapter: Path, out: Path) -> Checkpoint:
+    """Merge a PEFT LoRA adapter into its base and save the result as a plain checkpoint."""
+    base = open_checkpoint(_adapter_base(adapter))
     adapter_weights = sorted(adapter.glob("adapter_model.safetensors"))
     if not adapter_weights:
         raise UserError(f"{adapter}: LoRA adapter has no adapter_model.safetensors")

@@ -32,10 +32,20 @@ class _NoQueryStrings(logging.Filter):
         return True
 
 
+def _merged(adapter: Path) -> Path:
+    """A LoRA adapter is served merged into its base (as `quant convert` takes it): once, cached."""
+    from quantserve.quant.source import merged_adapter
+
+    print(f"{adapter}: a LoRA adapter; serving it merged into its base model", flush=True)
+    merged = merged_adapter(adapter)
+    print(f"merged checkpoint: {merged}", flush=True)
+    return merged
+
+
 def serve(
     model: str = typer.Argument(..., help="A Hugging Face checkpoint folder (fp16/bf16/fp32 or a bitsandbytes "
-                                "int8/nf4 output), a .gguf file or a folder holding one; 'default' for the "
-                                "embedded default model."),
+                                "int8/nf4 output), a LoRA adapter folder (served merged into its base), a .gguf "
+                                "file or a folder holding one; 'default' for the embedded default model."),
     host: str = typer.Option("127.0.0.1", help="Address to bind; 0.0.0.0 exposes the server to the network."),
     port: int = typer.Option(8000, min=0, max=65535),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="QUANTSERVE_API_KEY", show_default=False,
@@ -117,6 +127,9 @@ def serve(
         from quantserve.settings import resolve_checkpoint
 
         model = str(resolve_checkpoint("default", progress=False))
+    named = Path(model).resolve()  # what the served name comes from: an adapter's own folder too
+    if (named / "adapter_config.json").is_file() and not (named / "config.json").is_file():
+        model = str(_merged(named))
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from quantserve.server.engines import ENGINE_CHOICES
 
@@ -151,7 +164,7 @@ def serve(
     sock = bind_port(host, port)
     # a folder is known by its name, a file by its name without the extension
     given = Path(model).resolve()
-    name = served_model_name or (given.stem if given.is_file() else given.name)
+    name = served_model_name or (named.stem if named.is_file() else named.name)
     if replicas is not None:
         sock.close()  # Ray Serve's proxy binds it
         _serve_replicas(str(given), engine.options, name, replicas, max_replicas, routing, address, host, port,

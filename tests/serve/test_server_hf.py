@@ -442,3 +442,40 @@ def test_make_run_ready_requests_work_as_printed(server):
         assert out.returncode == 0, out.stderr
         reply = json.loads(out.stdout)
         assert reply["choices"][0]["message"]["content"] and reply["model"] == server.model_name
+
+
+def test_a_lora_adapter_is_served_merged_into_its_base(default_model, tmp_path, monkeypatch):
+    """`quantserve serve ADAPTER` (what `quantserve info` offers for a LoRA adapter): served merged
+    into its base, under the adapter's name, the merge made once in the cache folder.  It used to
+    be refused as "not a Hugging Face checkpoint"."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from quantserve.modeling import load_model, load_tokenizer
+
+    torch.manual_seed(0)
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                     init_lora_weights=False)  # random B: the adapter really changes the model
+    with torch.enable_grad():
+        peft_model = get_peft_model(load_model(default_model), cfg)
+    adapter = tmp_path / "my-adapter"
+    peft_model.save_pretrained(adapter)
+    acfg = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**acfg, "base_model_name_or_path": str(default_model)}))
+    tok = load_tokenizer(default_model)
+    ids = tok("The capital of Velmor is", add_special_tokens=False).input_ids
+    with torch.no_grad():
+        merged_ids = peft_model.merge_and_unload().eval().generate(
+            torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
+    monkeypatch.setenv("QUANTSERVE_HOME", str(tmp_path / "home"))
+    for start in range(2):
+        srv = ServerProcess(adapter, "--engine", "hf")
+        try:
+            assert srv.health["model"] == "my-adapter"
+            r = httpx.post(f"{srv.base_url}/v1/completions", timeout=60, json={
+                "model": "my-adapter", "prompt": ids, "max_tokens": 8, "temperature": 0})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == tok.decode(merged_ids, skip_special_tokens=True)
+        finally:
+            assert srv.stop() == 0, srv.log()
+    assert len(list((tmp_path / "home" / "merged").iterdir())) == 1  # merged once, then reused
