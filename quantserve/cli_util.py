@@ -20,8 +20,26 @@ except ImportError:  # older typer: plain click
 
 
 def new_app(help: str) -> typer.Typer:
-    return typer.Typer(help=help, no_args_is_help=True, add_completion=False,
-                       pretty_exceptions_enable=False, rich_markup_mode=None)
+    app = typer.Typer(help=help, no_args_is_help=True, add_completion=False,
+                      pretty_exceptions_enable=False, rich_markup_mode=None)
+
+    @app.callback()
+    def _options(version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                              help="Print the version and exit.")) -> None:
+        pass
+
+    return app
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"quantserve {version('quantserve')}")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            print("quantserve (not installed)")
+        raise typer.Exit()
 
 
 def fail(message: str, code: int = 1) -> None:

@@ -128,6 +128,15 @@ def test_an_empty_command_line_prints_the_help(args):
     assert proc.returncode == 0 and proc.stdout.startswith("Usage: quantserve") and "Commands:" in proc.stdout
 
 
+def test_version_is_printed_by_both_commands():
+    from importlib.metadata import version
+
+    assert cli("--version").stdout.strip() == f"quantserve {version('quantserve')}"
+    proc = subprocess.run([str(Path(sys.executable).parent / "quant"), "--version"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"quantserve {version('quantserve')}"
+
+
 def test_quant_alone_prints_its_help():
     proc = subprocess.run([str(Path(sys.executable).parent / "quant")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.startswith("Usage: quant") and "convert" in proc.stdout
