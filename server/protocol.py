@@ -134,7 +134,7 @@ class _SamplingFields(_Request):
     # NaN never reaches the sampler (a comparison with NaN is always false and slips past ge/le).
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
-    model: str
+    model: str | None = None  # the served model when left out (as vLLM and llama-server take it)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     max_tokens: Optional[int] = Field(None, ge=1)
     n: int = Field(1, ge=1, le=16)
@@ -253,7 +253,7 @@ class ChatCompletionRequest(_SamplingFields):
 class EmbeddingRequest(_Request):
     model_config = ConfigDict(extra="allow")  # what is left over is refused by name (serving_embeddings)
 
-    model: str
+    model: str | None = None  # the served model when left out (as vLLM and llama-server take it)
     input: Union[str, list[str], list[int], list[list[int]]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Optional[int] = Field(None, ge=1)
@@ -270,7 +270,7 @@ class ResponsesRequest(_Request):
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
-    model: str
+    model: str | None = None  # the served model when left out (as vLLM and llama-server take it)
     input: Union[str, list[Any]]
     instructions: Optional[str] = None
     max_output_tokens: Optional[int] = Field(None, ge=1)
@@ -296,7 +296,7 @@ class TokenizeRequest(_Request):
     """vLLM's /tokenize body; any other field is refused by name (never silently ignored)."""
 
     model_config = ConfigDict(extra="forbid")
-    model: str
+    model: str | None = None  # the served model when left out (as vLLM and llama-server take it)
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
     add_special_tokens: bool = True
@@ -304,7 +304,7 @@ class TokenizeRequest(_Request):
 
 class DetokenizeRequest(_Request):
     model_config = ConfigDict(extra="forbid")
-    model: str
+    model: str | None = None  # the served model when left out (as vLLM and llama-server take it)
     tokens: list[int]
 
     @field_validator("tokens")

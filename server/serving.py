@@ -116,8 +116,9 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def check_model(state: ServerState, name: str) -> None:
-    if name != state.model_name:
+def check_model(state: ServerState, name: str | None) -> None:
+    """A request names the served model, or none (then it means that one)."""
+    if name is not None and name != state.model_name:
         raise APIError(404, f"The model '{name}' does not exist; this server serves '{state.model_name}'.",
                        param="model", code="model_not_found")
 

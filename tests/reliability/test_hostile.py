@@ -174,7 +174,7 @@ def _cases() -> list[Case]:
           Case("null", body=b"null"),
           Case("a list", body=b"[]"),
           Case("a string", body=b'"prompt"'),
-          Case("{}", body=b"{}", param="model"),
+          Case("{}", body=b"{}", param="prompt"),  # the model may be left out (the served one)
           Case("trailing garbage", body=text + b" xyz", code="invalid_json"),
           Case("single quotes", body=b"{'model': 'tiny', 'prompt': 'a'}", code="invalid_json")]
     # ---- logprobs

@@ -479,3 +479,16 @@ def test_a_lora_adapter_is_served_merged_into_its_base(default_model, tmp_path, 
         finally:
             assert srv.stop() == 0, srv.log()
     assert len(list((tmp_path / "home" / "merged").iterdir())) == 1  # merged once, then reused
+
+
+def test_a_request_without_a_model_means_the_served_one(server):
+    """As vLLM and llama-server take it (OpenAI requires the field; a one-model server need not)."""
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+                       ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+                       ("/v1/embeddings", {"input": "hi"}),
+                       ("/tokenize", {"prompt": "hi"})):
+        r = httpx.post(server.base_url + path, json=body, timeout=60)
+        assert r.status_code == 200, (path, r.text)
+        assert r.json().get("model", server.model_name) == server.model_name
+    r = httpx.post(server.base_url + "/v1/completions", json={"model": "other", "prompt": "hi"}, timeout=60)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
