@@ -219,8 +219,13 @@ class ScheduledEngine:
         if start_up is not None:
             start_up["first request, scheduler"] = round(time.perf_counter() - t1, 2)
         parts = ", ".join(f"{what} {s:.1f} s" for what, s in (start_up or {}).items() if s >= 0.05)
+        # what the numbers are computed in: the weights' format and the KV cache's, where not the dtype
+        kv = info.extra.get("kv_cache_dtype")
+        extras = (info.quantization if info.quantization != info.dtype else None,
+                  f"{kv} KV cache" if kv and kv != info.dtype else None)
+        numbers = ", ".join([info.dtype, *(x for x in extras if x)])
         log.info("loaded %s engine (%s): %s (%s, attention %s, context %d, batch %d) in %.1f s%s", info.engine,
-                 self.why, info.model_path, info.dtype, info.attention, info.context_length, info.max_batch,
+                 self.why, info.model_path, numbers, info.attention, info.context_length, info.max_batch,
                  info.extra["ready_s"], f" ({parts})" if parts else "")
 
     def is_ready(self) -> bool:
