@@ -89,7 +89,14 @@ def train_command(
         return
     from quantserve.training.train import train
 
-    path = train(cfg)
+    try:
+        path = train(cfg)
+    except KeyboardInterrupt:  # Ctrl-C: say where a rerun starts (the Trainer writes trainer_state.json last)
+        saved = sorted((int(c.name.rsplit("-", 1)[1]), c.name) for c in Path(cfg.out).glob("checkpoint-*")
+                       if c.name.rsplit("-", 1)[1].isdigit() and (c / "trainer_state.json").is_file())
+        where = f"from {saved[-1][1]}" if saved else "from the start (no checkpoint was saved yet)"
+        print(f"interrupted: the same command resumes {where}", file=sys.stderr, flush=True)
+        raise
     if distributed.world()[1] == 0 and not os.environ.get("QUANTSERVE_LAUNCHED"):
         print(path)
 

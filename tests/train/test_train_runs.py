@@ -126,6 +126,25 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(small_data, tmp_path):
     assert abs(losses(out)[-1] - losses(ref)[-1]) <= 0.02 * losses(ref)[-1] + 1e-3
 
 
+def test_ctrl_c_says_where_the_same_command_resumes(small_data, tmp_path):
+    """Ctrl-C mid-run: exit 130 with one line naming the checkpoint a rerun resumes from."""
+    out = tmp_path / "interrupted"
+    proc = subprocess.Popen([sys.executable, "-m", "quantserve", "train", "--quiet", "--data", str(small_data),
+                             "--max-steps", "400", "--micro-batch", "8", "--save-steps", "4", "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    deadline = time.time() + 300
+    while not (out / "checkpoint-4" / "trainer_state.json").exists():
+        assert proc.poll() is None and time.time() < deadline, "no checkpoint to resume from"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    line = next(x for x in err.splitlines() if x.startswith("interrupted: "))
+    step = int(re.search(r"checkpoint-(\d+)", line).group(1))
+    assert step >= 4 and (out / f"checkpoint-{step}" / "trainer_state.json").is_file() and "Traceback" not in err
+
+
 def test_rerun_of_a_finished_train_is_a_no_op_and_force_retrains(small_data, tmp_path):
     """Rerunning a finished command must not resume from its last checkpoint, train one step more
     and overwrite the model; --force trains again from the start."""
