@@ -193,7 +193,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         stage = Stage(f"serve+score {name}", out / "serve" / name,
                       fingerprint(train_inputs, name, [e.prompt for e in heldout], cfg.max_tokens,
                                   [e.messages(False) for e in tool_heldout]), cfg.force)
-        scored = stage.run(lambda res=res: _serve_and_score(Path(res.path), heldout, tool_heldout, cfg))
+        scored = stage.run(lambda res=res, name=name: _serve_and_score(name, Path(res.path), heldout, tool_heldout, cfg))
         res.task_accuracy, res.tokens_per_s = scored["accuracy"], scored["tokens_per_s"]
         res.tool_accuracy = scored.get("tool_accuracy")
 
@@ -268,9 +268,9 @@ def _convert_and_eval(src: Path, fmt: str, out: Path, cfg: PipelineConfig) -> di
     return evaluate(src, out)
 
 
-def _serve_and_score(model: Path, heldout, tool_heldout, cfg: PipelineConfig) -> dict:
+def _serve_and_score(name: str, model: Path, heldout, tool_heldout, cfg: PipelineConfig) -> dict:
     scored = serve_and_score(model, heldout, tool_heldout, cfg)
-    say(f"  {model.name}: task accuracy {scored['accuracy']:.1%} over HTTP, {scored['tokens_per_s']:.1f} tokens/s "
+    say(f"  {name}: task accuracy {scored['accuracy']:.1%} over HTTP, {scored['tokens_per_s']:.1f} tokens/s "
         f"at concurrency {cfg.concurrency}; tool calls {fmt_share(scored['tool_accuracy'])}")
     return scored
 

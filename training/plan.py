@@ -355,7 +355,8 @@ def print_report(report: Report) -> None:
     wide = con.width >= 110
     g = lambda b: f"{b / GIB:.2f}"
     budget = f"{report.budget_gib:.1f} GiB per GPU" if report.budget_gib else "no budget given (--gpu / --gpu-mem)"
-    table = Table(title=f"{report.model}: {report.params / 1e9:.3f} B params, {report.micro_batch} x {report.seq_len} "
+    size = f"{report.params / 1e9:.3f} B" if report.params >= 1e8 else f"{report.params / 1e6:.1f} M"
+    table = Table(title=f"{report.model}: {size} params, {report.micro_batch} x {report.seq_len} "
                         f"tokens per GPU, {report.gpus} GPU(s), {budget}", box=box.SIMPLE_HEAD, padding=(0, 1))
     table.add_column("setup", overflow="fold", min_width=16)
     numbers = ["weights", "grads", "optim", "activ", "logits", "peak"] + (["DS est", "CPU"] if wide else [])
