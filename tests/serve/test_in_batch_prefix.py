@@ -13,6 +13,19 @@ SHARED = ("You are a careful assistant. Answer in one short line, without any pr
 QUESTIONS = ["Sort: c b a", "Reverse: x y z w", "Repeat: p q r s", "Count the letters: a b c"]
 
 
+def _run_together(sched, streams) -> None:
+    """Every stream waiting before the scheduler's first iteration (its lock is reentrant), then
+    each one run to its end, and the scheduler shut down."""
+    try:
+        with sched._cond:
+            for s in streams:
+                sched.submit([s])
+        for s in streams:
+            assert s.done.wait(60)
+    finally:
+        sched.shutdown(5)
+
+
 def _together(default_model, prefix_cache: bool, budget: int):
     """The four questions after SHARED, submitted in one go -> (tokens per request, prompt tokens
     the forwards computed, the pool's hit tokens)."""
@@ -28,14 +41,7 @@ def _together(default_model, prefix_cache: bool, budget: int):
     sched = PagedScheduler(backend, set(tok.all_special_ids), max_batch=4, max_queue=8,
                            max_batched_tokens=budget, async_scheduling=False)
     streams = [recording_stream(tok.encode(SHARED + q), 6) for q in QUESTIONS]
-    try:
-        with sched._cond:  # all four waiting before the scheduler's first iteration (the lock is reentrant)
-            for s in streams:
-                sched.submit([s])
-        for s in streams:
-            assert s.done.wait(60)
-    finally:
-        sched.shutdown(5)
+    _run_together(sched, streams)
     assert backend.pool.used_blocks() == 0
     return [s.tokens for s in streams], sum(computed), backend.pool.hit_tokens, len(streams[0].request.prompt_ids)
 
@@ -81,14 +87,7 @@ def test_identical_prompts_of_whole_blocks_start_together(default_model):
     for i, s in enumerate(streams):  # the forwards run before each one's first token
         deliver = s.deliver
         s.deliver = lambda event, i=i, deliver=deliver: (started.setdefault(i, len(forwards)), deliver(event))
-    try:
-        with sched._cond:  # all eight waiting before the scheduler's first iteration
-            for s in streams:
-                sched.submit([s])
-        for s in streams:
-            assert s.done.wait(60)
-    finally:
-        sched.shutdown(5)
+    _run_together(sched, streams)
     assert [started[i] for i in range(8)] == [1] + [2] * 7, started
     assert all(s.tokens == streams[0].tokens for s in streams)
     assert backend.pool.hit_tokens == 7 * 48
