@@ -83,7 +83,7 @@ def test_context_overflow_is_400_naming_the_numbers(server):
     ('{"model": "tiny", "messages": "hello"}', "messages"),                     # wrong type
     ('{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}', "temperature"),
     ('{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}', "max_tokens"),
-    ('{"messages": [{"role": "user", "content": "hi"}]}', "model"),             # missing field
+    ('{"model": "tiny"}', "messages"),                                         # missing field
     ('[1, 2, 3]', None),                                                        # not an object
 ])
 def test_malformed_requests_are_400_in_openai_shape(server, body, param):

@@ -132,7 +132,9 @@ def test_ctrl_c_says_where_the_same_command_resumes(small_data, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "quantserve", "train", "--quiet", "--data", str(small_data),
                              "--max-steps", "400", "--micro-batch", "8", "--save-steps", "4", "--out", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+                            env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            # as from a terminal: the suite's workers run with SIGINT ignored, which a child inherits
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 300
     while not (out / "checkpoint-4" / "trainer_state.json").exists():
         assert proc.poll() is None and time.time() < deadline, "no checkpoint to resume from"
