@@ -27,6 +27,18 @@ TOOL_MAX_TOKENS = 64  # a call of the default corpus's tool is ~31 tokens
 _terminated = False
 
 
+def drain(proc: subprocess.Popen, timeout: float) -> None:
+    """Wait for a server told to stop; killed past `timeout`, or at once on a second Ctrl-C or
+    SIGTERM meanwhile (never left running)."""
+    try:
+        proc.wait(timeout=timeout)
+    except BaseException:  # the time is up, or another interrupt
+        proc.kill()
+        proc.wait()
+        if not isinstance(sys.exc_info()[1], subprocess.TimeoutExpired):
+            raise
+
+
 def stop_on_sigterm() -> None:
     import signal
 
@@ -72,11 +84,7 @@ class ServerProcess:
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(2)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            drain(self.proc, 30)
         self._log_file.close()
 
     def __enter__(self) -> "ServerProcess":
@@ -171,11 +179,7 @@ def serve_forever(model: Path, cfg: "PipelineConfig", example) -> None:
     except KeyboardInterrupt:
         if _terminated:  # Ctrl-C in a terminal reached the server too; a SIGTERM did not
             proc.send_signal(2)
-        try:
-            proc.wait(timeout=60)  # its requests drained, as `quantserve serve` does on Ctrl-C
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        drain(proc, 60)  # its requests drained, as `quantserve serve` does on Ctrl-C
         print("stopped")
         return
     if returncode not in (0, 130, -2):

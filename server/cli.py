@@ -128,8 +128,7 @@ def serve(
 
         model = str(resolve_checkpoint("default", progress=False))
     named = Path(model).resolve()  # what the served name comes from: an adapter's own folder too
-    if (named / "adapter_config.json").is_file() and not (named / "config.json").is_file():
-        model = str(_merged(named))
+    adapter = (named / "adapter_config.json").is_file() and not (named / "config.json").is_file()
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from quantserve.server.engines import ENGINE_CHOICES
 
@@ -148,6 +147,10 @@ def serve(
     from quantserve.capabilities import resolve_profile
 
     resolve_profile(gpu_profile)  # a bad --gpu-profile exits 2, a bad QUANTSERVE_GPU_PROFILE 1
+    sock = None
+    if adapter:  # the merge takes minutes on a big model: every option and the port checked first
+        sock = bind_port(host, port)
+        model = str(_merged(named))
     # fail on a bad path now, with one line, before any socket is opened
     engine = _engine_or_exit(Path(model), EngineOptions(context=context, max_batch=max_batch,
                                                         max_queue=max_queue, gpu_profile=gpu_profile,
@@ -161,7 +164,7 @@ def serve(
                                                         async_scheduling=async_scheduling))
     logging.getLogger("quantserve.server").debug("engine options: %s", engine.options)  # never the API key
     # The port is taken before the model loads (minutes, for a big one): a busy port is one line now.
-    sock = bind_port(host, port)
+    sock = sock or bind_port(host, port)
     # a folder is known by its name, a file by its name without the extension
     given = Path(model).resolve()
     name = served_model_name or (named.stem if named.is_file() else named.name)

@@ -23,9 +23,9 @@ vLLM's parsers keep special tokens for requests with tools.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import re
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -220,10 +220,20 @@ FORMATS: dict[str, ToolCallFormat] = {
 }
 
 
-@functools.lru_cache(maxsize=16)
+_BOUND: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> {format name: bound format}
+
+
 def for_tokenizer(fmt: ToolCallFormat, tokenizer) -> ToolCallFormat:
     """`fmt` with the markers this tokenizer has as one special token each: a token whose text
-    the decoded reply leaves out (`decode` skips special tokens, `token_text` does not)."""
+    the decoded reply leaves out (`decode` skips special tokens, `token_text` does not).  Kept
+    beside the tokenizer, never keeping it (and the model a GGUF tokenizer holds) alive."""
+    bound = _BOUND.setdefault(tokenizer, {})
+    if fmt.name not in bound:
+        bound[fmt.name] = _bind(fmt, tokenizer)
+    return bound[fmt.name]
+
+
+def _bind(fmt: ToolCallFormat, tokenizer) -> ToolCallFormat:
     special = []
     for marker in fmt.markers:
         try:

@@ -94,8 +94,13 @@ def train_command(
     except KeyboardInterrupt:  # Ctrl-C: say where a rerun starts (the Trainer writes trainer_state.json last)
         saved = sorted((int(c.name.rsplit("-", 1)[1]), c.name) for c in Path(cfg.out).glob("checkpoint-*")
                        if c.name.rsplit("-", 1)[1].isdigit() and (c / "trainer_state.json").is_file())
-        where = f"from {saved[-1][1]}" if saved else "from the start (no checkpoint was saved yet)"
-        print(f"interrupted: the same command resumes {where}", file=sys.stderr, flush=True)
+        if not saved:
+            print("interrupted: no checkpoint was saved yet; the same command starts again", file=sys.stderr)
+        elif cfg.force or not cfg.resume:  # these start over: say what resumes
+            print(f"interrupted: the command without --force and --no-resume resumes from {saved[-1][1]}",
+                  file=sys.stderr)
+        else:
+            print(f"interrupted: the same command resumes from {saved[-1][1]}", file=sys.stderr)
         raise
     if distributed.world()[1] == 0 and not os.environ.get("QUANTSERVE_LAUNCHED"):
         print(path)
