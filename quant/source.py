@@ -141,7 +141,7 @@ def merged_adapter(adapter: Path) -> Path:
     work = folder.with_name(f"{folder.name}.part-{os.getpid()}")
     shutil.rmtree(work, ignore_errors=True)
     try:
-        _merge_adapter(adapter, work)
+        _merge_adapter(adapter, work, base)
         work.rename(folder)  # whole or not at all: a merge cut short is never served
     except OSError:
         if not (folder / "config.json").is_file():  # not another server's merge finishing first
@@ -165,9 +165,10 @@ def _adapter_base(adapter: Path) -> Path:
     return base_path
 
 
-def _merge_adapter(adapter: Path, out: Path) -> Checkpoint:
-    """Merge a PEFT LoRA adapter into its base and save the result as a plain checkpoint."""
-    base = open_checkpoint(_adapter_base(adapter))
+def _merge_adapter(adapter: Path, out: Path, base_path: Path | None = None) -> Checkpoint:
+    """Merge a PEFT LoRA adapter into its base (`base_path`, else the one its config names) and
+    save the result as a plain checkpoint."""
+    base = open_checkpoint(base_path or _adapter_base(adapter))
     adapter_weights = sorted(adapter.glob("adapter_model.safetensors"))
     if not adapter_weights:
         raise UserError(f"{adapter}: LoRA adapter has no adapter_model.safetensors")

@@ -32,11 +32,13 @@ def drain(proc: subprocess.Popen, timeout: float) -> None:
     SIGTERM meanwhile (never left running)."""
     try:
         proc.wait(timeout=timeout)
-    except BaseException:  # the time is up, or another interrupt
+    except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-        if not isinstance(sys.exc_info()[1], subprocess.TimeoutExpired):
-            raise
+    except BaseException:  # another interrupt: the server goes now, and so does this command
+        proc.kill()
+        proc.wait()
+        raise
 
 
 def stop_on_sigterm() -> None:

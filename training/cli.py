@@ -91,16 +91,17 @@ def train_command(
 
     try:
         path = train(cfg)
-    except KeyboardInterrupt:  # Ctrl-C: say where a rerun starts (the Trainer writes trainer_state.json last)
-        saved = sorted((int(c.name.rsplit("-", 1)[1]), c.name) for c in Path(cfg.out).glob("checkpoint-*")
-                       if c.name.rsplit("-", 1)[1].isdigit() and (c / "trainer_state.json").is_file())
-        if not saved:
+    except KeyboardInterrupt:  # Ctrl-C: say where a rerun starts
+        from quantserve.training.runs import newest_saved_checkpoint
+
+        saved = newest_saved_checkpoint(cfg.out)
+        if saved is None:
             print("interrupted: no checkpoint was saved yet; the same command starts again", file=sys.stderr)
         elif cfg.force or not cfg.resume:  # these start over: say what resumes
-            print(f"interrupted: the command without --force and --no-resume resumes from {saved[-1][1]}",
+            print(f"interrupted: the command without --force and --no-resume resumes from {saved.name}",
                   file=sys.stderr)
         else:
-            print(f"interrupted: the same command resumes from {saved[-1][1]}", file=sys.stderr)
+            print(f"interrupted: the same command resumes from {saved.name}", file=sys.stderr)
         raise
     if distributed.world()[1] == 0 and not os.environ.get("QUANTSERVE_LAUNCHED"):
         print(path)

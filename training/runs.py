@@ -87,6 +87,26 @@ def data_fingerprint(path: Path) -> str | None:
         return None
 
 
+def _checkpoint_folders(out: Path) -> dict[int, Path]:
+    """step -> the Trainer's `checkpoint-N` folder in `out`, finished or not."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    return {int(p.name.rsplit("-", 1)[1]): p for p in Path(out).glob(f"{PREFIX_CHECKPOINT_DIR}-*")
+            if p.is_dir() and p.name.rsplit("-", 1)[1].isdigit()}
+
+
+def _complete(checkpoint: Path) -> bool:
+    from transformers.trainer import TRAINER_STATE_NAME
+
+    return (checkpoint / TRAINER_STATE_NAME).is_file()  # the Trainer writes it last
+
+
+def newest_saved_checkpoint(out: Path) -> Path | None:
+    """The newest checkpoint the Trainer finished writing, looked up only (nothing removed)."""
+    steps = _checkpoint_folders(out)
+    return next((steps[s] for s in sorted(steps, reverse=True) if _complete(steps[s])), None)
+
+
 def last_complete_checkpoint(out: Path) -> str | None:
     """The newest `checkpoint-N` in `out` that the Trainer finished writing, or None.
 
@@ -94,13 +114,9 @@ def last_complete_checkpoint(out: Path) -> str | None:
     without it; transformers' `get_last_checkpoint` would pick that one and the resume would fail.
     Such folders are skipped (every rank) and removed (rank 0), so the run resumes from the one before.
     """
-    from transformers.trainer import TRAINER_STATE_NAME
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
-    steps = {int(p.name.rsplit("-", 1)[1]): p for p in out.glob(f"{PREFIX_CHECKPOINT_DIR}-*")
-             if p.is_dir() and p.name.rsplit("-", 1)[1].isdigit()}
+    steps = _checkpoint_folders(out)
     for step in sorted(steps, reverse=True):
-        if (steps[step] / TRAINER_STATE_NAME).is_file():
+        if _complete(steps[step]):
             return str(steps[step])
         log(f"{steps[step]} is incomplete (the run was stopped while saving it): removing it")
         if distributed.world()[1] == 0:
