@@ -7,6 +7,7 @@
 #                             (8B: fp16, the launcher's int4, the one-word dp4a form, the four-words form);
 #                             bench decode 8B int4 at batch 1 tuned at start-up (no shipped table) with the
 #                             four-words form allowed, then without (QUANTSERVE_GEMV_QUADS=0); int8, fp16
+#   bench/quads_gpu.sh OUT solo  phase 1 without llama.cpp (installs, no build started)
 #   bench/quads_gpu.sh OUT 2  llama-bench on Q8_0 / Q4_K_M once the GGUFs exist, then bench decode 8B at batch 1
 #                             in the same call (int4 tuned at start-up with and without the form, int8, fp16)
 set -uo pipefail
@@ -17,8 +18,10 @@ b1() {  # LIMIT_S NAME QUADS QUANTS: bench decode 8B at batch 1, int4 tuned at s
   QUANTSERVE_KERNEL_TABLES=0 QUANTSERVE_GEMV_QUADS=$3 QUANTSERVE_HOME=/tmp/qs-q$3 decode "$1" "$2" --models 8b \
       --quants "$4" --kernels triton --batches 1
 }
-if [ "$phase" = 1 ]; then
-  start_with_llama
+if [ "$phase" = 1 ] || [ "$phase" = solo ]; then
+  if [ "$phase" = 1 ]; then start_with_llama; else
+    install_site; (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) > "$out/bench.txt"
+  fi
   gpu_tests 150 "four_words or in_every_fused_form or every_matrix_vector_config or large_activations" \
       "$repo/tests/serve/test_gemv_forms.py" "$repo/tests/serve/test_gpu_kernels.py"
   (cd /tmp && timeout $(left 240) python3 -m quantserve.bench.kernel_race --shapes 8b --batches 1 \
