@@ -25,7 +25,7 @@ if [ "$phase" = 1 ] || [ "$phase" = solo ]; then
   fi
   gpu_tests 45 "four_words or every_matrix_vector_config or large_activations" \
       "$repo/tests/serve/test_gemv_forms.py" "$repo/tests/serve/test_gpu_kernels.py"
-  (cd /tmp && timeout $(left 115) python3 -m quantserve.bench.kernel_race --shapes 8b --batches 1 \
+  (cd /tmp && QUANTSERVE_GEMV_QUADS=1 timeout $(left 115) python3 -m quantserve.bench.kernel_race --shapes 8b --batches 1 \
       --kinds fp16,int4,int4-dp4a,int4-quads --out "$out/race.json") > "$out/race.log" 2>&1 || log "race: rc=$?"
   grep -E "^8b|copy bandwidth" "$out/race.log" >> "$out/bench.txt"
   b1 $(left 200) 8b-b1-int4-quads 1 int4
@@ -34,7 +34,7 @@ if [ "$phase" = 1 ] || [ "$phase" = solo ]; then
   tail -n 3 /tmp/llama-build.out /tmp/ggufs.log >> "$out/bench.txt" 2>/dev/null
 elif [ "$phase" = short ]; then
   install_site; (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) > "$out/bench.txt"
-  (cd /tmp && timeout $(left 85) python3 -m quantserve.bench.kernel_race --shapes 8b --batches 1 \
+  (cd /tmp && QUANTSERVE_GEMV_QUADS=1 timeout $(left 85) python3 -m quantserve.bench.kernel_race --shapes 8b --batches 1 \
       --kinds fp16,int4,int4-dp4a,int4-quads --out "$out/race.json") > "$out/race.log" 2>&1 || log "race: rc=$?"
   grep -E "^8b|copy bandwidth" "$out/race.log" >> "$out/bench.txt"
   b1 $(left 180) 8b-b1-int4-quads 1 int4

@@ -58,7 +58,7 @@ def load_choices(*paths) -> int:
     were taken.  A missing or unreadable file is skipped, and so is a row this version cannot run
     as written (a kernel it lacks, a config or flag its kernel does not take), that rounds x to
     int8 where QUANTSERVE_INT8_ACTIVATIONS=0 (or takes int4's four-words form where
-    QUANTSERVE_GEMV_QUADS=0), or a batch-1 row chosen with the other loop (its
+    QUANTSERVE_GEMV_QUADS is not 1), or a batch-1 row chosen with the other loop (its
     "ahead", absent before 2026-12-06, other than triton_gemv.LOAD_AHEAD): those shapes are tuned
     again."""
     kernels = _kernels()
@@ -78,7 +78,7 @@ def load_choices(*paths) -> int:
                 if flags.get(dp4a.FLAG) and not dp4a.enabled():
                     continue  # x rounded to int8, turned off here: tuned again without it
                 if flags.get("QUADS") and not dp4a.quads_enabled():
-                    continue  # int4's four-words form, turned off here (QUANTSERVE_GEMV_QUADS=0)
+                    continue  # int4's four-words form, not turned on here (QUANTSERVE_GEMV_QUADS=1)
                 name, bucket, batch1, n, k, dtype, group = row["key"]
                 if batch1 and bool(row.get("ahead", False)) != triton_gemv.LOAD_AHEAD:
                     continue  # chosen among batch-1 kernels of the other loop (_rows): tuned again

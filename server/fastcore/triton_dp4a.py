@@ -49,8 +49,9 @@ def enabled() -> bool:
 
 
 def quads_enabled() -> bool:
-    """Whether the launcher may choose int4's four-words-a-thread form (on unless QUANTSERVE_GEMV_QUADS=0)."""
-    return enabled() and os.environ.get("QUANTSERVE_GEMV_QUADS", "1") != "0"
+    """Whether the launcher may choose int4's four-words-a-thread form (QUANTSERVE_GEMV_QUADS=1; off by
+    default until it is measured on a GPU: each of its configs is one more compile at start-up)."""
+    return enabled() and os.environ.get("QUANTSERVE_GEMV_QUADS", "0") == "1"
 
 
 # (BLOCK_N, BLOCK_K, warps) the four-words form is timed at: a thread rounds x for its 32 columns

@@ -149,6 +149,31 @@ def test_a_kept_choice_that_rounds_x_to_int8_is_loaded_only_where_allowed(tmp_pa
         triton_mm._chosen.update(saved)
 
 
+@pytest.mark.parametrize("allowed", [True, False])
+def test_a_kept_int4_choice_of_four_words_a_thread_is_loaded_only_where_turned_on(tmp_path, monkeypatch, allowed):
+    """A batch-1 int4 choice in the four-words form (QUADS, triton_dp4a.quad_sums) loads and launches
+    as kept under QUANTSERVE_GEMV_QUADS=1; otherwise it is skipped (that shape is tuned again)."""
+    from quantserve.server.fastcore import kernel_choices, triton_mm
+
+    monkeypatch.setenv("QUANTSERVE_GEMV_QUADS", "1" if allowed else "0")
+    _, q4 = _layers(4)
+    rows = [_row("int4", 1, True, "_int4_gemv_kernel", {"BLOCK_N": 16, "BLOCK_K": 2048, "SPLIT_K": 1}, 2, 1,
+                 {"BIT_DEQUANT": True, "DOT4": True, "QUADS": True})]
+    (tmp_path / "kept.json").write_text(json.dumps(rows))
+    saved = dict(triton_mm._chosen)
+    triton_mm._chosen.clear()
+    try:
+        assert kernel_choices.load_choices(tmp_path / "kept.json") == (1 if allowed else 0)
+        if allowed:
+            x = torch.randn(1, K, device=DEVICE, dtype=DTYPE) * 2 + 0.3
+            y, ref = triton_mm.int4_weight_mm(x, q4.weight, q4.scales, q4.mins, q4.group_size), reference(q4, x)
+            err = (y.float() - ref).abs().max().item() / ref.abs().max().item()
+            assert 1e-4 < err < bound({"DOT4": True}), err  # x was rounded (not exact), within the bound
+    finally:
+        triton_mm._chosen.clear()
+        triton_mm._chosen.update(saved)
+
+
 @pytest.mark.parametrize("ahead", [True, False])
 def test_a_batch1_choice_made_with_the_other_loop_is_tuned_again(tmp_path, monkeypatch, ahead):
     """A kept or shipped batch-1 row chosen among matrix-vector kernels that loaded their weights a
