@@ -8,7 +8,7 @@
 #                             bench decode 8B int4 at batch 1 tuned at start-up (no shipped table) with the
 #                             four-words form allowed, then without (QUANTSERVE_GEMV_QUADS=0); int8, fp16
 #   bench/quads_gpu.sh OUT solo  phase 1 without llama.cpp (installs, no build started)
-#   bench/quads_gpu.sh OUT short kernel_race and the two int4 decodes only (~280 s)
+#   bench/quads_gpu.sh OUT short kernel_race and the two int4 decodes only (~240 s)
 #   bench/quads_gpu.sh OUT 2  llama-bench on Q8_0 / Q4_K_M once the GGUFs exist, then bench decode 8B at batch 1
 #                             in the same call (int4 tuned at start-up with and without the form, int8, fp16)
 set -uo pipefail
@@ -34,11 +34,11 @@ if [ "$phase" = 1 ] || [ "$phase" = solo ]; then
   tail -n 3 /tmp/llama-build.out /tmp/ggufs.log >> "$out/bench.txt" 2>/dev/null
 elif [ "$phase" = short ]; then
   install_site; (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) > "$out/bench.txt"
-  (cd /tmp && QUANTSERVE_GEMV_QUADS=1 timeout $(left 85) python3 -m quantserve.bench.kernel_race --shapes 8b --batches 1 \
+  (cd /tmp && QUANTSERVE_GEMV_QUADS=1 timeout $(left 80) python3 -m quantserve.bench.kernel_race --shapes 8b --batches 1 \
       --kinds fp16,int4,int4-dp4a,int4-quads --out "$out/race.json") > "$out/race.log" 2>&1 || log "race: rc=$?"
   grep -E "^8b|copy bandwidth" "$out/race.log" >> "$out/bench.txt"
-  b1 $(left 180) 8b-b1-int4-quads 1 int4
-  b1 $(left 275) 8b-b1-int4-one-word 0 int4
+  b1 $(left 160) 8b-b1-int4-quads 1 int4
+  b1 $(left 238) 8b-b1-int4-one-word 0 int4
 elif [ "$phase" = 2 ]; then
   until [ -f /tmp/ggufs.done ] || [ "$SECONDS" -gt 300 ]; do sleep 2; done
   tail -n 4 /tmp/ggufs.log >> "$out/bench.txt"
