@@ -184,9 +184,10 @@ def column_sum(low, high):
 # changes.
 
 @triton.jit
-def _x_column(x_ptr, norm_ptr, cols, NORM_WEIGHT: tl.constexpr):
-    """x's columns `cols` in fp32 (times the norm's weight with NORM_WEIGHT) and their squares
-    before that weight (the norm's statistics), as triton_gemv._activation."""
+def activation(x_ptr, norm_ptr, cols, NORM_WEIGHT: tl.constexpr):
+    """x's columns `cols` in fp32, times the norm's weight with NORM_WEIGHT, and their squares
+    before that weight (the norm's statistics; unused without NORM, so compiled away): how every
+    batch-1 kernel form (triton_gemv.py and the four-words form here) loads x."""
     x = tl.load(x_ptr + cols).to(tl.float32)
     sq = x * x
     if NORM_WEIGHT:
@@ -198,14 +199,14 @@ def _x_column(x_ptr, norm_ptr, cols, NORM_WEIGHT: tl.constexpr):
 def _word_products(words, x_ptr, norm_ptr, cols, NORM_WEIGHT: tl.constexpr):
     """One word a quad ([quads, rows] int32) against x's 8 columns from `cols` ([quads]): (the
     products scaled by x's rounding scale, the rounded columns' sum, the squares' sum)."""
-    x0, q0 = _x_column(x_ptr, norm_ptr, cols, NORM_WEIGHT)
-    x1, q1 = _x_column(x_ptr, norm_ptr, cols + 1, NORM_WEIGHT)
-    x2, q2 = _x_column(x_ptr, norm_ptr, cols + 2, NORM_WEIGHT)
-    x3, q3 = _x_column(x_ptr, norm_ptr, cols + 3, NORM_WEIGHT)
-    x4, q4 = _x_column(x_ptr, norm_ptr, cols + 4, NORM_WEIGHT)
-    x5, q5 = _x_column(x_ptr, norm_ptr, cols + 5, NORM_WEIGHT)
-    x6, q6 = _x_column(x_ptr, norm_ptr, cols + 6, NORM_WEIGHT)
-    x7, q7 = _x_column(x_ptr, norm_ptr, cols + 7, NORM_WEIGHT)
+    x0, q0 = activation(x_ptr, norm_ptr, cols, NORM_WEIGHT)
+    x1, q1 = activation(x_ptr, norm_ptr, cols + 1, NORM_WEIGHT)
+    x2, q2 = activation(x_ptr, norm_ptr, cols + 2, NORM_WEIGHT)
+    x3, q3 = activation(x_ptr, norm_ptr, cols + 3, NORM_WEIGHT)
+    x4, q4 = activation(x_ptr, norm_ptr, cols + 4, NORM_WEIGHT)
+    x5, q5 = activation(x_ptr, norm_ptr, cols + 5, NORM_WEIGHT)
+    x6, q6 = activation(x_ptr, norm_ptr, cols + 6, NORM_WEIGHT)
+    x7, q7 = activation(x_ptr, norm_ptr, cols + 7, NORM_WEIGHT)
     low, high, xs = quantize8_for_nibbles(x0, x1, x2, x3, x4, x5, x6, x7)
     part = dot_int4(words, tl.broadcast_to(low[:, None], words.shape),
                     tl.broadcast_to(high[:, None], words.shape)) * xs[:, None]

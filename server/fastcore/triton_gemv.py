@@ -51,8 +51,8 @@ import triton.language as tl
 
 from quantserve.server.fastcore.triton_dequant import (AUTOTUNE_OPTIONS, PTX as _PTX, first_words, int8_quad,
                                                        nibble_pair, step_words)
-from quantserve.server.fastcore.triton_dp4a import (column_sum, dot_int4, dot_int8, quad_sums, quantize4,
-                                                    quantize8_for_nibbles)
+from quantserve.server.fastcore.triton_dp4a import (activation as _activation, column_sum, dot_int4, dot_int8, quad_sums,
+                                                    quantize4, quantize8_for_nibbles)
 from quantserve.server.fastcore.triton_splits import store_row
 
 # (BLOCK_N, BLOCK_K, warps): one 4-byte word per thread and row, the warps side by side along K,
@@ -103,17 +103,6 @@ def _rows(pid_n, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
         half = N // 2
         return tl.minimum(pid_n * (BLOCK_N // 2) + idx // 2, half - 1) + (idx % 2) * half
     return tl.minimum(pid_n * BLOCK_N + idx, N - 1)
-
-
-@triton.jit
-def _activation(x_ptr, norm_ptr, cols, NORM_WEIGHT: tl.constexpr):
-    """x's columns `cols` in fp32, times the norm's weight with NORM_WEIGHT, and their squares
-    before that weight (the norm's statistics; unused without NORM, so compiled away)."""
-    x = tl.load(x_ptr + cols).to(tl.float32)
-    sq = x * x
-    if NORM_WEIGHT:
-        x = x * tl.load(norm_ptr + cols).to(tl.float32)
-    return x, sq
 
 
 @triton.jit

@@ -120,58 +120,51 @@ def test_a_table_of_choices_is_loaded_compiled_ahead_and_launched_untuned(tmp_pa
         triton_mm._chosen.update(saved)
 
 
+def _load_then_launch(tmp_path, rows: list[dict], taken: dict) -> None:
+    """Keep `rows` in a file, load them into an empty launcher, and check that exactly the layers in
+    `taken` ("int8" / "int4" -> layer) had their rows taken and launch them with x rounded to int8
+    (not exact, within the dp4a forms' bound)."""
+    from quantserve.server.fastcore import kernel_choices, triton_mm
+
+    (tmp_path / "kept.json").write_text(json.dumps(rows))
+    saved = dict(triton_mm._chosen)
+    triton_mm._chosen.clear()
+    try:
+        assert kernel_choices.load_choices(tmp_path / "kept.json") == len(taken)
+        x = torch.randn(1, K, device=DEVICE, dtype=DTYPE) * 2 + 0.3
+        for weights, q in taken.items():
+            y = (triton_mm.int8_weight_mm(x, q.weight, q.scales) if weights == "int8" else
+                 triton_mm.int4_weight_mm(x, q.weight, q.scales, q.mins, q.group_size))
+            ref = reference(q, x)
+            err = (y.float() - ref).abs().max().item() / ref.abs().max().item()
+            assert 1e-4 < err < bound({"DOT4": True}), (weights, err)
+    finally:
+        triton_mm._chosen.clear()
+        triton_mm._chosen.update(saved)
+
+
 @pytest.mark.parametrize("allowed", [True, False])
 def test_a_kept_choice_that_rounds_x_to_int8_is_loaded_only_where_allowed(tmp_path, monkeypatch, allowed):
     """Batch-1 choices with x rounded to int8 (dp4a, triton_dp4a.py) load and launch as kept;
     QUANTSERVE_INT8_ACTIVATIONS=0 skips them (those shapes are tuned again, without that form)."""
-    from quantserve.server.fastcore import kernel_choices, triton_mm
-
     monkeypatch.setenv("QUANTSERVE_INT8_ACTIVATIONS", "1" if allowed else "0")
     q8, q4 = _layers(3)
     rows = [_row("int8", 16, True, "_int8_gemv_kernel", {"BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 1}, 4, 1,
                  {"BIT_DEQUANT": True, "DOT4": True}),
             _row("int4", 1, True, "_int4_gemv_kernel", {"BLOCK_N": 8, "BLOCK_K": 1024, "SPLIT_K": 1}, 4, 1,
                  {"BIT_DEQUANT": True, "DOT4": True})]
-    (tmp_path / "kept.json").write_text(json.dumps(rows))
-    saved = dict(triton_mm._chosen)
-    triton_mm._chosen.clear()
-    try:
-        assert kernel_choices.load_choices(tmp_path / "kept.json") == (2 if allowed else 0)
-        if allowed:
-            x = torch.randn(1, K, device=DEVICE, dtype=DTYPE) * 2 + 0.3
-            for y, ref in ((triton_mm.int8_weight_mm(x, q8.weight, q8.scales), reference(q8, x)),
-                           (triton_mm.int4_weight_mm(x, q4.weight, q4.scales, q4.mins, q4.group_size),
-                            reference(q4, x))):
-                err = (y.float() - ref).abs().max().item() / ref.abs().max().item()
-                assert 1e-4 < err < bound({"DOT4": True}), err  # x was rounded (not exact), within the bound
-    finally:
-        triton_mm._chosen.clear()
-        triton_mm._chosen.update(saved)
+    _load_then_launch(tmp_path, rows, {"int8": q8, "int4": q4} if allowed else {})
 
 
 @pytest.mark.parametrize("allowed", [True, False])
 def test_a_kept_int4_choice_of_four_words_a_thread_is_loaded_only_where_turned_on(tmp_path, monkeypatch, allowed):
     """A batch-1 int4 choice in the four-words form (QUADS, triton_dp4a.quad_sums) loads and launches
     as kept under QUANTSERVE_GEMV_QUADS=1; otherwise it is skipped (that shape is tuned again)."""
-    from quantserve.server.fastcore import kernel_choices, triton_mm
-
     monkeypatch.setenv("QUANTSERVE_GEMV_QUADS", "1" if allowed else "0")
     _, q4 = _layers(4)
     rows = [_row("int4", 1, True, "_int4_gemv_kernel", {"BLOCK_N": 16, "BLOCK_K": 2048, "SPLIT_K": 1}, 2, 1,
                  {"BIT_DEQUANT": True, "DOT4": True, "QUADS": True})]
-    (tmp_path / "kept.json").write_text(json.dumps(rows))
-    saved = dict(triton_mm._chosen)
-    triton_mm._chosen.clear()
-    try:
-        assert kernel_choices.load_choices(tmp_path / "kept.json") == (1 if allowed else 0)
-        if allowed:
-            x = torch.randn(1, K, device=DEVICE, dtype=DTYPE) * 2 + 0.3
-            y, ref = triton_mm.int4_weight_mm(x, q4.weight, q4.scales, q4.mins, q4.group_size), reference(q4, x)
-            err = (y.float() - ref).abs().max().item() / ref.abs().max().item()
-            assert 1e-4 < err < bound({"DOT4": True}), err  # x was rounded (not exact), within the bound
-    finally:
-        triton_mm._chosen.clear()
-        triton_mm._chosen.update(saved)
+    _load_then_launch(tmp_path, rows, {"int4": q4} if allowed else {})
 
 
 @pytest.mark.parametrize("ahead", [True, False])
