@@ -19,24 +19,25 @@ b1() {  # LIMIT_S NAME QUADS QUANTS: bench decode 8B at batch 1, int4 tuned at s
   QUANTSERVE_KERNEL_TABLES=0 QUANTSERVE_GEMV_QUADS=$3 QUANTSERVE_HOME=/tmp/qs-q$3 decode "$1" "$2" --models 8b \
       --quants "$4" --kernels triton --batches 1
 }
+race() {  # MARK_S: kernel_race at batch 1 on the 8B layers, the four-words form allowed in the launcher's choice
+  (cd /tmp && QUANTSERVE_GEMV_QUADS=1 timeout $(left "$1") python3 -m quantserve.bench.kernel_race --shapes 8b \
+      --batches 1 --kinds fp16,int4,int4-dp4a,int4-quads --out "$out/race.json") > "$out/race.log" 2>&1 || log "race: rc=$?"
+  grep -E "^8b|copy bandwidth" "$out/race.log" >> "$out/bench.txt"
+}
 if [ "$phase" = 1 ] || [ "$phase" = solo ]; then
   if [ "$phase" = 1 ]; then start_with_llama; else
     install_site; (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) > "$out/bench.txt"
   fi
   gpu_tests 45 "four_words or every_matrix_vector_config or large_activations" \
       "$repo/tests/serve/test_gemv_forms.py" "$repo/tests/serve/test_gpu_kernels.py"
-  (cd /tmp && QUANTSERVE_GEMV_QUADS=1 timeout $(left 115) python3 -m quantserve.bench.kernel_race --shapes 8b --batches 1 \
-      --kinds fp16,int4,int4-dp4a,int4-quads --out "$out/race.json") > "$out/race.log" 2>&1 || log "race: rc=$?"
-  grep -E "^8b|copy bandwidth" "$out/race.log" >> "$out/bench.txt"
+  race 115
   b1 $(left 200) 8b-b1-int4-quads 1 int4
   b1 $(left 285) 8b-b1-int4-one-word 0 int4
   QUANTSERVE_HOME=/tmp/qs-t decode $(left 370) 8b-b1-int8-fp16 --models 8b --quants int8,none --kernels triton --batches 1
   tail -n 3 /tmp/llama-build.out /tmp/ggufs.log >> "$out/bench.txt" 2>/dev/null
 elif [ "$phase" = short ]; then
   install_site; (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) > "$out/bench.txt"
-  (cd /tmp && QUANTSERVE_GEMV_QUADS=1 timeout $(left 80) python3 -m quantserve.bench.kernel_race --shapes 8b --batches 1 \
-      --kinds fp16,int4,int4-dp4a,int4-quads --out "$out/race.json") > "$out/race.log" 2>&1 || log "race: rc=$?"
-  grep -E "^8b|copy bandwidth" "$out/race.log" >> "$out/bench.txt"
+  race 80
   b1 $(left 160) 8b-b1-int4-quads 1 int4
   b1 $(left 238) 8b-b1-int4-one-word 0 int4
 elif [ "$phase" = 2 ]; then

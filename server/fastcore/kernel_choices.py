@@ -81,7 +81,7 @@ def load_choices(*paths) -> int:
                         continue  # written for another version of the kernel
                 if flags.get(dp4a.FLAG) and not dp4a.enabled():
                     continue  # x rounded to int8, turned off here: tuned again without it
-                if flags.get("QUADS") and not dp4a.quads_enabled():
+                if flags.get(dp4a.QUADS_FLAG) and not dp4a.quads_enabled():
                     continue  # int4's four-words form, not turned on here (QUANTSERVE_GEMV_QUADS=1)
                 name, bucket, batch1, n, k, dtype, group = row["key"]
                 if batch1 and bool(row.get("ahead", False)) != triton_gemv.LOAD_AHEAD:

@@ -41,6 +41,7 @@ import triton.language as tl
 from quantserve.server.fastcore.triton_dequant import PTX as _PTX, first_words, step_words
 
 FLAG = "DOT4"  # the kernels' parameter for this form
+QUADS_FLAG = "QUADS"  # the int4 kernel's parameter for its four-words form (quad_sums)
 
 
 def enabled() -> bool:
@@ -196,9 +197,10 @@ def activation(x_ptr, norm_ptr, cols, NORM_WEIGHT: tl.constexpr):
 
 
 @triton.jit
-def _word_products(words, x_ptr, norm_ptr, cols, NORM_WEIGHT: tl.constexpr):
-    """One word a quad ([quads, rows] int32) against x's 8 columns from `cols` ([quads]): (the
-    products scaled by x's rounding scale, the rounded columns' sum, the squares' sum)."""
+def word_products(words, x_ptr, norm_ptr, cols, NORM_WEIGHT: tl.constexpr):
+    """int4 words ([columns, rows] int32, one a row) against x's 8 columns from `cols` ([columns]),
+    x rounded to int8 per word: (the products scaled by x's rounding scale, the rounded columns'
+    sum, the squares' sum before the norm's weight)."""
     x0, q0 = activation(x_ptr, norm_ptr, cols, NORM_WEIGHT)
     x1, q1 = activation(x_ptr, norm_ptr, cols + 1, NORM_WEIGHT)
     x2, q2 = activation(x_ptr, norm_ptr, cols + 2, NORM_WEIGHT)
@@ -238,10 +240,10 @@ def quad_sums(x_ptr, norm_ptr, w_ptr, s_ptr, z_ptr, rows, K, k0, k_len, GROUP: t
         s = tl.load(s_ptr + sz_off + k // GROUP).to(tl.float32)
         z = tl.load(z_ptr + sz_off + k // GROUP).to(tl.float32)
         cols = k + 32 * rq
-        p0, x0, q0 = _word_products(w0, x_ptr, norm_ptr, cols, NORM_WEIGHT)
-        p1, x1, q1 = _word_products(w1, x_ptr, norm_ptr, cols + 8, NORM_WEIGHT)
-        p2, x2, q2 = _word_products(w2, x_ptr, norm_ptr, cols + 16, NORM_WEIGHT)
-        p3, x3, q3 = _word_products(w3, x_ptr, norm_ptr, cols + 24, NORM_WEIGHT)
+        p0, x0, q0 = word_products(w0, x_ptr, norm_ptr, cols, NORM_WEIGHT)
+        p1, x1, q1 = word_products(w1, x_ptr, norm_ptr, cols + 8, NORM_WEIGHT)
+        p2, x2, q2 = word_products(w2, x_ptr, norm_ptr, cols + 16, NORM_WEIGHT)
+        p3, x3, q3 = word_products(w3, x_ptr, norm_ptr, cols + 24, NORM_WEIGHT)
         acc += ((p0 + p1) + (p2 + p3)) * s
         acc += ((x0 + x1) + (x2 + x3))[:, None] * z
         sq += (q0 + q1) + (q2 + q3)

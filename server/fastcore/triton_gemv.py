@@ -51,8 +51,8 @@ import triton.language as tl
 
 from quantserve.server.fastcore.triton_dequant import (AUTOTUNE_OPTIONS, PTX as _PTX, first_words, int8_quad,
                                                        nibble_pair, step_words)
-from quantserve.server.fastcore.triton_dp4a import (activation as _activation, column_sum, dot_int4, dot_int8, quad_sums,
-                                                    quantize4, quantize8_for_nibbles)
+from quantserve.server.fastcore.triton_dp4a import (activation as _activation, dot_int8, quad_sums, quantize4,
+                                                    word_products)
 from quantserve.server.fastcore.triton_splits import store_row
 
 # (BLOCK_N, BLOCK_K, warps): one 4-byte word per thread and row, the warps side by side along K,
@@ -273,15 +273,15 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, st
     W: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
     rows = _rows(pid_n, N, BLOCK_N, GATED)
-    rw = tl.arange(0, W)
-    w_ptrs = w_ptr.to(tl.pointer_type(tl.int32)) + rw[:, None] + rows[None, :] * (K // 8)
-    sz_off = (8 * rw[:, None]) // GROUP + rows[None, :] * (K // GROUP)
     k_len = K // SPLIT_K
     k0 = tl.multiple_of(tl.program_id(1) * k_len, BLOCK_K) if SPLIT_K > 1 else 0
     if QUADS:  # DOT4's products, four words a thread and row: one scale and zero point for the four
         y, sq = quad_sums(x_ptr, norm_ptr, w_ptr, s_ptr, z_ptr, rows, K, k0, k_len, GROUP, BLOCK_N, BLOCK_K, AHEAD,
                           NORM_WEIGHT)
     else:
+        rw = tl.arange(0, W)
+        w_ptrs = w_ptr.to(tl.pointer_type(tl.int32)) + rw[:, None] + rows[None, :] * (K // 8)
+        sz_off = (8 * rw[:, None]) // GROUP + rows[None, :] * (K // GROUP)
         acc = tl.zeros((W, BLOCK_N), dtype=tl.float32)
         sq = tl.zeros((W,), dtype=tl.float32)
         ahead = first_words(w_ptrs, k0, 8, AHEAD)
@@ -293,22 +293,12 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, st
             part = tl.zeros((W, BLOCK_N), dtype=tl.float32)
             xsum = tl.zeros((W,), dtype=tl.float32)
             if DOT4:  # x rounded to int8, the word's 8 products in two dp4a (triton_dp4a.py)
-                x0, sq0 = _activation(x_ptr, norm_ptr, k + 8 * rw, NORM_WEIGHT)
-                x1, sq1 = _activation(x_ptr, norm_ptr, k + 8 * rw + 1, NORM_WEIGHT)
-                x2, sq2 = _activation(x_ptr, norm_ptr, k + 8 * rw + 2, NORM_WEIGHT)
-                x3, sq3 = _activation(x_ptr, norm_ptr, k + 8 * rw + 3, NORM_WEIGHT)
-                x4, sq4 = _activation(x_ptr, norm_ptr, k + 8 * rw + 4, NORM_WEIGHT)
-                x5, sq5 = _activation(x_ptr, norm_ptr, k + 8 * rw + 5, NORM_WEIGHT)
-                x6, sq6 = _activation(x_ptr, norm_ptr, k + 8 * rw + 6, NORM_WEIGHT)
-                x7, sq7 = _activation(x_ptr, norm_ptr, k + 8 * rw + 7, NORM_WEIGHT)
-                low, high, xs = quantize8_for_nibbles(x0, x1, x2, x3, x4, x5, x6, x7)
-                part = dot_int4(words, tl.broadcast_to(low[:, None], (W, BLOCK_N)),
-                                tl.broadcast_to(high[:, None], (W, BLOCK_N))) * xs[:, None]
                 # the zero points' term from the rounded x too: the error is then sum w (x̂ - x) with w
                 # centred, not sum q s (x̂ - x) with q in [0, 15] (~half the error, bench/RESULTS.md)
-                xsum += column_sum(low, high) * xs
+                part, x_sum, x_sq = word_products(words, x_ptr, norm_ptr, k + 8 * rw, NORM_WEIGHT)
+                xsum += x_sum
                 if NORM:
-                    sq += ((sq0 + sq1) + (sq2 + sq3)) + ((sq4 + sq5) + (sq6 + sq7))
+                    sq += x_sq
             elif HALF_DOT:  # the products in packed fp16 (_nibble_dot), x scaled down for them
                 a0, b0, s0, sq0 = _x_pair(x_ptr, norm_ptr, k, rw, 0, W, BLOCK_N, NORM_WEIGHT)
                 a1, b1, s1, sq1 = _x_pair(x_ptr, norm_ptr, k, rw, 1, W, BLOCK_N, NORM_WEIGHT)

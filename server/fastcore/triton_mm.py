@@ -327,7 +327,7 @@ def _launch(kernel, M: int, N: int, x: torch.Tensor, args: tuple, gemv=None, den
                     choices += [(fn, c, 1, {"BIT_DEQUANT": True, dp4a.FLAG: True})
                                 for c in dp4a.configs_to_time(gemv, config)]
                 if gemv is int4_gemv_kernel and dp4a.quads_enabled():  # the same, four words a thread and row
-                    choices += [(fn, c, 1, {"BIT_DEQUANT": True, dp4a.FLAG: True, "QUADS": True})
+                    choices += [(fn, c, 1, {"BIT_DEQUANT": True, dp4a.FLAG: True, dp4a.QUADS_FLAG: True})
                                 for c in dp4a.quad_configs(K)]
         _chosen[key] = _fastest(choices, M, N, K, x, args, extra)
     fn, config, block_m, flags = _chosen[key]
