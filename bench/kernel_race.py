@@ -13,8 +13,7 @@ as in the decode step's own graph.  Kinds (as in bench/kernels.py): fp16 (cuBLAS
 matrix-vector kernels of the file given by --old, at their autotuner's best config, split-K buffer
 and cast included), int8-gemv / int4-gemv / int4-halfdot (batch 1: this tree's matrix-vector
 kernel alone at its autotuner's config, with the bit-pattern dequantization; int4-halfdot with
-its products in packed fp16; int8-dp4a / int4-dp4a with x rounded to int8 and dp4a products, triton_dp4a.py;
-int4-quads the same four words a thread and row), int8-gemlite / int4-gemlite, int8-dense / int4-dense and int8-tiles / int4-tiles (prompts
+its products in packed fp16; int8-dp4a / int4-dp4a with x rounded to int8 and dp4a products, triton_dp4a.py), int8-gemlite / int4-gemlite, int8-dense / int4-dense and int8-tiles / int4-tiles (prompts
 only: the dequantize-then-cuBLAS path alone, the 128-row tiles alone), int4-tiled (decode batches: the tiled `tl.dot`
 kernel alone) and int4-rows (2-16 rows: triton_rows.py's kernel alone).  int8-w8a8 (prompts only; not a
 path the server takes) rounds x to int8 with one scale per row and multiplies on the int8 tensor
@@ -38,8 +37,8 @@ from quantserve.bench.kernels import SHAPES
 
 KINDS = ("fp16", "int8", "int8-old", "int8-gemv", "int8-dp4a", "int8-gemlite", "int8-dense", "int8-tiles", "int8-w8a8", "int4",
          "int4-old", "int4-gemv", "int4-halfdot", "int4-dp4a", "int4-gemlite", "int4-dense", "int4-tiles", "int4-tiled",
-         "int4-rows", "int4-quads")
-BATCH1_ONLY = ("-old", "-gemv", "-halfdot", "-dp4a", "-gemlite", "-quads")  # kinds timed at M = 1 only
+         "int4-rows")
+BATCH1_ONLY = ("-old", "-gemv", "-halfdot", "-dp4a", "-gemlite")  # kinds timed at M = 1 only
 DECODE_ONLY = ("-tiled",)  # M <= 64 only
 FEW_ROWS_ONLY = ("-rows",)  # 2 <= M <= 16 only
 
@@ -92,8 +91,7 @@ def build(kind: str, w, old):
           "tiles": lambda: _alone(layer, "tiles"), "w8a8": lambda: _w8a8_layer(layer), "gemv": lambda: _alone(layer, "gemv", {"BIT_DEQUANT": True}),
           "tiled": lambda: _alone(layer, "tiled"), "rows": lambda: _alone(layer, "rows"),
           "halfdot": lambda: _alone(layer, "gemv", {"BIT_DEQUANT": True, "HALF_DOT": True}),
-          "dp4a": lambda: _alone(layer, "gemv", {"BIT_DEQUANT": True, "DOT4": True}),
-          "quads": lambda: _quads(layer)}.get(library, lambda: layer)()
+          "dp4a": lambda: _alone(layer, "gemv", {"BIT_DEQUANT": True, "DOT4": True})}.get(library, lambda: layer)()
     return fn, linear_weight_bytes(layer), layer
 
 
@@ -172,24 +170,6 @@ def _alone(layer, kind: str, flags: dict | None = None):
     return call
 
 
-def _quads(layer):
-    """x -> y by int4's four-words-a-thread form alone (triton_dp4a.quad_sums) at the first of its
-    launcher configs whose K step divides K (16 rows: 4,096 columns a step, or 2,048 on 2 warps)."""
-    from quantserve.server.fastcore import triton_dp4a, triton_gemv, triton_mm
-
-    args = (layer.weight, layer.scales, layer.mins)
-    flags = {"GROUP": layer.group_size, "BIT_DEQUANT": True, "DOT4": True, "QUADS": True}
-    state = {}
-
-    def call(x):
-        M, K = x.shape
-        state["config"] = config = triton_dp4a.quad_configs(K)[0]
-        return triton_mm.run_choice(triton_gemv.int4_gemv_kernel.fn, config, 1, M, layer.weight.shape[0], K, x,
-                                    (x, *args), flags)
-    call.state = state
-    return call
-
-
 def dequantized(w) -> dict:
     """kind prefix -> the fp32 weight every kind of that prefix computes with: the integers are
     made by the same quantizer for ours, the old kernels and GemLite (which repacks them)."""
@@ -230,7 +210,7 @@ def describe_choice(kind: str, fn, N: int, K: int, M: int) -> str | None:
         f, config, block_m, flags = c
         name = getattr(f, "__name__", None) or getattr(getattr(f, "fn", None), "__name__", str(f))
         return f"{name} {config.kwargs if config is not None else 'dense'} w{getattr(config, 'num_warps', '-')} {flags}"
-    if kind.endswith(("-old", "-tiles", "-gemv", "-halfdot", "-dp4a", "-tiled", "-rows", "-quads")):
+    if kind.endswith(("-old", "-tiles", "-gemv", "-halfdot", "-dp4a", "-tiled", "-rows")):
         c = fn.state.get("config")
         return f"{kind.split('-')[1]} {c.kwargs} w{c.num_warps} s{c.num_stages}" if c is not None else None
     return None

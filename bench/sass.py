@@ -194,10 +194,6 @@ def _gemv_forms() -> dict[str, tuple]:
                     const[ptr] = None
             full = {n: full[n] for n in fn.arg_names if n in full}
             out[f"ours {kind} batch-1, {name}"] = (as_launched(fn, full, const), {"num_warps": 4, "num_stages": 1})
-            if kind == "int4" and name == "int8 x, dp4a":  # four words a thread, at its first launcher config
-                quads = {**const, "QUADS": True, "BLOCK_K": 4096}
-                out["ours int4 batch-1, int8 x, dp4a, four words (16 x 4,096)"] = (
-                    as_launched(fn, {**full, "QUADS": "constexpr"}, quads), {"num_warps": 4, "num_stages": 1})
     return out
 
 

@@ -25,17 +25,14 @@ def _rows() -> list[dict]:
     """`triton_mm._chosen` as JSON rows (kernel_tables.py's format).  A batch-1 row also says whether
     the matrix-vector kernels it was chosen among loaded their weights a step ahead ("ahead"): the
     forms time differently with and without (bench/RESULTS.md, 2026-12-06), so a row made under the
-    other setting is tuned again rather than taken.  A batch-1 int4 row says too whether int4's
-    four-words form was among them ("quads"), so turning that form on (QUANTSERVE_GEMV_QUADS=1)
-    tunes again the rows of a table made without it."""
+    other setting is tuned again rather than taken."""
     rows = []
     for key, (fn, config, block_m, flags) in triton_mm._chosen.items():
         kept = None if config is None else {"kwargs": config.kwargs, "num_warps": config.num_warps,
                                             "num_stages": config.num_stages}
         rows.append({"key": [*key[:5], str(key[5]).removeprefix("torch."), key[6]],
                      "kernel": triton_mm._kernel_name(fn), "config": kept, "block_m": block_m, "flags": flags}
-                    | ({"ahead": triton_gemv.LOAD_AHEAD} if key[2] else {})
-                    | ({"quads": dp4a.quads_enabled()} if key[2] and key[0] == "_int4_kernel" else {}))
+                    | ({"ahead": triton_gemv.LOAD_AHEAD} if key[2] else {}))
     return rows
 
 
@@ -60,11 +57,9 @@ def load_choices(*paths) -> int:
     kernel, shape and dtype), the first file's winning where two name one shape; returns how many
     were taken.  A missing or unreadable file is skipped, and so is a row this version cannot run
     as written (a kernel it lacks, a config or flag its kernel does not take), that rounds x to
-    int8 where QUANTSERVE_INT8_ACTIVATIONS=0 (or takes int4's four-words form where
-    QUANTSERVE_GEMV_QUADS is not 1), or a batch-1 row chosen with the other loop (its
-    "ahead", absent before 2026-12-06, other than triton_gemv.LOAD_AHEAD) or, for int4, with the
-    four-words form among the candidates or not, unlike now ("quads", absent: not): those shapes are
-    tuned again."""
+    int8 where QUANTSERVE_INT8_ACTIVATIONS=0, or a batch-1 row chosen with the other loop (its
+    "ahead", absent before 2026-12-06, other than triton_gemv.LOAD_AHEAD): those shapes are tuned
+    again."""
     kernels = _kernels()
     taken = 0
     for path in paths:
@@ -81,13 +76,9 @@ def load_choices(*paths) -> int:
                         continue  # written for another version of the kernel
                 if flags.get(dp4a.FLAG) and not dp4a.enabled():
                     continue  # x rounded to int8, turned off here: tuned again without it
-                if flags.get(dp4a.QUADS_FLAG) and not dp4a.quads_enabled():
-                    continue  # int4's four-words form, not turned on here (QUANTSERVE_GEMV_QUADS=1)
                 name, bucket, batch1, n, k, dtype, group = row["key"]
                 if batch1 and bool(row.get("ahead", False)) != triton_gemv.LOAD_AHEAD:
                     continue  # chosen among batch-1 kernels of the other loop (_rows): tuned again
-                if batch1 and name == "_int4_kernel" and bool(row.get("quads", False)) != dp4a.quads_enabled():
-                    continue  # chosen with(out) int4's four-words form among the candidates, unlike now
                 key = (name, int(bucket), bool(batch1), int(n), int(k), getattr(torch, dtype), group)
                 if key not in triton_mm._chosen:
                     triton_mm._chosen[key] = (fn, config, int(row["block_m"]), flags)

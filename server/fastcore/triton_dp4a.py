@@ -38,34 +38,14 @@ import os
 import triton
 import triton.language as tl
 
-from quantserve.server.fastcore.triton_dequant import PTX as _PTX, first_words, step_words
+from quantserve.server.fastcore.triton_dequant import PTX as _PTX
 
 FLAG = "DOT4"  # the kernels' parameter for this form
-QUADS_FLAG = "QUADS"  # the int4 kernel's parameter for its four-words form (quad_sums)
 
 
 def enabled() -> bool:
     """Whether the launcher may choose x rounded to int8 (on unless QUANTSERVE_INT8_ACTIVATIONS=0)."""
     return os.environ.get("QUANTSERVE_INT8_ACTIVATIONS", "1") != "0"
-
-
-def quads_enabled() -> bool:
-    """Whether the launcher may choose int4's four-words-a-thread form (QUANTSERVE_GEMV_QUADS=1; off by
-    default until it is measured on a GPU: each of its configs is one more compile at start-up)."""
-    return enabled() and os.environ.get("QUANTSERVE_GEMV_QUADS", "0") == "1"
-
-
-# (BLOCK_N, BLOCK_K, warps) the four-words form is timed at: a thread rounds x for its 32 columns
-# once a step for all of its rows, so its configs put every row of the program in each thread
-# (BLOCK_K = 32 columns x 32 threads x warps); with 8 rows a thread that rounding costs 22.4
-# instructions a word in the sm_90 SASS, with 16 rows 18.6 (the one-word form: 21-29).
-QUAD_CONFIGS = ((16, 4096, 4), (16, 2048, 2), (8, 2048, 2), (32, 2048, 2))
-
-
-def quad_configs(K: int) -> list:
-    """The four-words form's configs whose K step divides K."""
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1}, num_warps=w, num_stages=1)
-            for bn, bk, w in QUAD_CONFIGS if K % bk == 0]
 
 
 def configs_to_time(gemv, config) -> list:
@@ -174,21 +154,11 @@ def column_sum(low, high):
     return dot_int8(ones, low) + dot_int8(ones, high)
 
 
-# Four words a thread and row (the int4 kernel's QUADS flag).  In the one-word form each word's
-# partial sum is scaled by its own scale and zero point, loaded for it: two 2-byte loads and two
-# fused multiply-adds a word and row.  Timing the int4 kernel with a stage left out on an H200
-# (bench/gemv_probe.py, bench/RESULTS.md 2026-12-06 night) put those loads at 24-30 % of the
-# large layers' time (gate_up 28.3 -> 21.5 µs without them, lm_head 115 -> 81 µs).  A thread that
-# takes 4 consecutive words of a row (32 columns, inside one group: GROUP % 32 == 0) loads the
-# pair once for the 4 and scales their sum once.  x is still rounded per 8 columns, as in the
-# one-word form, so the products and their error are the same; only the order of the fp32 sums
-# changes.
-
 @triton.jit
 def activation(x_ptr, norm_ptr, cols, NORM_WEIGHT: tl.constexpr):
     """x's columns `cols` in fp32, times the norm's weight with NORM_WEIGHT, and their squares
     before that weight (the norm's statistics; unused without NORM, so compiled away): how every
-    batch-1 kernel form (triton_gemv.py and the four-words form here) loads x."""
+    batch-1 kernel form (triton_gemv.py) loads x."""
     x = tl.load(x_ptr + cols).to(tl.float32)
     sq = x * x
     if NORM_WEIGHT:
@@ -213,38 +183,3 @@ def word_products(words, x_ptr, norm_ptr, cols, NORM_WEIGHT: tl.constexpr):
     part = dot_int4(words, tl.broadcast_to(low[:, None], words.shape),
                     tl.broadcast_to(high[:, None], words.shape)) * xs[:, None]
     return part, column_sum(low, high) * xs, ((q0 + q1) + (q2 + q3)) + ((q4 + q5) + (q6 + q7))
-
-
-@triton.jit
-def quad_sums(x_ptr, norm_ptr, w_ptr, s_ptr, z_ptr, rows, K, k0, k_len, GROUP: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr, NORM_WEIGHT: tl.constexpr):
-    """The int4 rows' sums over [k0, k0 + k_len) of K, four words a thread and row: ([BLOCK_N] fp32,
-    the squares of x's columns summed per quad).  Packing and zero points as in
-    triton_gemv._int4_gemv_kernel; each K step's words loaded a step ahead with AHEAD."""
-    Q: tl.constexpr = BLOCK_K // 32
-    rq = tl.arange(0, Q)
-    q_ptrs = w_ptr.to(tl.pointer_type(tl.int32)) + 4 * rq[:, None] + rows[None, :] * (K // 8)
-    sz_off = (32 * rq[:, None]) // GROUP + rows[None, :] * (K // GROUP)
-    acc = tl.zeros((Q, BLOCK_N), dtype=tl.float32)
-    sq = tl.zeros((Q,), dtype=tl.float32)
-    a0 = first_words(q_ptrs, k0, 8, AHEAD)
-    a1 = first_words(q_ptrs + 1, k0, 8, AHEAD)
-    a2 = first_words(q_ptrs + 2, k0, 8, AHEAD)
-    a3 = first_words(q_ptrs + 3, k0, 8, AHEAD)
-    for k in range(k0, k0 + k_len, BLOCK_K):
-        k = tl.multiple_of(k, BLOCK_K)
-        w0, a0 = step_words(q_ptrs, k, k0 + k_len, a0, BLOCK_K, 8, AHEAD)
-        w1, a1 = step_words(q_ptrs + 1, k, k0 + k_len, a1, BLOCK_K, 8, AHEAD)
-        w2, a2 = step_words(q_ptrs + 2, k, k0 + k_len, a2, BLOCK_K, 8, AHEAD)
-        w3, a3 = step_words(q_ptrs + 3, k, k0 + k_len, a3, BLOCK_K, 8, AHEAD)
-        s = tl.load(s_ptr + sz_off + k // GROUP).to(tl.float32)
-        z = tl.load(z_ptr + sz_off + k // GROUP).to(tl.float32)
-        cols = k + 32 * rq
-        p0, x0, q0 = word_products(w0, x_ptr, norm_ptr, cols, NORM_WEIGHT)
-        p1, x1, q1 = word_products(w1, x_ptr, norm_ptr, cols + 8, NORM_WEIGHT)
-        p2, x2, q2 = word_products(w2, x_ptr, norm_ptr, cols + 16, NORM_WEIGHT)
-        p3, x3, q3 = word_products(w3, x_ptr, norm_ptr, cols + 24, NORM_WEIGHT)
-        acc += ((p0 + p1) + (p2 + p3)) * s
-        acc += ((x0 + x1) + (x2 + x3))[:, None] * z
-        sq += (q0 + q1) + (q2 + q3)
-    return tl.sum(acc, axis=0), sq

@@ -51,7 +51,7 @@ import triton.language as tl
 
 from quantserve.server.fastcore.triton_dequant import (AUTOTUNE_OPTIONS, PTX as _PTX, first_words, int8_quad,
                                                        nibble_pair, step_words)
-from quantserve.server.fastcore.triton_dp4a import (activation as _activation, dot_int8, quad_sums, quantize4,
+from quantserve.server.fastcore.triton_dp4a import (activation as _activation, dot_int8, quantize4,
                                                     word_products)
 from quantserve.server.fastcore.triton_splits import store_row
 
@@ -261,8 +261,7 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, st
                       SPLIT_K: tl.constexpr, BIT_DEQUANT: tl.constexpr = True, norm_ptr=None, res_ptr=None,
                       eps=0.0, NORM: tl.constexpr = False, GATED: tl.constexpr = False,
                       RESIDUAL: tl.constexpr = False, HALF_DOT: tl.constexpr = False, DOT4: tl.constexpr = False,
-                      AHEAD: tl.constexpr = LOAD_AHEAD, NORM_WEIGHT: tl.constexpr = False,
-                      QUADS: tl.constexpr = False):
+                      AHEAD: tl.constexpr = LOAD_AHEAD, NORM_WEIGHT: tl.constexpr = False):
     # The packed bytes are read as int32 words of 8 columns, one word per thread and row: byte i
     # of a word holds columns 2i (high nibble) and 2i + 1 (low), so column j of the word sits at
     # bit 8 * (j // 2) + 4 * (1 - j % 2).  Column j of x for each word is a strided load of its
@@ -275,69 +274,65 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, st
     rows = _rows(pid_n, N, BLOCK_N, GATED)
     k_len = K // SPLIT_K
     k0 = tl.multiple_of(tl.program_id(1) * k_len, BLOCK_K) if SPLIT_K > 1 else 0
-    if QUADS:  # DOT4's products, four words a thread and row: one scale and zero point for the four
-        y, sq = quad_sums(x_ptr, norm_ptr, w_ptr, s_ptr, z_ptr, rows, K, k0, k_len, GROUP, BLOCK_N, BLOCK_K, AHEAD,
-                          NORM_WEIGHT)
-    else:
-        rw = tl.arange(0, W)
-        w_ptrs = w_ptr.to(tl.pointer_type(tl.int32)) + rw[:, None] + rows[None, :] * (K // 8)
-        sz_off = (8 * rw[:, None]) // GROUP + rows[None, :] * (K // GROUP)
-        acc = tl.zeros((W, BLOCK_N), dtype=tl.float32)
-        sq = tl.zeros((W,), dtype=tl.float32)
-        ahead = first_words(w_ptrs, k0, 8, AHEAD)
-        for k in range(k0, k0 + k_len, BLOCK_K):
-            k = tl.multiple_of(k, BLOCK_K)
-            words, ahead = step_words(w_ptrs, k, k0 + k_len, ahead, BLOCK_K, 8, AHEAD)  # [W, BN] int32
-            s = tl.load(s_ptr + sz_off + k // GROUP).to(tl.float32)
-            z = tl.load(z_ptr + sz_off + k // GROUP).to(tl.float32)
-            part = tl.zeros((W, BLOCK_N), dtype=tl.float32)
-            xsum = tl.zeros((W,), dtype=tl.float32)
-            if DOT4:  # x rounded to int8, the word's 8 products in two dp4a (triton_dp4a.py)
-                # the zero points' term from the rounded x too: the error is then sum w (x̂ - x) with w
-                # centred, not sum q s (x̂ - x) with q in [0, 15] (~half the error, bench/RESULTS.md)
-                part, x_sum, x_sq = word_products(words, x_ptr, norm_ptr, k + 8 * rw, NORM_WEIGHT)
-                xsum += x_sum
+    rw = tl.arange(0, W)
+    w_ptrs = w_ptr.to(tl.pointer_type(tl.int32)) + rw[:, None] + rows[None, :] * (K // 8)
+    sz_off = (8 * rw[:, None]) // GROUP + rows[None, :] * (K // GROUP)
+    acc = tl.zeros((W, BLOCK_N), dtype=tl.float32)
+    sq = tl.zeros((W,), dtype=tl.float32)
+    ahead = first_words(w_ptrs, k0, 8, AHEAD)
+    for k in range(k0, k0 + k_len, BLOCK_K):
+        k = tl.multiple_of(k, BLOCK_K)
+        words, ahead = step_words(w_ptrs, k, k0 + k_len, ahead, BLOCK_K, 8, AHEAD)  # [W, BN] int32
+        s = tl.load(s_ptr + sz_off + k // GROUP).to(tl.float32)
+        z = tl.load(z_ptr + sz_off + k // GROUP).to(tl.float32)
+        part = tl.zeros((W, BLOCK_N), dtype=tl.float32)
+        xsum = tl.zeros((W,), dtype=tl.float32)
+        if DOT4:  # x rounded to int8, the word's 8 products in two dp4a (triton_dp4a.py)
+            # the zero points' term from the rounded x too: the error is then sum w (x̂ - x) with w
+            # centred, not sum q s (x̂ - x) with q in [0, 15] (~half the error, bench/RESULTS.md)
+            part, x_sum, x_sq = word_products(words, x_ptr, norm_ptr, k + 8 * rw, NORM_WEIGHT)
+            xsum += x_sum
+            if NORM:
+                sq += x_sq
+        elif HALF_DOT:  # the products in packed fp16 (_nibble_dot), x scaled down for them
+            a0, b0, s0, sq0 = _x_pair(x_ptr, norm_ptr, k, rw, 0, W, BLOCK_N, NORM_WEIGHT)
+            a1, b1, s1, sq1 = _x_pair(x_ptr, norm_ptr, k, rw, 1, W, BLOCK_N, NORM_WEIGHT)
+            a2, b2, s2, sq2 = _x_pair(x_ptr, norm_ptr, k, rw, 2, W, BLOCK_N, NORM_WEIGHT)
+            a3, b3, s3, sq3 = _x_pair(x_ptr, norm_ptr, k, rw, 3, W, BLOCK_N, NORM_WEIGHT)
+            # both terms in x's scaled units (the sum once per column, not per row): the scale
+            # comes off once, after the loop
+            part = _nibble_dot(words, a0, b0, a1, b1, a2, b2, a3, b3)
+            xsum += ((s0 + s1) + (s2 + s3)) * HALF_DOT_SCALE
+            if NORM:
+                sq += (sq0 + sq1) + (sq2 + sq3)
+        elif BIT_DEQUANT:
+            # two nibbles at once: (w >> 4p) & 0x000F000F | 0x64006400 holds 1024 + q of two
+            # columns as fp16 halves (Marlin's trick), widened to fp32 in one asm block;
+            # sum (1024 + q) x = sum q x + 1024 sum x in fp32 keeps ~14 bits of q x, and the
+            # 1024 sum x comes off with the offset below
+            for p in tl.static_range(4):
+                # the columns of bits 4p and 16 + 4p: 2 (p // 2) + 1 - p % 2 and 4 more
+                x_lo, sq_lo = _activation(x_ptr, norm_ptr, k + 8 * rw + (2 * (p // 2) + 1 - p % 2), NORM_WEIGHT)
+                x_hi, sq_hi = _activation(x_ptr, norm_ptr, k + 8 * rw + (2 * (p // 2) + 5 - p % 2), NORM_WEIGHT)
+                q_lo, q_hi = nibble_pair(words, 4 * p)
+                part += q_lo * x_lo[:, None]
+                part += q_hi * x_hi[:, None]
+                xsum += x_lo + x_hi
                 if NORM:
-                    sq += x_sq
-            elif HALF_DOT:  # the products in packed fp16 (_nibble_dot), x scaled down for them
-                a0, b0, s0, sq0 = _x_pair(x_ptr, norm_ptr, k, rw, 0, W, BLOCK_N, NORM_WEIGHT)
-                a1, b1, s1, sq1 = _x_pair(x_ptr, norm_ptr, k, rw, 1, W, BLOCK_N, NORM_WEIGHT)
-                a2, b2, s2, sq2 = _x_pair(x_ptr, norm_ptr, k, rw, 2, W, BLOCK_N, NORM_WEIGHT)
-                a3, b3, s3, sq3 = _x_pair(x_ptr, norm_ptr, k, rw, 3, W, BLOCK_N, NORM_WEIGHT)
-                # both terms in x's scaled units (the sum once per column, not per row): the scale
-                # comes off once, after the loop
-                part = _nibble_dot(words, a0, b0, a1, b1, a2, b2, a3, b3)
-                xsum += ((s0 + s1) + (s2 + s3)) * HALF_DOT_SCALE
+                    sq += sq_lo + sq_hi
+            z = z - 1024.0 * s
+        else:
+            for j in tl.static_range(8):
+                xj, sqj = _activation(x_ptr, norm_ptr, k + 8 * rw + j, NORM_WEIGHT)
+                part += ((words >> (8 * (j // 2) + 4 * (1 - j % 2))) & 0xF).to(tl.float32) * xj[:, None]
+                xsum += xj
                 if NORM:
-                    sq += (sq0 + sq1) + (sq2 + sq3)
-            elif BIT_DEQUANT:
-                # two nibbles at once: (w >> 4p) & 0x000F000F | 0x64006400 holds 1024 + q of two
-                # columns as fp16 halves (Marlin's trick), widened to fp32 in one asm block;
-                # sum (1024 + q) x = sum q x + 1024 sum x in fp32 keeps ~14 bits of q x, and the
-                # 1024 sum x comes off with the offset below
-                for p in tl.static_range(4):
-                    # the columns of bits 4p and 16 + 4p: 2 (p // 2) + 1 - p % 2 and 4 more
-                    x_lo, sq_lo = _activation(x_ptr, norm_ptr, k + 8 * rw + (2 * (p // 2) + 1 - p % 2), NORM_WEIGHT)
-                    x_hi, sq_hi = _activation(x_ptr, norm_ptr, k + 8 * rw + (2 * (p // 2) + 5 - p % 2), NORM_WEIGHT)
-                    q_lo, q_hi = nibble_pair(words, 4 * p)
-                    part += q_lo * x_lo[:, None]
-                    part += q_hi * x_hi[:, None]
-                    xsum += x_lo + x_hi
-                    if NORM:
-                        sq += sq_lo + sq_hi
-                z = z - 1024.0 * s
-            else:
-                for j in tl.static_range(8):
-                    xj, sqj = _activation(x_ptr, norm_ptr, k + 8 * rw + j, NORM_WEIGHT)
-                    part += ((words >> (8 * (j // 2) + 4 * (1 - j % 2))) & 0xF).to(tl.float32) * xj[:, None]
-                    xsum += xj
-                    if NORM:
-                        sq += sqj
-            acc += part * s  # two statements: two fused multiply-adds (one expression was FMUL, FFMA, FADD)
-            acc += xsum[:, None] * z
-        y = tl.sum(acc, axis=0)
-        if HALF_DOT:
-            y = y * (1.0 / HALF_DOT_SCALE)
+                    sq += sqj
+        acc += part * s  # two statements: two fused multiply-adds (one expression was FMUL, FFMA, FADD)
+        acc += xsum[:, None] * z
+    y = tl.sum(acc, axis=0)
+    if HALF_DOT:
+        y = y * (1.0 / HALF_DOT_SCALE)
     _finish_row(out_ptr, y, pid_n, N, K, sq, eps, res_ptr, BLOCK_N, NORM, GATED, RESIDUAL, SPLIT_K)
 
 

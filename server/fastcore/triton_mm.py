@@ -302,9 +302,9 @@ def _launch(kernel, M: int, N: int, x: torch.Tensor, args: tuple, gemv=None, den
 
     The first call for a shape tunes: each autotuner picks its best config, then the kinds'
     winners are timed against each other (at batch 1: tiled, matrix-vector with and without the
-    bit-pattern dequantization, int4's packed fp16 products, x rounded to int8 for dp4a, one word
-    or, for int4, four words a thread; at 2-16 rows: tiled and the few-rows kernel; for M > 64:
-    tiled on 64 rows, 128-row tiles, dequantize-then-cuBLAS) and the fastest is kept.  Later calls launch the choice directly."""
+    bit-pattern dequantization, int4's packed fp16 products, x rounded to int8 for dp4a; at 2-16
+    rows: tiled and the few-rows kernel; for M > 64: tiled on 64 rows, 128-row tiles,
+    dequantize-then-cuBLAS) and the fastest is kept.  Later calls launch the choice directly."""
     K = x.shape[1]
     bucket = _m_bucket(M, fine=rows is not None)
     key = (kernel.fn.__name__, bucket, M == 1, N, K, x.dtype, extra.get("GROUP"))  # batch 1 has its own choice
@@ -326,9 +326,6 @@ def _launch(kernel, M: int, N: int, x: torch.Tensor, args: tuple, gemv=None, den
                 if dp4a.enabled():  # x rounded to int8, integer products (triton_dp4a.py)
                     choices += [(fn, c, 1, {"BIT_DEQUANT": True, dp4a.FLAG: True})
                                 for c in dp4a.configs_to_time(gemv, config)]
-                if gemv is int4_gemv_kernel and dp4a.quads_enabled():  # the same, four words a thread and row
-                    choices += [(fn, c, 1, {"BIT_DEQUANT": True, dp4a.FLAG: True, dp4a.QUADS_FLAG: True})
-                                for c in dp4a.quad_configs(K)]
         _chosen[key] = _fastest(choices, M, N, K, x, args, extra)
     fn, config, block_m, flags = _chosen[key]
     return run_choice(fn, config, block_m, M, N, K, x, args, {**extra, **flags})

@@ -67,30 +67,6 @@ def test_every_matrix_vector_config_in_every_fused_form():
         check(triton_mm.run_choice(fn, config, 1, 1, N, K, x, args, flags), ref, label, rel, DTYPE)
 
 
-def test_int4_four_words_a_thread_at_its_own_configs_in_every_fused_form():
-    """int4's QUADS form (triton_dp4a.quad_sums) at each config the launcher times it at: the same
-    products as the one-word dp4a form, one scale and zero point for four words."""
-    from quantserve.server.fastcore import triton_dp4a, triton_gemv, triton_mm
-
-    eps = 1e-5
-    _, q4 = layers(N, K, seed=7, device=DEVICE, dtype=DTYPE)
-    torch.manual_seed(7)
-    norm = (torch.rand(K, device=DEVICE) + 0.5).to(DTYPE)
-    x = (torch.randn(1, K, device=DEVICE) * 2 + 0.3).to(DTYPE)
-    configs = triton_dp4a.quad_configs(K)
-    assert configs, f"no four-words config divides K = {K}"
-    for form, (normed, weighted, gated, added) in FUSED_FORMS.items():
-        residual = torch.randn(1, N // 2 if gated else N, device=DEVICE, dtype=DTYPE) if added else None
-        flags = {"GROUP": q4.group_size, "BIT_DEQUANT": True, "DOT4": True, "QUADS": True, "eps": eps,
-                 "NORM": normed, "NORM_WEIGHT": weighted, "GATED": gated, "RESIDUAL": added,
-                 "norm_ptr": norm if weighted else None, "res_ptr": residual}
-        ref = fused_reference(q4, x, normed, norm if weighted else None, eps, gated, residual)
-        for config in configs:
-            y = triton_mm.run_choice(triton_gemv.int4_gemv_kernel.fn, config, 1, 1, N, K, x,
-                                     (x, q4.weight, q4.scales, q4.mins), flags)
-            check(y, ref, f"int4 quads {form} {config}", bound(flags), DTYPE)
-
-
 def test_split_k_with_the_weights_loaded_ahead_or_not():
     """The batch-1 kernels over K split in two and four (a caller may ask; the configs keep 1): each
     split loads its own steps ahead and stops at its own end.  Loading ahead changes when the words

@@ -59,8 +59,7 @@ INT8_VARIANTS = ({"BIT_DEQUANT": True}, {"BIT_DEQUANT": False}, {"BIT_DEQUANT": 
                  *({"BIT_DEQUANT": True, "DOT4": True, "AHEAD": a} for a in (True, False)))
 INT4_VARIANTS = ({"BIT_DEQUANT": True}, {"BIT_DEQUANT": False}, {"BIT_DEQUANT": True, "HALF_DOT": True},
                  {"BIT_DEQUANT": True, "DOT4": True}, *({"BIT_DEQUANT": True, "AHEAD": a} for a in (True, False)),
-                 *({"BIT_DEQUANT": True, "DOT4": True, "AHEAD": a} for a in (True, False)),
-                 *({"BIT_DEQUANT": True, "DOT4": True, "QUADS": True, "AHEAD": a} for a in (True, False)))
+                 *({"BIT_DEQUANT": True, "DOT4": True, "AHEAD": a} for a in (True, False)))
 
 
 def bound(flags: dict | None, outliers: bool = False) -> float:
