@@ -49,6 +49,7 @@ import os
 import triton
 import triton.language as tl
 
+from quantserve.server.fastcore.dependent_launch import wait_for_previous
 from quantserve.server.fastcore.triton_dequant import (AUTOTUNE_OPTIONS, PTX as _PTX, first_words, int8_quad,
                                                        nibble_pair, step_words)
 from quantserve.server.fastcore.triton_dp4a import (activation as _activation, dot_int8, quantize4,
@@ -131,7 +132,7 @@ def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm
                       BIT_DEQUANT: tl.constexpr = True, norm_ptr=None, res_ptr=None, eps=0.0,
                       NORM: tl.constexpr = False, GATED: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
                       DOT4: tl.constexpr = False, AHEAD: tl.constexpr = LOAD_AHEAD,
-                      NORM_WEIGHT: tl.constexpr = False):
+                      NORM_WEIGHT: tl.constexpr = False, PDL: tl.constexpr = False):
     # The int8 weights are read as int32 words of 4 columns, one word per thread and row (K is
     # not specialised on 16, so the loads stay one word wide); column c of x for each word is a
     # strided load of its own, one per thread, shared by the thread's rows, in the words' layout.
@@ -150,6 +151,7 @@ def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm
     xacc = tl.zeros((W,), dtype=tl.float32)
     sq = tl.zeros((W,), dtype=tl.float32)
     ahead = first_words(w_ptrs, k0, 4, AHEAD)
+    wait_for_previous(PDL)  # x and the outputs only once the kernel before has finished (dependent_launch.py)
     for k in range(k0, k0 + k_len, BLOCK_K):
         k = tl.multiple_of(k, BLOCK_K)
         words, ahead = step_words(w_ptrs, k, k0 + k_len, ahead, BLOCK_K, 4, AHEAD)  # [BN, W] int32
@@ -261,7 +263,8 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, st
                       SPLIT_K: tl.constexpr, BIT_DEQUANT: tl.constexpr = True, norm_ptr=None, res_ptr=None,
                       eps=0.0, NORM: tl.constexpr = False, GATED: tl.constexpr = False,
                       RESIDUAL: tl.constexpr = False, HALF_DOT: tl.constexpr = False, DOT4: tl.constexpr = False,
-                      AHEAD: tl.constexpr = LOAD_AHEAD, NORM_WEIGHT: tl.constexpr = False):
+                      AHEAD: tl.constexpr = LOAD_AHEAD, NORM_WEIGHT: tl.constexpr = False,
+                      PDL: tl.constexpr = False):
     # The packed bytes are read as int32 words of 8 columns, one word per thread and row: byte i
     # of a word holds columns 2i (high nibble) and 2i + 1 (low), so column j of the word sits at
     # bit 8 * (j // 2) + 4 * (1 - j % 2).  Column j of x for each word is a strided load of its
@@ -280,6 +283,7 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, st
     acc = tl.zeros((W, BLOCK_N), dtype=tl.float32)
     sq = tl.zeros((W,), dtype=tl.float32)
     ahead = first_words(w_ptrs, k0, 8, AHEAD)
+    wait_for_previous(PDL)
     for k in range(k0, k0 + k_len, BLOCK_K):
         k = tl.multiple_of(k, BLOCK_K)
         words, ahead = step_words(w_ptrs, k, k0 + k_len, ahead, BLOCK_K, 8, AHEAD)  # [W, BN] int32

@@ -33,7 +33,7 @@ import triton.language as tl
 from quantserve.server.fastcore.triton_dequant import (AUTOTUNE_OPTIONS, compiling_ahead, dequantize_int4,
                                                        dequantize_int8, int8_to, nibbles_to_fp16)
 from quantserve.server.fastcore.kernel_timing import graph_times, quick_bench
-from quantserve.server.fastcore import triton_dp4a as dp4a, triton_splits as splits
+from quantserve.server.fastcore import dependent_launch, triton_dp4a as dp4a, triton_splits as splits
 from quantserve.server.fastcore.triton_gemv import fits as gemv_fits, int4_gemv_kernel, int8_gemv_kernel
 from quantserve.server.fastcore.triton_rows import block_m as rows_block_m, fits as rows_fit, int4_rows_kernel
 from quantserve.server.fastcore.triton_splits import store_tile
@@ -356,7 +356,8 @@ def run_choice(fn, config, block_m: int, M: int, N: int, K: int, x: torch.Tensor
     out, part = splits.buffers(M, N, split, x, bool(extra.get("GATED")))
     grid = (-(-N // meta["BLOCK_N"]), split, -(-M // block_m))
     call = (*args, part, M, N, K, _block_m(M), x.stride(0), part.stride(0))
-    options = dict(BLOCK_M=block_m, **meta, **extra, num_warps=config.num_warps, num_stages=config.num_stages)
+    options = dict(BLOCK_M=block_m, **meta, **extra, num_warps=config.num_warps, num_stages=config.num_stages,
+                   **dependent_launch.launch_options(fn, x.device))
     if warmup:
         splits.add_splits(part, out, split, warmup=True)
         return fn.warmup(*call, grid=grid, **options)

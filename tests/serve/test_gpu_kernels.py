@@ -183,6 +183,54 @@ def test_launcher_inside_a_cuda_graph():
         check(y4, reference(q4, x), "int4 graph", bound(triton_mm.chosen("int4", 1, N, K)[3]))
 
 
+def test_dependent_launches_give_the_bits_of_ordinary_ones(monkeypatch):
+    """On sm_90 and later the batch-1 kernels launch as dependent launches (dependent_launch.py): a
+    chain of 16 layers, each reading the output of the one before, gives bit for bit the result of
+    the same chain launched the ordinary way, eager and replayed from a CUDA graph."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("dependent launches need sm_90 or later")
+    from quantserve.server.fastcore import dependent_launch, triton_mm
+
+    N = K = 2048
+    chain = [q for seed in range(8) for q in layers(N, K, seed=10 + seed)]  # int8, int4, int8, ...
+    x = torch.randn(1, K, device="cuda", dtype=torch.float16)
+
+    def run():
+        y = x
+        for q in chain:
+            y = (triton_mm.int4_weight_mm(y, q.weight, q.scales, q.mins, q.group_size) if hasattr(q, "mins")
+                 else triton_mm.int8_weight_mm(y, q.weight, q.scales))
+        return y
+
+    def graphed():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()  # tunes and compiles outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = run()
+        results = []
+        for _ in range(3):
+            graph.replay()
+            results.append(y.clone())
+        torch.cuda.synchronize()
+        return results
+
+    monkeypatch.setenv("QUANTSERVE_DEPENDENT_LAUNCH", "0")
+    ordinary = run().clone()
+    ordinary_graph = graphed()
+    monkeypatch.setenv("QUANTSERVE_DEPENDENT_LAUNCH", "1")
+    options = [dependent_launch.launch_options(triton_mm.chosen(w, 1, N, K)[0], x.device) for w in ("int8", "int4")]
+    assert {"PDL": True, "launch_pdl": True} in options, options  # a matrix-vector kernel was chosen
+    dependent = run().clone()
+    dependent_graph = graphed()
+    assert torch.isfinite(ordinary).all() and ordinary.abs().max() > 0.1
+    for label, y in [("eager", dependent)] + [(f"graph {i}", y) for i, y in enumerate(ordinary_graph + dependent_graph)]:
+        assert torch.equal(y, ordinary), label
+
+
 def test_fused_ops_match_the_separate_ops_before_and_after_the_choice():
     """The fused ops run the separate ops until the launcher has chosen the shape's batch-1 kernel
     (their first call tunes it), and the fused kernel after: the two agree, inside a CUDA graph too.
