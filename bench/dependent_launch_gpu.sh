@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Dependent launches of the batch-1 weight kernels (server/fastcore/dependent_launch.py) on the lent
+# Dependent launches of the batch-1 weight kernels and the attention (server/fastcore/dependent_launch.py) on the lent
 # GPU, one call, .devwheels carried: bench decode 8B at batch 1 (int8, int4; T4 profile, the shipped
 # kernel table) with them and without (QUANTSERVE_DEPENDENT_LAUNCH=0: the baseline, same call), the GPU
 # test of their bits, then, where 70 s are left, with them again (the run-to-run spread).
@@ -16,7 +16,8 @@ QUANTSERVE_DEPENDENT_LAUNCH=1 QUANTSERVE_HOME=/tmp/qs-d decode $(left $share) 8b
     --quants int8,int4 --kernels triton --batches 1
 QUANTSERVE_DEPENDENT_LAUNCH=0 QUANTSERVE_HOME=/tmp/qs-d decode $(left $(( 2 * share ))) 8b-b1-ordinary --models 8b \
     --quants int8,int4 --kernels triton --batches 1
-gpu_tests $(left $(( 2 * share + 40 ))) "dependent_launches or launcher_inside" "$repo/tests/serve/test_gpu_kernels.py"
+gpu_tests $(left $(( 2 * share + 40 ))) "dependent_launch or launcher_inside" "$repo/tests/serve/test_gpu_kernels.py" \
+    "$repo/tests/serve/test_paged_attention.py"
 if [ $(( end - SECONDS )) -ge 70 ]; then  # time left: with them again (the run-to-run spread)
   QUANTSERVE_DEPENDENT_LAUNCH=1 QUANTSERVE_HOME=/tmp/qs-d decode $(left "$end") 8b-b1-dependent-again --models 8b \
       --quants int8,int4 --kernels triton --batches 1

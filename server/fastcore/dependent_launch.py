@@ -1,25 +1,28 @@
-"""Programmatic dependent launch for the batch-1 weight kernels (sm_90 and later).
+"""Programmatic dependent launch for a decode step's own kernels (sm_90 and later).
 
-A batch-1 decode step is ~130 short weight kernels in a row (5-120 µs each on an 8B model), and
-between two of them the GPU idles: the next kernel starts only once the last program of the one
-before has finished, and its first loads then take a memory round trip before anything streams
-(bench/RESULTS.md: 245-314 µs of idle in a ~2.7-3.4 ms step on an H100).  With programmatic
-dependent launch (CUDA's `cudaLaunchAttributeProgrammaticStreamSerialization`, Triton's
-`launch_pdl`) the next kernel may start while the one before still runs; its programs then load
-their first weight words, which no kernel writes, and wait (`griddepcontrol.wait`) for the kernel
-before to finish and its writes to be visible before they read x or write anything.  Each program
-also says at its start that the next kernel may launch (`griddepcontrol.launch_dependents`): the
-next kernel launches once every program of this one has started, i.e. during its last wave.
+A batch-1 decode step is ~130 short weight kernels (5-120 µs each on an 8B model) with the
+attention's between them, and between two kernels the GPU idles: the next kernel starts only
+once the last program of the one before has finished, and its first loads then take a memory
+round trip before anything streams (bench/RESULTS.md: 245-314 µs of idle in a 2.7-3.4 ms step on
+an H100).  With programmatic dependent launch (CUDA's programmatic stream serialization, Triton's
+`launch_pdl`) the next kernel may start while the one before still runs: its programs load what
+no kernel writes (the weights' first words) and then wait (`griddepcontrol.wait`) until the
+kernel before has finished and its writes are visible.  Each program also says, as it waits,
+that the next kernel may launch (`griddepcontrol.launch_dependents`): the next kernel launches
+once every program of this one has got that far, i.e. during its last wave.
 
 Why it is safe in a chain of such kernels: every program of a kernel launched this way waits
-before its first read of another kernel's output and before its first write, so a kernel that has
-finished has waited for the one before it, and that one for the one before it.  Kernels launched
-the ordinary way (cuBLAS, inductor's, the attention) start after the kernel before has finished,
-as always.  CUDA graphs keep these launches as programmatic edges.
+before its first read of another kernel's output and before its first write, so a kernel that
+has finished has waited for the one before it, and that one for the one before it.  Kernels
+launched the ordinary way (cuBLAS, inductor's) start after the kernel before has finished, as
+always.  CUDA graphs keep these launches as programmatic edges.
 
-Only on sm_90 and later (Hopper has the instructions; a T4, sm_75, does not), on a GPU (not under
-Triton's interpreter), and with QUANTSERVE_DEPENDENT_LAUNCH=1: off by default until measured on a
-GPU (bench/dependent_launch_gpu.sh; the kernels' K-step SASS is unchanged by it, sm_90: 141 / 346
+Launched so: the batch-1 matrix-vector kernels (triton_gemv.py), which load their first weight
+words before they wait, and the attention kernel and the merge of its split keys
+(triton_paged_attention.py), which wait first.  Only on sm_90 and later (Hopper has the
+instructions; a T4, sm_75, does not), on a GPU (not under Triton's interpreter), and with
+QUANTSERVE_DEPENDENT_LAUNCH=1: off by default until measured on a GPU
+(bench/dependent_launch_gpu.sh).  The kernels' K-step SASS is the same with it (sm_90: 141 / 346
 instructions for the int8 / int4 dp4a forms).
 """
 

@@ -31,9 +31,11 @@ import torch
 import triton
 import triton.language as tl
 
+from quantserve.server.fastcore import dependent_launch
 from quantserve.server.fastcore.attention import short_context
 from quantserve.server.fastcore.batch import prompt_tile
 from quantserve.server.fastcore.blocks import BLOCK
+from quantserve.server.fastcore.dependent_launch import wait_for_previous
 
 DECODE_TILE_N = 64  # keys per inner step, decode tiles (few query rows)
 PROMPT_TILE_N = 32  # keys per inner step, prompt tiles (BLOCK_Q x G query rows)
@@ -60,7 +62,9 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, acc_ptr, m_p
                       H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                       D: tl.constexpr, DP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
                       TILE_N: tl.constexpr, BS: tl.constexpr, NSPLIT: tl.constexpr, INT8: tl.constexpr,
-                      SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, FP32: tl.constexpr, NEW_KV: tl.constexpr):
+                      SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, FP32: tl.constexpr, NEW_KV: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    wait_for_previous(PDL)  # everything it reads may come from the kernel before (dependent_launch.py)
     tile, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq = tl.load(tiles_ptr + tile * 3)
     q0 = tl.load(tiles_ptr + tile * 3 + 1)
@@ -165,7 +169,8 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, acc_ptr, m_p
 def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, tiles_ptr, pos_ptr, window,
                   H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                   DP: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NSPLIT: tl.constexpr,
-                  WINDOW: tl.constexpr):
+                  WINDOW: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_previous(PDL)
     tile, h = tl.program_id(0), tl.program_id(1)
     q0 = tl.load(tiles_ptr + tile * 3 + 1)
     nq = tl.load(tiles_ptr + tile * 3 + 2)
@@ -247,10 +252,11 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_sca
         softcap, window, cos.contiguous(), sin.contiguous(), q.stride(0), H=H, HKV=HKV, G=G, GP=GP, D=D, DP=DP,
         BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n, BS=BLOCK, NSPLIT=nsplit, INT8=int8, SOFTCAP=softcap > 0,
         WINDOW=window > 0, FP32=q.dtype == torch.float32, NEW_KV=rope is not None,
-        num_warps=4 if block_m <= 64 else 8)
+        num_warps=4 if block_m <= 64 else 8, **dependent_launch.launch_options(_attention_kernel, q.device))
     if nsplit > 1:
         _merge_kernel[(NT, HKV)](acc, m, l, out, tiles, pos, window, H=H, HKV=HKV, G=G, GP=GP, D=D, DP=DP,
-                                  BLOCK_M=block_m, TILE_N=tile_n, NSPLIT=nsplit, WINDOW=window > 0, num_warps=4)
+                                  BLOCK_M=block_m, TILE_N=tile_n, NSPLIT=nsplit, WINDOW=window > 0, num_warps=4,
+                                  **dependent_launch.launch_options(_merge_kernel, q.device))
     return out
 
 

@@ -202,6 +202,16 @@ def test_a_decode_step_from_wqkvs_output_with_soft_capping_and_a_window(short_co
     _check_decode(8, 2, 64, softcap=5.0, window=40)
 
 
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (9, 0),
+                    reason="dependent launches (dependent_launch.py) need a CUDA GPU of sm_90 or later")
+def test_a_decode_step_as_dependent_launches_matches_the_separate_steps(monkeypatch, short_context):
+    """The attention kernel and the merge of split keys launched as dependent launches, each waiting
+    for the kernel before: the same output and cache as the model's separate steps."""
+    monkeypatch.setenv("QUANTSERVE_DEPENDENT_LAUNCH", "1")
+    _check_decode(8, 2, 64)
+    _check_decode(32, 8, 128, dtype=torch.float16, tol=2e-2)
+
+
 def test_the_model_decodes_through_the_one_kernel_path_like_the_torch_path(default_model):
     """The default model with the Triton kernels in its layers (as use_attention sets them on a
     GPU; here in the interpreter): prompt chunks through attend_triton, decode steps of several
