@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import json
 import re
 import shutil
 import subprocess
@@ -197,6 +198,42 @@ def _gemv_forms() -> dict[str, tuple]:
     return out
 
 
+def dependent_launch_order(arch: str = "sm_90") -> dict[str, dict]:
+    """The batch-1 kernels' dp4a form as a dependent launch (server/fastcore/dependent_launch.py),
+    compiled for `arch`: where the wait (SASS `ACQBULK`) and the let-the-next-launch (`PREEXIT`)
+    stand, how many of the weights' loads (evict-first, `.EF`) and of x's 2-byte loads come before
+    the wait, and the K step's instructions with and without it.  The weights' first words should
+    be loaded before the wait and x after."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from quantserve.server.fastcore import triton_gemv
+
+    out = {}
+    for kind, fn, block_k in (("int8", triton_gemv._int8_gemv_kernel, 512), ("int4", triton_gemv._int4_gemv_kernel, 1024)):
+        sig = {n: t for n, t in _signature(kind).items() if t != "constexpr"}
+        steps, order = [], {}
+        for pdl in (False, True):
+            const = {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": block_k, "SPLIT_K": 1, "BIT_DEQUANT": True,
+                     "AHEAD": triton_gemv.LOAD_AHEAD, "DOT4": True, "PDL": pdl, "norm_ptr": None, "res_ptr": None,
+                     "NORM": False, "NORM_WEIGHT": False, "GATED": False, "RESIDUAL": False,
+                     **({"GROUP": 128, "HALF_DOT": False} if kind == "int4" else {})}
+            full = dict(sig, eps="fp32", **{n: "constexpr" for n in const})
+            kernel = triton.compile(as_launched(fn, {n: full[n] for n in fn.arg_names if n in full}, const),
+                                    target=GPUTarget("cuda", int(arch.removeprefix("sm_")), 32),
+                                    options={"num_warps": 4, "num_stages": 1, **({"launch_pdl": True} if pdl else {})})
+            steps.append(sum(loop_counts(kernel.asm["cubin"]).values()))
+            if pdl:
+                ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+((?:@!?U?P\w+\s+)?[A-Z][A-Z0-9_.]*)", _sass(kernel.asm["cubin"]))
+                wait = next((i for i, op in enumerate(ops) if op == "ACQBULK"), None)
+                before = ops[:wait] if wait is not None else []
+                order = {"wait": wait is not None, "launch_next": "PREEXIT" in before,
+                         "weight_loads_before_wait": sum(".EF" in op and "LDG" in op for op in before),
+                         "x_loads_before_wait": sum("LDG" in op and ".U16" in op for op in before)}
+        out[kind] = {**order, "k_step": steps[0], "k_step_dependent": steps[1]}
+    return out
+
+
 def _gemlite_gemv(N: int = 6144, K: int = 4096) -> tuple:
     """GemLite's batch-1 4-bit kernel (GEMV_REVSPLITK) as its forward launches it for our int4 layer."""
     import triton.language as tl
@@ -268,7 +305,12 @@ def main(argv=None) -> int:
     ap.add_argument("--gemv-forms", action="store_true", help="instead: the batch-1 kernels' loop body (one K step) "
                     "in each fused form and int4's packed fp16 variant")
     ap.add_argument("--loop", action="store_true", help="count the longest loop's body (one K step) only")
+    ap.add_argument("--dependent-launch", action="store_true", help="instead: the batch-1 kernels as dependent "
+                    "launches for sm_90, where their wait stands (JSON)")
     args = ap.parse_args(argv)
+    if args.dependent_launch:
+        print(json.dumps(dependent_launch_order(), indent=1))
+        return 0
     if args.gemv_forms:
         for arch in [a.strip() for a in args.arch.split(",") if a.strip()]:
             for name, (src, options) in _gemv_forms().items():

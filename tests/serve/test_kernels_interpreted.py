@@ -295,3 +295,25 @@ def test_dependent_launches_only_on_sm90_where_turned_on_and_for_the_kernels_tha
     monkeypatch.setattr(dependent_launch, "_capability", lambda index: (7, 5))
     assert options(waits[0], gpu) == {}
 
+
+def test_the_batch1_kernels_as_dependent_launches_load_their_first_weights_before_they_wait():
+    """Compiled for sm_90 (Triton cross-compiles on a CPU; bench/sass.py), the batch-1 kernels as
+    dependent launches load their first weight words before the wait and x only after it, let the
+    next kernel launch, and keep the K step's instruction count."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this Triton has no bundled ptxas to compile for sm_90")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
+    run = subprocess.run([sys.executable, "-m", "quantserve.bench.sass", "--dependent-launch"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    for kind, order in json.loads(run.stdout).items():
+        assert order["wait"] and order["launch_next"], (kind, order)
+        assert order["weight_loads_before_wait"] >= 1 and order["x_loads_before_wait"] == 0, (kind, order)
+        assert order["k_step"] == order["k_step_dependent"], (kind, order)
+
