@@ -64,15 +64,19 @@ def loop_counts(cubin: bytes) -> dict[str, int]:
                                                "\n".join(best))))
 
 
-def compile_for(src, arch: str, options: dict | None = None, loop: bool = False) -> dict[str, int]:
-    """Compile a Triton ASTSource for `arch` ("sm_75") and count its instructions (`loop`: in its
-    longest loop's body only)."""
+def _compiled(src, arch: str, options: dict | None = None):
+    """A Triton ASTSource compiled for `arch` ("sm_75")."""
     import triton
     from triton.backends.compiler import GPUTarget
 
-    cc = int(arch.removeprefix("sm_"))
-    kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=options or {})
-    return loop_counts(kernel.asm["cubin"]) if loop else counts(kernel.asm["cubin"])
+    return triton.compile(src, target=GPUTarget("cuda", int(arch.removeprefix("sm_")), 32), options=options or {})
+
+
+def compile_for(src, arch: str, options: dict | None = None, loop: bool = False) -> dict[str, int]:
+    """Compile a Triton ASTSource for `arch` ("sm_75") and count its instructions (`loop`: in its
+    longest loop's body only)."""
+    cubin = _compiled(src, arch, options).asm["cubin"]
+    return loop_counts(cubin) if loop else counts(cubin)
 
 
 def compiled_kernels():
@@ -164,13 +168,31 @@ def _ours(arch: str = "sm_75") -> dict[str, tuple]:
     return out
 
 
+def _batch1(kind: str, form: dict, **const) -> tuple:
+    """(ASTSource, options) of the int8 / int4 batch-1 matrix-vector kernel in a fused form (its
+    flags: NORM, NORM_WEIGHT, GATED, RESIDUAL, DOT4, HALF_DOT) at the config the 8B shape's layers
+    take (int8: 16 rows x 512 columns, int4: 16 x 1024, 4 warps), `const` set on top (e.g. PDL)."""
+    from quantserve.server.fastcore import triton_gemv
+
+    fn, block_k = {"int8": (triton_gemv._int8_gemv_kernel, 512), "int4": (triton_gemv._int4_gemv_kernel, 1024)}[kind]
+    sig = {n: t for n, t in _signature(kind).items() if t != "constexpr"}
+    const = {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": block_k, "SPLIT_K": 1, "BIT_DEQUANT": True,
+             "AHEAD": triton_gemv.LOAD_AHEAD,
+             **{flag: form.get(flag, False) for flag in ("NORM", "NORM_WEIGHT", "GATED", "RESIDUAL", "DOT4")},
+             **({"GROUP": 128, "HALF_DOT": form.get("HALF_DOT", False)} if kind == "int4" else {}), **const}
+    full = dict(sig, eps="fp32", **{n: "constexpr" for n in const})
+    for ptr, flag in (("norm_ptr", "NORM_WEIGHT"), ("res_ptr", "RESIDUAL")):
+        full[ptr] = "*fp16" if form.get(flag) else "constexpr"
+        if not form.get(flag):
+            const[ptr] = None
+    full = {n: full[n] for n in fn.arg_names if n in full}
+    return as_launched(fn, full, const), {"num_warps": 4, "num_stages": 1}
+
+
 def _gemv_forms() -> dict[str, tuple]:
     """(ASTSource, options) of the batch-1 matrix-vector kernels in each form a decode step runs
     (fastcore/fused.py: the norm, the gate, the residual; int4's packed fp16 products; x rounded to
-    int8 for dp4a products, triton_dp4a.py), at the
-    configs the 8B shape's layers take (int8: 16 rows x 512 columns, int4: 16 x 1024, 4 warps)."""
-    from quantserve.server.fastcore import triton_gemv
-
+    int8 for dp4a products, triton_dp4a.py), at the configs the 8B shape's layers take (_batch1)."""
     norm, folded = {"NORM": True, "NORM_WEIGHT": True}, {"NORM": True}  # folded: the weight in the layer
     forms = {"plain": {}, "norm": norm, "folded norm": folded, "norm + gate": {**norm, "GATED": True},
              "residual": {"RESIDUAL": True}, "packed fp16": {"HALF_DOT": True},
@@ -178,24 +200,8 @@ def _gemv_forms() -> dict[str, tuple]:
              "int8 x, dp4a, norm": {"DOT4": True, **norm}, "int8 x, dp4a, folded norm": {"DOT4": True, **folded},
              "int8 x, dp4a, folded norm + gate": {"DOT4": True, **folded, "GATED": True},
              "int8 x, dp4a, gate": {"DOT4": True, "GATED": True}, "int8 x, dp4a, residual": {"DOT4": True, "RESIDUAL": True}}
-    out = {}
-    for kind, fn, block_k in (("int8", triton_gemv._int8_gemv_kernel, 512), ("int4", triton_gemv._int4_gemv_kernel, 1024)):
-        sig = {n: t for n, t in _signature(kind).items() if t != "constexpr"}
-        for name, form in forms.items():
-            if kind == "int8" and form.get("HALF_DOT"):
-                continue
-            const = {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": block_k, "SPLIT_K": 1, "BIT_DEQUANT": True,
-                     "AHEAD": triton_gemv.LOAD_AHEAD,
-                     **{flag: form.get(flag, False) for flag in ("NORM", "NORM_WEIGHT", "GATED", "RESIDUAL", "DOT4")}}
-            const.update({"GROUP": 128, "HALF_DOT": form.get("HALF_DOT", False)} if kind == "int4" else {})
-            full = dict(sig, eps="fp32", **{n: "constexpr" for n in const})
-            for ptr, flag in (("norm_ptr", "NORM_WEIGHT"), ("res_ptr", "RESIDUAL")):
-                full[ptr] = "*fp16" if form.get(flag) else "constexpr"
-                if not form.get(flag):
-                    const[ptr] = None
-            full = {n: full[n] for n in fn.arg_names if n in full}
-            out[f"ours {kind} batch-1, {name}"] = (as_launched(fn, full, const), {"num_warps": 4, "num_stages": 1})
-    return out
+    return {f"ours {kind} batch-1, {name}": _batch1(kind, form) for kind in ("int8", "int4")
+            for name, form in forms.items() if not (kind == "int8" and form.get("HALF_DOT"))}
 
 
 def dependent_launch_order(arch: str = "sm_90") -> dict[str, dict]:
@@ -204,27 +210,15 @@ def dependent_launch_order(arch: str = "sm_90") -> dict[str, dict]:
     stand, how many of the weights' loads (evict-first, `.EF`) and of x's 2-byte loads come before
     the wait, and the K step's instructions with and without it.  The weights' first words should
     be loaded before the wait and x after."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    from quantserve.server.fastcore import triton_gemv
-
     out = {}
-    for kind, fn, block_k in (("int8", triton_gemv._int8_gemv_kernel, 512), ("int4", triton_gemv._int4_gemv_kernel, 1024)):
-        sig = {n: t for n, t in _signature(kind).items() if t != "constexpr"}
+    for kind in ("int8", "int4"):
         steps, order = [], {}
         for pdl in (False, True):
-            const = {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": block_k, "SPLIT_K": 1, "BIT_DEQUANT": True,
-                     "AHEAD": triton_gemv.LOAD_AHEAD, "DOT4": True, "PDL": pdl, "norm_ptr": None, "res_ptr": None,
-                     "NORM": False, "NORM_WEIGHT": False, "GATED": False, "RESIDUAL": False,
-                     **({"GROUP": 128, "HALF_DOT": False} if kind == "int4" else {})}
-            full = dict(sig, eps="fp32", **{n: "constexpr" for n in const})
-            kernel = triton.compile(as_launched(fn, {n: full[n] for n in fn.arg_names if n in full}, const),
-                                    target=GPUTarget("cuda", int(arch.removeprefix("sm_")), 32),
-                                    options={"num_warps": 4, "num_stages": 1, **({"launch_pdl": True} if pdl else {})})
-            steps.append(sum(loop_counts(kernel.asm["cubin"]).values()))
+            src, options = _batch1(kind, {"DOT4": True}, PDL=pdl)
+            cubin = _compiled(src, arch, {**options, **({"launch_pdl": True} if pdl else {})}).asm["cubin"]
+            steps.append(sum(loop_counts(cubin).values()))
             if pdl:
-                ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+((?:@!?U?P\w+\s+)?[A-Z][A-Z0-9_.]*)", _sass(kernel.asm["cubin"]))
+                ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+((?:@!?U?P\w+\s+)?[A-Z][A-Z0-9_.]*)", _sass(cubin))
                 wait = next((i for i, op in enumerate(ops) if op == "ACQBULK"), None)
                 before = ops[:wait] if wait is not None else []
                 order = {"wait": wait is not None, "launch_next": "PREEXIT" in before,
