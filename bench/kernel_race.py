@@ -14,7 +14,8 @@ matrix-vector kernels of the file given by --old, at their autotuner's best conf
 and cast included), int8-gemv / int4-gemv / int4-halfdot (batch 1: this tree's matrix-vector
 kernel alone at its autotuner's config, with the bit-pattern dequantization; int4-halfdot with
 its products in packed fp16; int8-dp4a / int4-dp4a with x rounded to int8 and dp4a products, triton_dp4a.py), int8-gemlite / int4-gemlite, int8-dense / int4-dense and int8-tiles / int4-tiles (prompts
-only: the dequantize-then-cuBLAS path alone, the 128-row tiles alone), int4-tiled (decode batches: the tiled `tl.dot`
+only: the dequantize-then-cuBLAS path alone, the 128-row tiles alone; int8-coltiles / int4-coltiles
+the same tiles with the output tiles first in the launch grid, as before ROWS_FIRST), int4-tiled (decode batches: the tiled `tl.dot`
 kernel alone) and int4-rows (2-16 rows: triton_rows.py's kernel alone).  int8-w8a8 (prompts only; not a
 path the server takes) rounds x to int8 with one scale per row and multiplies on the int8 tensor
 cores through cuBLASLt (`torch._int_mm`; a T4 has them too, while Triton's `tl.dot` has no tensor
@@ -35,8 +36,8 @@ from pathlib import Path
 from quantserve.bench.decode_device import copy_bandwidth
 from quantserve.bench.kernels import SHAPES
 
-KINDS = ("fp16", "int8", "int8-old", "int8-gemv", "int8-dp4a", "int8-gemlite", "int8-dense", "int8-tiles", "int8-w8a8", "int4",
-         "int4-old", "int4-gemv", "int4-halfdot", "int4-dp4a", "int4-gemlite", "int4-dense", "int4-tiles", "int4-tiled",
+KINDS = ("fp16", "int8", "int8-old", "int8-gemv", "int8-dp4a", "int8-gemlite", "int8-dense", "int8-tiles", "int8-coltiles", "int8-w8a8", "int4",
+         "int4-old", "int4-gemv", "int4-halfdot", "int4-dp4a", "int4-gemlite", "int4-dense", "int4-tiles", "int4-coltiles", "int4-tiled",
          "int4-rows")
 BATCH1_ONLY = ("-old", "-gemv", "-halfdot", "-dp4a", "-gemlite")  # kinds timed at M = 1 only
 DECODE_ONLY = ("-tiled",)  # M <= 64 only
@@ -88,7 +89,8 @@ def build(kind: str, w, old):
     weights, _, library = kind.partition("-")
     layer = make_linear(w, None, weights, torch.float16, "gemlite" if library == "gemlite" else "triton")
     fn = {"old": lambda: _old_layer(kind, layer, old), "dense": lambda: _dense_layer(layer),
-          "tiles": lambda: _alone(layer, "tiles"), "w8a8": lambda: _w8a8_layer(layer), "gemv": lambda: _alone(layer, "gemv", {"BIT_DEQUANT": True}),
+          "tiles": lambda: _alone(layer, "tiles"), "coltiles": lambda: _alone(layer, "tiles", {"ROWS_FIRST": False}),
+          "w8a8": lambda: _w8a8_layer(layer), "gemv": lambda: _alone(layer, "gemv", {"BIT_DEQUANT": True}),
           "tiled": lambda: _alone(layer, "tiled"), "rows": lambda: _alone(layer, "rows"),
           "halfdot": lambda: _alone(layer, "gemv", {"BIT_DEQUANT": True, "HALF_DOT": True}),
           "dp4a": lambda: _alone(layer, "gemv", {"BIT_DEQUANT": True, "DOT4": True})}.get(library, lambda: layer)()
@@ -137,7 +139,9 @@ def _w8a8_layer(layer):
 
 def _alone(layer, kind: str, flags: dict | None = None):
     """x -> y by one of our kernels alone, at its autotuner's best config for this shape (the
-    launcher may keep another kind; this row shows this one): "tiles", the 128-row prompt tiles;
+    launcher may keep another kind; this row shows this one): "tiles", the 128-row prompt tiles
+    (with flags {"ROWS_FIRST": False}, "coltiles": the config the tiles tuned to, its grid in the
+    order before ROWS_FIRST: the difference is the grid order alone);
     "gemv", this tree's batch-1 matrix-vector kernel with `flags`; "tiled", the decode batches' tiled
     kernel; "rows", the int4 few-rows kernel.  Tuned once per M."""
     from quantserve.server.fastcore import triton_gemv, triton_mm, triton_rows
@@ -210,7 +214,7 @@ def describe_choice(kind: str, fn, N: int, K: int, M: int) -> str | None:
         f, config, block_m, flags = c
         name = getattr(f, "__name__", None) or getattr(getattr(f, "fn", None), "__name__", str(f))
         return f"{name} {config.kwargs if config is not None else 'dense'} w{getattr(config, 'num_warps', '-')} {flags}"
-    if kind.endswith(("-old", "-tiles", "-gemv", "-halfdot", "-dp4a", "-tiled", "-rows")):
+    if kind.endswith(("-old", "-tiles", "-coltiles", "-gemv", "-halfdot", "-dp4a", "-tiled", "-rows")):
         c = fn.state.get("config")
         return f"{kind.split('-')[1]} {c.kwargs} w{c.num_warps} s{c.num_stages}" if c is not None else None
     return None
@@ -249,7 +253,7 @@ def run(shapes, kinds, batches, out: str, old_path: str | None, budget_mb: int =
                 for M in batches:
                     if M > 1 and kind.endswith(BATCH1_ONLY):
                         continue  # batch-1 kernels (ours alone, old) / GemLite's own per-M tuning: batch 1 only here
-                    if M <= 64 and kind.endswith(("-dense", "-tiles", "-w8a8")):
+                    if M <= 64 and kind.endswith(("-dense", "-tiles", "-coltiles", "-w8a8")):
                         continue  # a prompt path
                     if (M > 64 and kind.endswith(DECODE_ONLY)) or (not 2 <= M <= 16 and kind.endswith(FEW_ROWS_ONLY)):
                         continue

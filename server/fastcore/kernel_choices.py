@@ -103,8 +103,10 @@ def compile_chosen(layers) -> int:
             tensors = shapes.get((name, N, K, group))
             if config is None or tensors is None:
                 continue  # dequantize + cuBLAS, or a shape no layer here has
-            # M is not specialized on by the tiled kernels; the batch-1 kernels see M = 1 as the server's calls do
-            M = 1 if batch1 else min(bucket, triton_mm.PROMPT_BLOCK_M)
+            # M is not specialized on by the tiled kernels, but whether they take several row tiles is
+            # (triton_mm.tiled_grid): two prompt tiles stand for any prompt past one.  The batch-1
+            # kernels see M = 1 as the server's calls do.
+            M = 1 if batch1 else min(bucket, 2 * triton_mm.PROMPT_BLOCK_M)
             x = torch.empty((M, K), device=tensors[0].device, dtype=dtype)
             extra = {"GROUP": group} if group is not None else {}
             triton_mm.run_choice(fn, config, block_m, M, N, K, x, (x, *tensors), {**extra, **flags}, warmup=True)

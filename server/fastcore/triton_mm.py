@@ -76,6 +76,30 @@ def _prune(configs, named_args, **kwargs):
 TENSOR_CORE_DOT = not torch.cuda.is_available() or torch.cuda.get_device_capability() >= (8, 0)
 
 
+# ROWS_FIRST (a prompt's several row tiles): the grid's first axis walks the row tiles, so the
+# programs that share a weight tile run side by side and read it from HBM once (from L2 after the
+# first).  With the output tiles first, the row tiles of one weight tile were a whole wave or more
+# apart, and each of a 512-token prompt's 4 row tiles streamed the whole weight again.
+
+@triton.jit
+def tile_ids(ROWS_FIRST: tl.constexpr):
+    """(output tile, K split, row tile) of this program; `tiled_grid` orders the grid to match."""
+    if ROWS_FIRST:
+        return tl.program_id(2), tl.program_id(1), tl.program_id(0)
+    return tl.program_id(0), tl.program_id(1), tl.program_id(2)
+
+
+def tiled_grid(fn, M: int, N: int, block_m: int, block_n: int, split: int, extra: dict) -> tuple[tuple, dict]:
+    """(launch grid, ROWS_FIRST flag to pass) for `fn` over M rows: the tiled kernels with more than
+    one row tile walk the row tiles first (tile_ids), unless `extra` sets ROWS_FIRST itself (the
+    kernel race's baseline); every other kernel, and one row tile, keep output tiles first."""
+    m_tiles, n_tiles = -(-M // block_m), -(-N // block_n)
+    rows_first = extra.get("ROWS_FIRST", m_tiles > 1) if _kernel_name(fn) in _TILED else False
+    if rows_first:
+        return (m_tiles, split, n_tiles), {"ROWS_FIRST": True}
+    return (n_tiles, split, m_tiles), {}
+
+
 # SWAP: compute y.T = W @ x.T, the converted weight tile as `tl.dot`'s first operand.  On sm_90
 # Triton then feeds the tile to wgmma from registers and keeps several wgmmas in flight; as the
 # second operand it is written back to shared memory each K step and every wgmma is waited for.
@@ -84,8 +108,8 @@ TENSOR_CORE_DOT = not torch.cuda.is_available() or torch.cuda.get_device_capabil
 @triton.jit(do_not_specialize=["M", "M_BUCKET"])
 def _int8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, stride_om,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                 BIT_DEQUANT: tl.constexpr = True, SWAP: tl.constexpr = False):
-    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                 BIT_DEQUANT: tl.constexpr = True, SWAP: tl.constexpr = False, ROWS_FIRST: tl.constexpr = False):
+    pid_n, pid_k, pid_m = tile_ids(ROWS_FIRST)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_len = K // SPLIT_K
@@ -115,7 +139,7 @@ def _int8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, str
 def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, stride_om,
                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, BIT_DEQUANT: tl.constexpr = True, SWAP: tl.constexpr = False,
-                 Z_DOT: tl.constexpr = TENSOR_CORE_DOT):
+                 Z_DOT: tl.constexpr = TENSOR_CORE_DOT, ROWS_FIRST: tl.constexpr = False):
     # w_ptr: uint8 [N, K/2], column 2j in the high nibble, 2j+1 in the low one.  Each packed tile
     # [BN, BK/2] becomes its high and low nibbles as fp16 in one PTX block per four bytes
     # (nibbles_to_fp16), interleaved back into column order [BN, BK] in registers, and meets x's
@@ -127,7 +151,7 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, stride_
     # against the offsets broadcast along K: tensor-core work, idle at these sizes, where a sum of x
     # across threads at every K step was a third of the loop's instructions (sm_90 SASS).  Where
     # Triton's `tl.dot` is FMAs (below sm_80: a T4) that would double the multiply-adds: off there.
-    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_n, pid_k, pid_m = tile_ids(ROWS_FIRST)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     HALF: tl.constexpr = BLOCK_K // 2
@@ -187,6 +211,7 @@ def _tuned(kernel, configs=_configs):
                            **AUTOTUNE_OPTIONS)(kernel)
 
 
+_TILED = ("_int8_kernel", "_int4_kernel")  # the kernels that take ROWS_FIRST
 int8_kernel, int4_kernel = _tuned(_int8_kernel), _tuned(_int4_kernel)
 int8_prompt_kernel, int4_prompt_kernel = _tuned(_int8_kernel, _prompt_configs), _tuned(_int4_kernel, _prompt_configs)
 
@@ -230,8 +255,11 @@ def _tune(tuned, block_m: int, M: int, N: int, K: int, x: torch.Tensor, args: tu
         if tuned in (int8_kernel, int4_kernel) else 1  # the others' configs never split K
     out = torch.empty((most * M, N), device=x.device, dtype=torch.float32)
 
+    raster = tiled_grid(tuned.fn, M, N, block_m, 1, 1, extra)[1]  # the same for every config of `tuned`
+    extra = {**extra, **raster}
+
     def grid(meta):
-        return (-(-N // meta["BLOCK_N"]), meta["SPLIT_K"], -(-M // block_m))
+        return tiled_grid(tuned.fn, M, N, block_m, meta["BLOCK_N"], meta["SPLIT_K"], extra)[0]
     # M_BUCKET is the autotuners' key: a prompt bucket (a power of two past 64) tunes its own tiles
     call = (*args, out, M, N, K, bucket or _m_bucket(M), x.stride(0), out.stride(0))
     with compiling_ahead():  # every config the autotuner is about to time, before it times them one by one
@@ -354,10 +382,10 @@ def run_choice(fn, config, block_m: int, M: int, N: int, K: int, x: torch.Tensor
     meta = config.kwargs
     split = meta["SPLIT_K"]
     out, part = splits.buffers(M, N, split, x, bool(extra.get("GATED")))
-    grid = (-(-N // meta["BLOCK_N"]), split, -(-M // block_m))
+    grid, raster = tiled_grid(fn, M, N, block_m, meta["BLOCK_N"], split, extra)
     call = (*args, part, M, N, K, _block_m(M), x.stride(0), part.stride(0))
-    options = dict(BLOCK_M=block_m, **meta, **extra, num_warps=config.num_warps, num_stages=config.num_stages,
-                   **dependent_launch.launch_options(fn, x.device))
+    options = {"BLOCK_M": block_m, **meta, **extra, **raster, "num_warps": config.num_warps,
+               "num_stages": config.num_stages, **dependent_launch.launch_options(fn, x.device)}
     if warmup:
         splits.add_splits(part, out, split, warmup=True)
         return fn.warmup(*call, grid=grid, **options)

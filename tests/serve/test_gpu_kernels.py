@@ -88,6 +88,8 @@ def test_matrix_vector_with_large_activations():
 
 
 def test_every_prompt_tile_config():
+    """Each 128-row prompt config over two row tiles, with the row tiles first in the grid (as the
+    launcher runs them) and with the output tiles first (triton_mm.tiled_grid)."""
     from quantserve.server.fastcore import triton_mm
 
     N, K, M = 1000, 2048, 200
@@ -95,23 +97,24 @@ def test_every_prompt_tile_config():
     x = torch.randn(M, K, device="cuda", dtype=torch.float16)
     ref8, ref4 = reference(q8, x), reference(q4, x)
     for config in triton_mm._prompt_configs():
-        y = triton_mm.run_choice(triton_mm.int8_prompt_kernel.fn, config, triton_mm.PROMPT_BLOCK_M, M, N, K, x,
-                           (x, q8.weight, q8.scales), {})
-        check(y, ref8, f"int8 prompt {config}")
-        y = triton_mm.run_choice(triton_mm.int4_prompt_kernel.fn, config, triton_mm.PROMPT_BLOCK_M, M, N, K, x,
-                           (x, q4.weight, q4.scales, q4.mins), {"GROUP": q4.group_size})
-        check(y, ref4, f"int4 prompt {config}")
+        for raster in ({}, {"ROWS_FIRST": False}):
+            y = triton_mm.run_choice(triton_mm.int8_prompt_kernel.fn, config, triton_mm.PROMPT_BLOCK_M, M, N, K, x,
+                                     (x, q8.weight, q8.scales), raster)
+            check(y, ref8, f"int8 prompt {config} {raster}")
+            y = triton_mm.run_choice(triton_mm.int4_prompt_kernel.fn, config, triton_mm.PROMPT_BLOCK_M, M, N, K, x,
+                                     (x, q4.weight, q4.scales, q4.mins), {"GROUP": q4.group_size, **raster})
+            check(y, ref4, f"int4 prompt {config} {raster}")
 
 
 def test_every_tile_config_at_decode_batches():
     """Each tiled config (both orientations: x @ W.T and the transposed W @ x.T, split-K or not; int4
     with its offsets' term on `tl.dot` or summed), at decode batches that fill one tile, part of one
-    and more than one."""
+    and more than one; and over three row tiles (130 rows: a short prompt, row tiles first)."""
     from quantserve.server.fastcore import triton_mm
 
     N, K = 1000, 2048
     q8, q4 = layers(N, K, seed=3)
-    for M in (8, 33, 64):
+    for M in (8, 33, 64, 130):
         x = torch.randn(M, K, device="cuda", dtype=torch.float16)
         ref8, ref4 = reference(q8, x), reference(q4, x)
         for config in triton_mm._configs():

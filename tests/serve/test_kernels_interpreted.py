@@ -219,7 +219,9 @@ def test_the_dp4a_form_is_timed_at_the_float_forms_config_and_twice_its_rows():
 def test_every_tiled_config(weights):
     """The tiled `tl.dot` kernels (triton_mm.py) at each decode config and each 128-row prompt
     config, both orientations (SWAP), split-K's partial sums; int4 with its offsets' term on
-    `tl.dot` and as a sum (Z_DOT, chosen by the GPU's tensor cores).  Rows of x not a whole tile."""
+    `tl.dot` and as a sum (Z_DOT, chosen by the GPU's tensor cores).  Rows of x not a whole tile.
+    Over several row tiles (a prompt's), in both grid orders: row tiles first, as the launcher
+    runs them, and output tiles first (triton_mm.tiled_grid)."""
     from quantserve.server.fastcore import triton_mm
 
     n, k = 64, 512  # every config's K split is whole blocks of this K (the launcher's prune)
@@ -231,18 +233,34 @@ def test_every_tiled_config(weights):
                                                                                           triton_mm.int4_prompt_kernel)
     flags = [{}] if weights == "int8" else [{"GROUP": 128, "Z_DOT": True}, {"GROUP": 128, "Z_DOT": False}]
     checked = 0
-    for kernel, M, block_m in ((tuned[0], 3, 16), (tuned[0], 40, 64), (tuned[1], 130, triton_mm.PROMPT_BLOCK_M)):
+    cases = ((tuned[0], 3, 16), (tuned[0], 40, 64), (tuned[0], 130, 64), (tuned[1], 130, triton_mm.PROMPT_BLOCK_M))
+    for kernel, M, block_m in cases:
         x = torch.randn(M, k, device=DEVICE, dtype=DTYPE)
         ref = x.float() @ ref_w.t()
+        rasters = [{}, {"ROWS_FIRST": False}] if M > block_m else [{}]
         for config in kernel.configs:
             bk, split = config.kwargs["BLOCK_K"], config.kwargs["SPLIT_K"]
             if k % (bk * split) or (weights == "int4" and bk > 128):
                 continue
-            for extra in flags:
+            for extra in [{**f, **r} for f in flags for r in rasters]:
                 y = triton_mm.run_choice(kernel.fn, config, block_m, M, n, k, x, (x, *args), extra)
                 _close(y, ref, f"{weights} M={M} {config} {extra}")
                 checked += 1
     assert checked >= 10
+
+
+def test_a_prompts_row_tiles_go_first_in_the_grid():
+    """triton_mm.tiled_grid: a tiled kernel over several row tiles gets the row tiles on the grid's
+    first axis (the programs sharing a weight tile launch together) and ROWS_FIRST to match; one
+    row tile, the other kernels, and a caller's explicit ROWS_FIRST=False keep output tiles first."""
+    from quantserve.server.fastcore import triton_gemv, triton_mm
+
+    tiled, prompt = triton_mm.int8_kernel.fn, triton_mm.int4_prompt_kernel.fn
+    assert triton_mm.tiled_grid(prompt, 512, 4096, 128, 128, 1, {}) == ((4, 1, 32), {"ROWS_FIRST": True})
+    assert triton_mm.tiled_grid(tiled, 130, 4096, 64, 64, 4, {}) == ((3, 4, 64), {"ROWS_FIRST": True})
+    assert triton_mm.tiled_grid(prompt, 100, 4096, 128, 128, 1, {}) == ((32, 1, 1), {})
+    assert triton_mm.tiled_grid(tiled, 512, 4096, 128, 128, 1, {"ROWS_FIRST": False}) == ((32, 1, 4), {})
+    assert triton_mm.tiled_grid(triton_gemv.int8_gemv_kernel.fn, 1, 4096, 1, 8, 2, {}) == ((512, 2, 1), {})
 
 
 def _layers_of(n: int, k: int):
