@@ -9,36 +9,34 @@
 #                                   dependent launches and without (the baseline, same call); the GPU
 #                                   tests of the tiles and the dependent launches
 #   bench/rows_first_gpu.sh OUT 2   llama-bench on Q8_0 / Q4_K_M (waiting for the GGUFs); bench decode
-#                                   8B at batch 1 (fp16, int8, int4; QUANTSERVE_DEPENDENT_LAUNCH as
-#                                   exported); the 8B prompt of 512 and 2,048 tokens with the prompt
-#                                   kernels tuned on this machine (the shipped table's prompt rows
-#                                   left out: QUANTSERVE_PROMPT_ROWS=0), the choices kept in OUT
-# Run from the repo root with .devwheels and .devllama carried.  Every step ends by 580 s.
+#                                   8B at batch 1 (int8, int4); the step profile of the 8B (fp16,
+#                                   int8, int4) and its 512-token prompt (both tune their kernels on this
+#                                   machine, as bench decode does); QUANTSERVE_DEPENDENT_LAUNCH as exported
+# Run from the repo root with .devwheels and .devllama carried.  Phase 1 ends by 470 s, phase 2 by 440.
 set -uo pipefail
 out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
 export PYTHONPATH=$site PYTHONUNBUFFERED=1
 source "$repo/bench/gpu_lib.sh"  # install_site, log, left, decode, llama_bench, gpu_tests, step_profile
 if [ "$phase" = 1 ]; then
   start_with_llama
-  (cd /tmp && QUANTSERVE_HOME=/tmp/qs-race timeout $(left 190) python3 -m quantserve.bench.kernel_race --shapes 8b \
+  (cd /tmp && QUANTSERVE_HOME=/tmp/qs-race timeout $(left 170) python3 -m quantserve.bench.kernel_race --shapes 8b \
       --layers qkv,o,gate_up,down --batches 512,2048 \
       --kinds fp16,int8-dense,int8-tiles,int8-coltiles,int4-dense,int4-tiles,int4-coltiles --out "$out/race-prompt.json") \
       > "$out/race-prompt.log" 2>&1 || log "race: rc=$?"
   sed -n '/^| layer/,$p' "$out/race-prompt.log" >> "$out/bench.txt"; log "race done"
-  QUANTSERVE_DEPENDENT_LAUNCH=1 QUANTSERVE_HOME=/tmp/qs-d decode $(left 305) 8b-b1-dependent --models 8b \
+  QUANTSERVE_DEPENDENT_LAUNCH=1 QUANTSERVE_HOME=/tmp/qs-d decode $(left 280) 8b-b1-dependent --models 8b \
       --quants int8,int4 --kernels triton --batches 1
-  QUANTSERVE_DEPENDENT_LAUNCH=0 QUANTSERVE_HOME=/tmp/qs-d decode $(left 420) 8b-b1-ordinary --models 8b \
+  QUANTSERVE_DEPENDENT_LAUNCH=0 QUANTSERVE_HOME=/tmp/qs-d decode $(left 390) 8b-b1-ordinary --models 8b \
       --quants int8,int4 --kernels triton --batches 1
-  gpu_tests $(left 580) "prompt_tile or tile_config_at_decode or dependent_launch or launcher_inside" \
+  gpu_tests $(left 470) "prompt_tile or tile_config_at_decode or dependent_launch or launcher_inside" \
       "$repo/tests/serve/test_gpu_kernels.py" "$repo/tests/serve/test_paged_attention.py"
 elif [ "$phase" = 2 ]; then
   until [ -f /tmp/ggufs.done ] || [ "$SECONDS" -gt 120 ]; do sleep 2; done
   tail -n 4 /tmp/ggufs.log >> "$out/bench.txt"
   llama_bench 60 /tmp/llama-3.1-8b-Q8_0.gguf /tmp/llama-3.1-8b-Q4_K_M.gguf
   log "llama-bench done"
-  QUANTSERVE_HOME=/tmp/qs-2 decode $(left 400) 8b-b1 --models 8b --quants none,int8,int4 --kernels triton --batches 1
-  QUANTSERVE_PROMPT_ROWS=0 step_profile $(left 580) prompts --quants none,int8,int4 --steps 8 --prompt-len 512
-  cp /tmp/qs-prof/compile/*/weight-kernels.json "$out/" 2>/dev/null || log "no weight-kernels.json"
+  QUANTSERVE_HOME=/tmp/qs-2 decode $(left 250) 8b-b1 --models 8b --quants int8,int4 --kernels triton --batches 1
+  step_profile $(left 440) prompts --quants none,int8,int4 --kernel triton --steps 8 --prompt-len 512
 else
   echo "rows_first_gpu.sh: unknown phase '$phase' (1 or 2)" >&2; exit 2
 fi
