@@ -185,13 +185,14 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, stride_
     store_tile(out_ptr, acc, rm, rn, M, N, stride_om, SPLIT_K, SWAP)
 
 
-def _prompt_configs():
+def _prompt_configs(wide: bool = False):
     # prompt-sized M (> 64 rows): 128-row tiles, so each weight tile is converted once per 128 rows.
-    # On an H200 at M = 512 dequantize-then-cuBLAS beat all of these (bench/RESULTS.md); they stay
-    # for prompts just past 64 rows, where the dense copy's fixed cost is not yet amortised.
+    # Timed against dequantize-then-cuBLAS per shape (bench/RESULTS.md).  wide (int8): also 256
+    # weight rows a tile, W @ x.T, which halves the x tile's loads per weight; int4's unpacking
+    # spills registers at that width (sm_90 SASS: 212 STL), so int4 stays at 128.
+    shapes = [(False, 128, 8, 3), (False, 128, 4, 4), (True, 128, 8, 3), (True, 64, 4, 4)] + ([(True, 256, 8, 3)] if wide else [])
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": 64, "SPLIT_K": 1, "SWAP": swap}, num_warps=warps,
-                          num_stages=stages)
-            for swap, bn, warps, stages in ((False, 128, 8, 3), (False, 128, 4, 4), (True, 128, 8, 3), (True, 64, 4, 4))]
+                          num_stages=stages) for swap, bn, warps, stages in shapes]
 
 
 PROMPT_BLOCK_M = 128
@@ -213,7 +214,8 @@ def _tuned(kernel, configs=_configs):
 
 _TILED = ("_int8_kernel", "_int4_kernel")  # the kernels that take ROWS_FIRST
 int8_kernel, int4_kernel = _tuned(_int8_kernel), _tuned(_int4_kernel)
-int8_prompt_kernel, int4_prompt_kernel = _tuned(_int8_kernel, _prompt_configs), _tuned(_int4_kernel, _prompt_configs)
+int8_prompt_kernel = _tuned(_int8_kernel, lambda: _prompt_configs(wide=True))
+int4_prompt_kernel = _tuned(_int4_kernel, _prompt_configs)
 
 
 def _block_m(M: int) -> int:
