@@ -18,7 +18,9 @@ out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
 export PYTHONPATH=$site PYTHONUNBUFFERED=1
 source "$repo/bench/gpu_lib.sh"  # install_site, log, left, decode, llama_bench, gpu_tests, step_profile
 if [ "$phase" = 1 ]; then
-  start_with_llama
+  if [ "${LLAMA:-1}" = 1 ]; then start_with_llama; else  # LLAMA=0: no second call will follow
+    install_site; (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) > "$out/bench.txt"
+  fi
   (cd /tmp && QUANTSERVE_HOME=/tmp/qs-race timeout $(left 170) python3 -m quantserve.bench.kernel_race --shapes 8b \
       --layers qkv,o,gate_up,down --batches 512,2048 \
       --kinds fp16,int8-dense,int8-tiles,int8-coltiles,int4-dense,int4-tiles,int4-coltiles --out "$out/race-prompt.json") \
