@@ -5,14 +5,14 @@
 #   bench/rows_first_gpu.sh OUT 1   install; llama.cpp's build and the 8B GGUFs started detached; the
 #                                   per-layer race of the 8B's prompt-sized matmuls (512 and 2,048 rows:
 #                                   fp16, dequantize-then-cuBLAS, the 128-row tiles row tiles first and
-#                                   output tiles first); bench decode 8B at batch 1 (int8, int4) with
-#                                   dependent launches and without (the baseline, same call); the GPU
-#                                   tests of the tiles and the dependent launches
+#                                   output tiles first); the GPU tests of the tiles and the dependent
+#                                   launches; bench decode 8B at batch 1 (int8, int4) with dependent
+#                                   launches and without (the baseline, same call)
 #   bench/rows_first_gpu.sh OUT 2   llama-bench on Q8_0 / Q4_K_M (waiting for the GGUFs); bench decode
 #                                   8B at batch 1 (int8, int4); the step profile of the 8B (fp16,
 #                                   int8, int4) and its 512-token prompt (both tune their kernels on this
 #                                   machine, as bench decode does); QUANTSERVE_DEPENDENT_LAUNCH as exported
-# Run from the repo root with .devwheels and .devllama carried.  Phase 1 ends by 470 s, phase 2 by 440.
+# Run from the repo root with .devwheels and .devllama carried.  Phase 1 ends by 430 s, phase 2 by 440.
 set -uo pipefail
 out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
 export PYTHONPATH=$site PYTHONUNBUFFERED=1
@@ -21,17 +21,17 @@ if [ "$phase" = 1 ]; then
   if [ "${LLAMA:-1}" = 1 ]; then start_with_llama; else  # LLAMA=0: no second call will follow
     install_site; (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) > "$out/bench.txt"
   fi
-  (cd /tmp && QUANTSERVE_HOME=/tmp/qs-race timeout $(left 170) python3 -m quantserve.bench.kernel_race --shapes 8b \
+  (cd /tmp && QUANTSERVE_HOME=/tmp/qs-race timeout $(left 150) python3 -m quantserve.bench.kernel_race --shapes 8b \
       --layers qkv,o,gate_up,down --batches 512,2048 \
       --kinds fp16,int8-dense,int8-tiles,int8-coltiles,int4-dense,int4-tiles,int4-coltiles --out "$out/race-prompt.json") \
       > "$out/race-prompt.log" 2>&1 || log "race: rc=$?"
   sed -n '/^| layer/,$p' "$out/race-prompt.log" >> "$out/bench.txt"; log "race done"
-  QUANTSERVE_DEPENDENT_LAUNCH=1 QUANTSERVE_HOME=/tmp/qs-d decode $(left 280) 8b-b1-dependent --models 8b \
-      --quants int8,int4 --kernels triton --batches 1
-  QUANTSERVE_DEPENDENT_LAUNCH=0 QUANTSERVE_HOME=/tmp/qs-d decode $(left 390) 8b-b1-ordinary --models 8b \
-      --quants int8,int4 --kernels triton --batches 1
-  gpu_tests $(left 470) "prompt_tile or tile_config_at_decode or dependent_launch or launcher_inside" \
+  gpu_tests $(left 230) "prompt_tile or tile_config_at_decode or dependent_launch or launcher_inside" \
       "$repo/tests/serve/test_gpu_kernels.py" "$repo/tests/serve/test_paged_attention.py"
+  QUANTSERVE_DEPENDENT_LAUNCH=1 QUANTSERVE_HOME=/tmp/qs-d decode $(left 330) 8b-b1-dependent --models 8b \
+      --quants int8,int4 --kernels triton --batches 1
+  QUANTSERVE_DEPENDENT_LAUNCH=0 QUANTSERVE_HOME=/tmp/qs-d decode $(left 430) 8b-b1-ordinary --models 8b \
+      --quants int8,int4 --kernels triton --batches 1
 elif [ "$phase" = 2 ]; then
   until [ -f /tmp/ggufs.done ] || [ "$SECONDS" -gt 120 ]; do sleep 2; done
   tail -n 4 /tmp/ggufs.log >> "$out/bench.txt"
