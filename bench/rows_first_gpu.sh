@@ -12,7 +12,7 @@
 #                                   8B at batch 1 (int8, int4); the step profile of the 8B (fp16,
 #                                   int8, int4) and its 512-token prompt (both tune their kernels on this
 #                                   machine, as bench decode does); QUANTSERVE_DEPENDENT_LAUNCH as exported
-# Run from the repo root with .devwheels and .devllama carried.  Phase 1 ends by 430 s, phase 2 by 440.
+# Run from the repo root with .devwheels and .devllama carried.  Phase 1 ends by 440 s, phase 2 by 440.
 set -uo pipefail
 out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
 export PYTHONPATH=$site PYTHONUNBUFFERED=1
@@ -26,11 +26,11 @@ if [ "$phase" = 1 ]; then
       --kinds fp16,int8-dense,int8-tiles,int8-coltiles,int4-dense,int4-tiles,int4-coltiles --out "$out/race-prompt.json") \
       > "$out/race-prompt.log" 2>&1 || log "race: rc=$?"
   sed -n '/^| layer/,$p' "$out/race-prompt.log" >> "$out/bench.txt"; log "race done"
-  gpu_tests $(left 230) "prompt_tile or tile_config_at_decode or dependent_launch or launcher_inside" \
+  gpu_tests $(left 250) "prompt_tile or tile_config_at_decode or dependent_launch or launcher_inside" \
       "$repo/tests/serve/test_gpu_kernels.py" "$repo/tests/serve/test_paged_attention.py"
-  QUANTSERVE_DEPENDENT_LAUNCH=1 QUANTSERVE_HOME=/tmp/qs-d decode $(left 330) 8b-b1-dependent --models 8b \
+  QUANTSERVE_DEPENDENT_LAUNCH=1 QUANTSERVE_HOME=/tmp/qs-d decode $(left 345) 8b-b1-dependent --models 8b \
       --quants int8,int4 --kernels triton --batches 1
-  QUANTSERVE_DEPENDENT_LAUNCH=0 QUANTSERVE_HOME=/tmp/qs-d decode $(left 430) 8b-b1-ordinary --models 8b \
+  QUANTSERVE_DEPENDENT_LAUNCH=0 QUANTSERVE_HOME=/tmp/qs-d decode $(left 440) 8b-b1-ordinary --models 8b \
       --quants int8,int4 --kernels triton --batches 1
 elif [ "$phase" = 2 ]; then
   until [ -f /tmp/ggufs.done ] || [ "$SECONDS" -gt 120 ]; do sleep 2; done
