@@ -78,8 +78,10 @@ TENSOR_CORE_DOT = not torch.cuda.is_available() or torch.cuda.get_device_capabil
 
 # ROWS_FIRST (a prompt's several row tiles): the grid's first axis walks the row tiles, so the
 # programs that share a weight tile run side by side and read it from HBM once (from L2 after the
-# first).  With the output tiles first, the row tiles of one weight tile were a whole wave or more
-# apart, and each of a 512-token prompt's 4 row tiles streamed the whole weight again.
+# first).  With the output tiles first, a weight tile's row tiles lie N / BLOCK_N programs apart:
+# where that is more than the GPU runs at once (the 8B's gate_up, 224 tiles of 128 outputs; any
+# layer of lm_head's width), each row tile streamed the whole weight again, as did every long
+# prompt's 16 or more row tiles once the weight outgrew L2.
 
 @triton.jit
 def tile_ids(ROWS_FIRST: tl.constexpr):
@@ -187,9 +189,10 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, stride_
 
 def _prompt_configs(wide: bool = False):
     # prompt-sized M (> 64 rows): 128-row tiles, so each weight tile is converted once per 128 rows.
-    # Timed against dequantize-then-cuBLAS per shape (bench/RESULTS.md).  wide (int8): also 256
-    # weight rows a tile, W @ x.T, which halves the x tile's loads per weight; int4's unpacking
-    # spills registers at that width (sm_90 SASS: 212 STL), so int4 stays at 128.
+    # Timed against dequantize-then-cuBLAS per shape: on an H200 at M = 512 (with output tiles first
+    # in the grid) the dense path beat all of these on 3 of the 8B's 4 layers (bench/RESULTS.md).
+    # wide (int8): also 256 weight rows a tile, W @ x.T, which halves x's loads per weight; int4's
+    # unpacking spills registers at that width (sm_90 SASS: 212 STL), so int4 stays at 128.
     shapes = [(False, 128, 8, 3), (False, 128, 4, 4), (True, 128, 8, 3), (True, 64, 4, 4)] + ([(True, 256, 8, 3)] if wide else [])
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": 64, "SPLIT_K": 1, "SWAP": swap}, num_warps=warps,
                           num_stages=stages) for swap, bn, warps, stages in shapes]
