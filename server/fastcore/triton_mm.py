@@ -91,13 +91,17 @@ def tile_ids(ROWS_FIRST: tl.constexpr):
     return tl.program_id(0), tl.program_id(1), tl.program_id(2)
 
 
+def _rows_first(fn, M: int, block_m: int, extra: dict) -> bool:
+    """Whether `fn` over M rows walks its row tiles first: the tiled kernels with more than one row
+    tile do, unless `extra` sets ROWS_FIRST itself (the kernel race's baseline)."""
+    return _kernel_name(fn) in _TILED and bool(extra.get("ROWS_FIRST", M > block_m))
+
+
 def tiled_grid(fn, M: int, N: int, block_m: int, block_n: int, split: int, extra: dict) -> tuple[tuple, dict]:
-    """(launch grid, ROWS_FIRST flag to pass) for `fn` over M rows: the tiled kernels with more than
-    one row tile walk the row tiles first (tile_ids), unless `extra` sets ROWS_FIRST itself (the
-    kernel race's baseline); every other kernel, and one row tile, keep output tiles first."""
+    """(launch grid, ROWS_FIRST flag to pass) for `fn` over M rows (_rows_first; every other kernel,
+    and one row tile, keep output tiles first)."""
     m_tiles, n_tiles = -(-M // block_m), -(-N // block_n)
-    rows_first = extra.get("ROWS_FIRST", m_tiles > 1) if _kernel_name(fn) in _TILED else False
-    if rows_first:
+    if _rows_first(fn, M, block_m, extra):
         return (m_tiles, split, n_tiles), {"ROWS_FIRST": True}
     return (n_tiles, split, m_tiles), {}
 
@@ -260,8 +264,8 @@ def _tune(tuned, block_m: int, M: int, N: int, K: int, x: torch.Tensor, args: tu
         if tuned in (int8_kernel, int4_kernel) else 1  # the others' configs never split K
     out = torch.empty((most * M, N), device=x.device, dtype=torch.float32)
 
-    raster = tiled_grid(tuned.fn, M, N, block_m, 1, 1, extra)[1]  # the same for every config of `tuned`
-    extra = {**extra, **raster}
+    if _rows_first(tuned.fn, M, block_m, extra):  # the same for every config of `tuned`
+        extra = {**extra, "ROWS_FIRST": True}
 
     def grid(meta):
         return tiled_grid(tuned.fn, M, N, block_m, meta["BLOCK_N"], meta["SPLIT_K"], extra)[0]
