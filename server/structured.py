@@ -162,7 +162,16 @@ class GrammarCompiler:
 
                 self._executor = llguidance.LLExecutor()
             matcher, words = template
-            return Constraint(matcher.deep_copy(), words, self._executor)
+            return Constraint(matcher.deep_copy(), words, self._executor,
+                              on_error=lambda: self._forget((fmt.kind, fmt.text), template))
+
+    def _forget(self, key: tuple[str, str], template) -> None:
+        """Drop a compiled format whose matcher failed: its copies share the lexer's state, so
+        once one copy hits a lexer limit every later copy would start in error (allowing only
+        end-of-sequence, an empty reply that looks like success)."""
+        with self._lock:
+            if self._cache.get(key) is template:
+                del self._cache[key]
 
     def _compile(self, fmt: OutputFormat):
         import llguidance
@@ -195,17 +204,20 @@ def _first_line(error) -> str:
 class Constraint:
     """One choice's grammar state: which tokens may come next, and the tokens it has taken."""
 
-    def __init__(self, matcher, words: int, executor):
+    def __init__(self, matcher, words: int, executor, on_error=None):
         self._matcher = matcher
         self.words = words  # int32 words in one bitmask
         self._executor = executor
+        self._on_error = on_error  # called once the matcher is in error (the compiler drops its template)
 
     def bitmask(self):
         """The allowed next tokens as int32 words, bit i of word w = token 32 w + i (llguidance's
         layout: what `sampling.masked_argmax` unpacks where the logits are)."""
         import numpy as np
 
-        return np.frombuffer(self._matcher.compute_bitmask(), dtype=np.int32)[:self.words]
+        words = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.int32)[:self.words]
+        self._raise_if_error()
+        return words
 
     def mask(self, width: int):
         """A boolean array over `width` logits: True where the token is allowed next."""
@@ -217,12 +229,25 @@ class Constraint:
         return np.concatenate([allowed, np.zeros(width - allowed.size, dtype=bool)])
 
     def accept(self, token: int) -> None:
+        self._raise_if_error()  # a mask computed in a batch (batch_bitmasks) may have failed
         if not self._matcher.consume_token(token):  # the mask allowed it: the grammar itself gave out
-            from quantserve.server.exceptions import OutputFormatError
+            self._raise_if_error(always=True)
+        self._raise_if_error()
 
-            reason = (self._matcher.get_error() or "its parser stopped").strip().splitlines()[0]  # then a state dump
-            raise OutputFormatError(f"the output format cannot be followed to an end (does its schema or grammar "
-                                    f"have a finite instance?): {reason}")
+    def _raise_if_error(self, always: bool = False) -> None:
+        """OutputFormatError if the matcher has failed (a lexer limit, or no way to go on).  An
+        errored matcher allows only end-of-sequence, so without this the reply would end empty,
+        finish_reason "stop", as if the format had been followed."""
+        if not (always or self._matcher.is_error()):
+            return
+        from quantserve.server.exceptions import OutputFormatError
+
+        if self._on_error is not None:
+            self._on_error()
+            self._on_error = None
+        reason = (self._matcher.get_error() or "its parser stopped").strip().splitlines()[0]  # then a state dump
+        raise OutputFormatError(f"the output format cannot be followed to an end (does its schema or grammar "
+                                f"have a finite instance?): {reason}")
 
     @property
     def finished(self) -> bool:

@@ -261,3 +261,31 @@ def test_batch_bitmasks_match_one_by_one(default_model, n_vocab):
     together = batch_bitmasks([a, b])
     assert together.shape[1] * 32 >= n_vocab
     assert (together[0] == a.bitmask()).all() and (together[1] == b.bitmask()).all()
+
+
+def test_a_format_that_fails_once_fails_every_time(default_model):
+    """A regex past llguidance's lexer limit fails at its first steps.  Its compiled matcher's
+    copies share the lexer, so a cached template left in error made every later request end at
+    once with "" and finish_reason "stop", as if the format had been followed: each request must
+    fail the same way, one by one and computed in a batch."""
+    import llguidance.hf
+    import numpy as np
+
+    from quantserve.modeling import load_tokenizer
+    from quantserve.server.exceptions import OutputFormatError
+    from quantserve.server.structured import GrammarCompiler, OutputFormat, batch_bitmasks
+
+    tok = load_tokenizer(default_model)
+    compiler = GrammarCompiler(lambda: llguidance.hf.from_tokenizer(tok, n_vocab=len(tok)))
+    fmt = OutputFormat("regex", "(a{1000}){1000}", "guided_regex")
+
+    def follow(batched: bool):
+        constraints = [compiler.matcher(fmt) for _ in range(2 if batched else 1)]
+        for _ in range(4):
+            masks = batch_bitmasks(constraints) if batched else [constraints[0].bitmask()]
+            for constraint, mask in zip(constraints, masks):
+                constraint.accept(int(np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))[0]))
+
+    for attempt in range(3):
+        with pytest.raises(OutputFormatError, match="too many expressions"):
+            follow(batched=attempt == 2)
