@@ -262,14 +262,44 @@ def call_schema(fmt: ToolCallFormat, name: str, parameters: dict) -> dict:
             "required": ["name", fmt.args_key], "additionalProperties": False}
 
 
+def _rebased(schema, base: str):
+    """`schema` with its document-local refs ("#", "#/$defs/x") pointing under `base`: a function's
+    parameters are nested inside the call's schema, where "#" would mean the call itself."""
+    if isinstance(schema, list):
+        return [_rebased(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = base + value[1:]
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> schema (a property may be called "enum")
+            out[key] = {name: _rebased(sub, base) for name, sub in value.items()}
+        elif key in ("const", "enum", "default", "examples"):  # instances, not schemas
+            out[key] = value
+        else:
+            out[key] = _rebased(value, base)
+    return out
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
 def call_grammar(fmt: ToolCallFormat, functions: dict[str, dict], many: bool, free_text: bool = False,
                  answer_schema: str | None = None) -> str:
     """A Lark grammar (llguidance's dialect, JSON schemas inline with `%json`) for one call, or
     several when `many`, of any of `functions` (name -> parameters schema); with `free_text`, the
     reply may be text instead (tool_choice "auto"), or with `answer_schema` (a JSON schema's text)
     a JSON answer of that schema."""
-    options = [call_schema(fmt, name, params) for name, params in functions.items()]
+    options, defs = [], {}
+    for i, (name, params) in enumerate(functions.items()):
+        rebased = _rebased(params, f"#/$defs/call{i}")
+        if rebased != params:  # it has local refs, which resolve from the grammar's root: it moves there
+            defs[f"call{i}"], params = rebased, {"$ref": f"#/$defs/call{i}"}
+        options.append(call_schema(fmt, name, params))
     schema = options[0] if len(options) == 1 else {"anyOf": options}
+    if defs:
+        schema = {**schema, "$defs": defs}
     rule = "%json " + json.dumps({**schema, "x-guidance": _JSON_STYLE})
     if not free_text:
         return fmt.grammar(fmt, rule, many)

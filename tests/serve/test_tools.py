@@ -186,6 +186,44 @@ def test_strict_tools_with_a_response_format_answer_in_it_or_call(default_model,
     assert (ok and matcher.is_accepting()) == accepted, matcher.get_error()
 
 
+# Parameters with their own $defs, a recursive "#" ref, and a property called "enum"
+POINT = {"type": "function", "function": {"name": "point", "parameters": {
+    "type": "object", "$defs": {"num": {"type": "integer", "maximum": 9}},
+    "properties": {"x": {"$ref": "#/$defs/num"}, "enum": {"$ref": "#/$defs/num"}},
+    "required": ["x"], "additionalProperties": False}}}
+TREE = {"type": "function", "function": {"name": "tree", "parameters": {
+    "type": "object", "properties": {"v": {"type": "integer", "maximum": 9}, "kid": {"$ref": "#"}},
+    "required": ["v"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("choice, text, accepted", [
+    ("required", '<tool_call>\n{"name": "point", "arguments": {"x": 3, "enum": 4}}\n</tool_call>', True),
+    ("required", '<tool_call>\n{"name": "point", "arguments": {"x": 30}}\n</tool_call>', False),  # maximum 9
+    ("required", '<tool_call>\n{"name": "tree", "arguments": {"v": 1, "kid": {"v": 2}}}\n</tool_call>', True),
+    ("required", '<tool_call>\n{"name": "tree", "arguments": {"v": 1, "kid": {"name": "tree"}}}\n</tool_call>',
+     False),  # "#" is the tree's parameters, not the call around them
+    ({"type": "function", "function": {"name": "point"}}, '<tool_call>\n{"name": "point", "arguments": {"x": 9}}\n</tool_call>',
+     True),
+])
+def test_tool_schemas_with_local_refs_are_constrained(default_model, choice, text, accepted):
+    """A function's parameters sit inside the call's schema in the grammar, so its refs ("#/$defs/x",
+    "#") are moved with it; they were a 400 "Pointer '/$defs/num' does not exist" under a required
+    or named choice."""
+    import llguidance
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    from quantserve.server.tool_parsers import FORMATS
+    from quantserve.server.tools import plan
+
+    tok = AutoTokenizer.from_pretrained(default_model)
+    grammar = plan([POINT, TREE], choice, None, FORMATS["hermes"]).grammar()
+    matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tok, n_vocab=len(tok)),
+                                   llguidance.grammar_from("lark", grammar), log_level=0)
+    ok = all(matcher.consume_token(t) for t in tok.encode(text, add_special_tokens=False))
+    assert (ok and matcher.is_accepting()) == accepted, matcher.get_error()
+
+
 def test_every_tool_schema_is_checked_whatever_the_choice():
     from quantserve.server.tool_parsers import FORMATS
     from quantserve.server.tools import ToolError, plan
