@@ -67,7 +67,10 @@ def _lone_surrogate_at(data) -> str | None:
 class _Request(BaseModel):
     """Base of every request body: refuses text that is not valid Unicode, wherever it is, and reads
     null as "the default" for fields that have one (OpenAI's schema marks them nullable, and clients
-    that serialise None send it)."""
+    that serialise None send it).  Types are strict, as OpenAI's API checks them: `true` is not a
+    temperature of 1.0, "5" not a max_tokens, 1.0 not a token id."""
+
+    model_config = ConfigDict(strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -121,7 +124,7 @@ class ErrorResponse(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # an option nobody honours is refused, not dropped
+    model_config = ConfigDict(extra="forbid", strict=True)  # an option nobody honours is refused, not dropped
 
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk
@@ -195,6 +198,8 @@ class _SamplingFields(_Request):
             raise ValueError(f"at most {MAX_STOPS} stop sequences are allowed (got {len(stops)})")
         if any(len(s) > MAX_STOP_CHARS for s in stops):
             raise ValueError(f"a stop sequence may be at most {MAX_STOP_CHARS} characters long")
+        if any(s == "" for s in stops):  # it would stop before the first token: refused, not dropped
+            raise ValueError("a stop sequence may not be empty")
         return stop
 
     def stop_list(self) -> list[str]:
@@ -217,12 +222,14 @@ class CompletionRequest(_SamplingFields):
 
 
 class TextContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)  # e.g. cache_control: refused, not dropped
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unsupported.refuse_unsupported names what is left over
+    model_config = ConfigDict(extra="allow", strict=True)  # unsupported.refuse_unsupported names what is left over
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[TextContentPart]]] = None

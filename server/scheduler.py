@@ -27,6 +27,7 @@ from quantserve.server.backend import DecodeBackend
 from quantserve.server.config import EngineOptions
 from quantserve.server.engine import (EngineClosedError, EngineError, EngineStats, OutOfMemoryError, QueueFullError,
                            TokenEvent, TokenStream, TopLogprob)
+from quantserve.server.exceptions import OutputFormatError
 from quantserve.server.running import RunningSequence
 from quantserve.server.sampling import SequenceSampler, masked_argmax
 
@@ -374,7 +375,8 @@ class Scheduler:
         try:
             self._sample_and_send(seq, logits, token)
         except Exception as e:  # e.g. sampling from non-finite logits: only this request fails
-            self._log(f"sampling failed: {type(e).__name__}: {e}")
+            if not isinstance(e, OutputFormatError):  # the request's own fault, answered as a 400: no server error
+                self._log(f"sampling failed: {type(e).__name__}: {e}")
             self._fail(seq, EngineError.from_exception(e))
 
     def _sample_and_send(self, seq: RunningSequence, logits, token: int | None = None) -> None:

@@ -127,10 +127,9 @@ def logit_bias(bias: dict[str, float] | None, vocab: int) -> dict[int, float]:
     """OpenAI's logit_bias: token ids (as JSON keys) -> a bias in [-100, 100] added to the logit."""
     out = {}
     for key, value in (bias or {}).items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise APIError(400, f"logit_bias keys are token ids, not {key[:40]!r}", param="logit_bias") from None
+        if not (key.isascii() and key.isdigit()):  # int() would also take " 5 ", "+6", "0_7" and "٥"
+            raise APIError(400, f"logit_bias keys are token ids, not {key[:40]!r}", param="logit_bias")
+        token = int(key)
         if not 0 <= token < vocab:
             raise APIError(400, f"logit_bias token ids must be in [0, {vocab}) (got {token})", param="logit_bias")
         if not -100 <= value <= 100:
@@ -225,6 +224,8 @@ def start_job(state: ServerState, req: _SamplingFields, prompts: list[list[int]]
     check_sequences(len(prompts) * req.n, "choices (prompts x n)", "n" if req.n > 1 else param)
     vocab = engine.tokenizer.vocab_size
     fmt = output_format(state, req, forced_format)
+    if any(not 0 <= t < vocab for t in req.stop_token_ids or []):
+        raise APIError(400, f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
     planned = []
     for prompt in prompts:
         if not prompt:

@@ -3,6 +3,7 @@ out of the reply (tools.py, tool_parsers.py), streamed or not."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import AsyncIterator
 
 from quantserve.server.errors import APIError
@@ -18,8 +19,14 @@ from quantserve.server.unsupported import refuse_unsupported
 from quantserve.server.exceptions import NoChatTemplateError, RequestFieldError
 
 
-# what the server itself passes to the template (tools: set by the request's `tools` field)
-RESERVED_TEMPLATE_VARIABLES = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"}
+# What chat_template_kwargs cannot set: the variables the server itself passes to the template
+# (tools: set by the request's `tools` field), and transformers' apply_chat_template arguments,
+# which would not reach the template as variables but change the rendering itself (a template of
+# the request's own, token ids instead of text) and which the gguf engine's renderer ignores.
+RESERVED_TEMPLATE_VARIABLES = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools",
+                               "chat_template", "conversation", "tokenize", "return_dict", "return_tensors",
+                               "continue_final_message", "padding", "truncation", "max_length",
+                               "return_assistant_tokens_mask", "tokenizer_kwargs"}
 
 
 def tool_format(state: ServerState):
@@ -71,8 +78,8 @@ def conversation(state: ServerState, req: ChatCompletionRequest, plan) -> tuple[
 
 async def render_prompt(state: ServerState, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
     tok = state.engine.tokenizer
-    try:
-        text = tok.render_chat(messages, **(template_kwargs or {}))
+    try:  # off the event loop: a long conversation's template (a Jinja loop) must not stall other requests
+        text = await asyncio.to_thread(tok.render_chat, messages, **(template_kwargs or {}))
     except NoChatTemplateError as e:
         raise APIError(400, str(e), param="messages", code="no_chat_template") from e
     except Exception as e:  # template errors (e.g. roles the template refuses) are the caller's

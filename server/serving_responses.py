@@ -48,6 +48,8 @@ _TEXT_REFUSED = {"verbosity": ((None,), "verbosity cannot be honoured by this se
 def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     """The chat completion request that answers `req`, or a 400 naming what cannot be served."""
     refuse_fields(dict(req.model_extra or {}), _REFUSED, _HINTS, "the Responses API")
+    if (req.model_extra or {}).get("stream_options") is not None and not req.stream:
+        raise APIError(400, "stream_options: only allowed with stream true", param="stream_options")
     body: dict[str, Any] = {"model": req.model, "messages": _messages(req), "stream": req.stream,
                             "max_completion_tokens": req.max_output_tokens}
     for name in ("temperature", "top_p", "parallel_tool_calls", "top_k", "min_p", "seed",
@@ -60,6 +62,7 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     if req.tool_choice is not None:
         choice = req.tool_choice
         if isinstance(choice, dict) and choice.get("type") == "function":
+            _only(choice, {"type", "name"}, "tool_choice")
             choice = {"type": "function", "function": {"name": _required_string(choice, "name", "tool_choice")}}
         body["tool_choice"] = choice
     fmt = _text_format(req.text)
@@ -86,7 +89,24 @@ def _text_format(text) -> dict | None:
     if fmt is not None and not (isinstance(fmt, dict) and isinstance(fmt.get("type"), str)):
         raise APIError(400, "text.format: an object with a type (text, json_schema or json_object)",
                        param="text.format")
+    if fmt is not None:
+        _only(fmt, {"type", "name", "schema", "strict", "description"} if fmt["type"] == "json_schema" else {"type"},
+              "text.format")
     return fmt
+
+
+# what each input item may hold: its own fields, and the id and status of an output item sent back
+_ITEM_FIELDS = {"message": {"type", "role", "content", "id", "status"},
+                "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
+                "function_call_output": {"type", "call_id", "output", "id", "status"}}
+
+
+def _only(item: dict, fields: set[str], where: str) -> None:
+    """A 400 naming the first field of `item` outside `fields`: refused, never dropped."""
+    unknown = sorted(set(item) - fields)
+    if unknown:
+        name = f"{where}.{unknown[0][:40]}"
+        raise APIError(400, f"{name}: not a field this server reads here", param=name)
 
 
 def _text_of(content, where: str, field: str = "content") -> str:
@@ -102,6 +122,7 @@ def _text_of(content, where: str, field: str = "content") -> str:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise APIError(400, f"{where}.{field}.{j}: {kind!r} content is not supported (text only)",
                            param=f"{where}.{field}")
+        _only(part, {"type", "text", "annotations", "logprobs"}, f"{where}.{field}.{j}")
         text = part.get("text", "")
         if not isinstance(text, str):
             raise APIError(400, f"{where}.{field}.{j}.text: a string", param=f"{where}.{field}")
@@ -128,6 +149,8 @@ def _messages(req: ResponsesRequest) -> list[dict]:
         if not isinstance(item, dict):
             raise APIError(400, f"{where}: an input item is an object", param=where)
         kind = item.get("type", "message")
+        if kind in _ITEM_FIELDS:
+            _only(item, _ITEM_FIELDS[kind], where)
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
@@ -158,6 +181,7 @@ def _tool(tool, i: int) -> dict:
         kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
         raise APIError(400, f"tools.{i}.type: {kind!r} tools are not supported (function tools are)",
                        param=f"tools.{i}.type")
+    _only(tool, {"type", "name", "description", "parameters", "strict"}, f"tools.{i}")
     fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
     return {"type": "function", "function": fn}
 

@@ -82,22 +82,25 @@ def _from_response_format(fmt) -> OutputFormat | None:
     if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
         raise GrammarError("response_format must be an object with a 'type'", param)
     kind = fmt["type"]
+    if kind not in ("text", "json_object", "json_schema"):
+        raise GrammarError(f"response_format type {kind!r} is not supported (text, json_object, json_schema)", param)
+    unknown = sorted(set(fmt) - ({"type", "json_schema"} if kind == "json_schema" else {"type"}))
+    if unknown:  # e.g. a "schema" beside json_object: it would not be followed
+        raise GrammarError(f"response_format.{unknown[0]} is not a field of a {kind!r} format", param)
     if kind == "text":
         return None
     if kind == "json_object":
         return OutputFormat("json", '{"type": "object"}', param)
-    if kind == "json_schema":
-        spec = fmt.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-            raise GrammarError("response_format json_schema needs a 'json_schema' object with a 'name'", param)
-        unknown = sorted(set(spec) - {"name", "schema", "strict", "description"})
-        if unknown:
-            raise GrammarError(f"response_format.json_schema.{unknown[0]} is not a known field", param)
-        if not isinstance(spec.get("strict", False), (bool, type(None))):
-            raise GrammarError("response_format.json_schema.strict must be true or false", param)
-        schema = spec.get("schema", {})
-        return _from_key("json", schema, param)
-    raise GrammarError(f"response_format type {kind!r} is not supported (text, json_object, json_schema)", param)
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise GrammarError("response_format json_schema needs a 'json_schema' object with a 'name'", param)
+    unknown = sorted(set(spec) - {"name", "schema", "strict", "description"})
+    if unknown:
+        raise GrammarError(f"response_format.json_schema.{unknown[0]} is not a known field", param)
+    if not isinstance(spec.get("strict", False), (bool, type(None))):
+        raise GrammarError("response_format.json_schema.strict must be true or false", param)
+    schema = spec.get("schema", {})
+    return _from_key("json", schema, param)
 
 
 def _from_key(key: str, value, param: str) -> OutputFormat:

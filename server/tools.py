@@ -150,7 +150,7 @@ def _choice(tool_choice, names: set[str]) -> tuple[str, str | None]:
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
         fn = tool_choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
-        if not isinstance(name, str):
+        if not isinstance(name, str) or set(tool_choice) != {"type", "function"} or set(fn) != {"name"}:
             raise ToolError("tool_choice: a named choice is {\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
         if name not in names:
             raise ToolError(f"tool_choice names {name[:70]!r}, which is not among the tools", "tool_choice")
@@ -168,6 +168,9 @@ def history_call(call, param: str) -> dict:
     if not isinstance(call, dict) or call.get("type", "function") != "function" or not isinstance(call.get("function"), dict):
         raise ToolError(f"{param}: a tool call is {{\"id\", \"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}", param)
     fn = call["function"]
+    unknown = sorted(set(call) - {"id", "type", "function", "index"}) or sorted(set(fn) - {"name", "arguments"})
+    if unknown:  # refused, not dropped (index: what a client that joined streamed deltas keeps)
+        raise ToolError(f"{param}: {unknown[0][:40]!r} is not a field of a tool call", param)
     if not isinstance(fn.get("name"), str) or not fn["name"]:
         raise ToolError(f"{param}.function.name must be a non-empty string", param)
     args = fn.get("arguments", "{}")

@@ -136,7 +136,8 @@ def _cases() -> list[Case]:
           Case("a 10000-character stop string", body=completion(stop="x" * 10000), param="stop"),
           Case("64 stop strings of 256 characters (the limit)",
                body=completion(stop=[f"{i:03d}" + "x" * 253 for i in range(64)]), expect=200),
-          Case("empty stop string", body=completion(stop=""), expect=200),
+          Case("empty stop string", body=completion(stop=""), param="stop"),  # as vLLM: it would stop at once
+          Case("an empty string in a stop list", "/v1/chat/completions", chat(stop=["", "a"]), param="stop"),
           Case("stop list with a number", "/v1/chat/completions", chat(stop=["a", 5]), param="stop")]
     # ---- path-like model names: only the registered name is reachable
     names = ["../../etc/passwd", "/etc/passwd", "..%2F..%2Fetc%2Fpasswd", "..\\..\\windows\\win.ini",
@@ -234,6 +235,31 @@ def _cases() -> list[Case]:
                chat(tools=[{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]), param="tools"),
           Case("chat_template_kwargs setting tools", "/v1/chat/completions",
                chat(chat_template_kwargs={"tools": []}), param="chat_template_kwargs"),
+          Case("chat_template_kwargs replacing the template", "/v1/chat/completions",
+               chat(chat_template_kwargs={"chat_template": "{% for i in range(10**9) %}{% endfor %}"}),
+               param="chat_template_kwargs"),
+          Case("chat_template_kwargs continue_final_message", "/v1/chat/completions",
+               chat(chat_template_kwargs={"continue_final_message": True}), param="chat_template_kwargs"),
+          Case("chat_template_kwargs with a variable of its own", "/v1/chat/completions",
+               chat(chat_template_kwargs={"enable_thinking": False}), expect=200),
+          Case("tool_choice with a field of its own", "/v1/chat/completions",
+               chat(tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}, "strict": True}),
+               param="tool_choice"),
+          Case("a history call with a field of its own", "/v1/chat/completions",
+               chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+                   {**call, "cache": True}]}]), param="messages.1.tool_calls.0"),
+          Case("a history call with its stream index", "/v1/chat/completions",
+               chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+                   {**call, "index": 0}]}, {"role": "tool", "content": "4", "tool_call_id": "c1"}]), expect=200),
+          Case("response_format json_object with a schema", "/v1/chat/completions",
+               chat(response_format={"type": "json_object", "schema": {"type": "array"}}), param="response_format"),
+          Case("a regex past the lexer's limit", body=completion(guided_regex="(a{1000}){1000}"),
+               code="invalid_output_format"),
+          Case("the same regex again (its compiled matcher was cached)", body=completion(guided_regex="(a{1000}){1000}"),
+               code="invalid_output_format"),
+          Case("a text part with cache_control", "/v1/chat/completions",
+               chat(messages=[{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]}]),
+               param="messages.0.content.0.cache_control"),
           Case("response_format json_object", "/v1/chat/completions", chat(response_format={"type": "json_object"}),
                expect=200),
           Case("response_format yaml", "/v1/chat/completions", chat(response_format={"type": "yaml"}),
@@ -280,6 +306,18 @@ def _cases() -> list[Case]:
           Case("logit_bias 101", body=completion(logit_bias={"5": 101}), param="logit_bias"),
           Case("logit_bias NaN", body=completion(logit_bias={"5": float("nan")}), param="logit_bias"),
           Case("logit_bias a list", body=completion(logit_bias=[5, 100]), param="logit_bias")]
+    for key in (" 5 ", "+6", "\u0665", "0_7", "5.0"):  # int() takes the first four; token ids are plain digits
+        c.append(Case(f"logit_bias key {key!r}", body=completion(logit_bias={key: 1}), param="logit_bias"))
+    c += [Case("stop_token_ids past the vocabulary", body=completion(stop_token_ids=[VOCAB]), param="stop_token_ids"),
+          Case("stop_token_ids in the vocabulary", body=completion(stop_token_ids=[VOCAB - 1]), expect=200)]
+    # ---- JSON types: strict, as OpenAI's API (no true as 1.0, "5" as 5 or 1.0 as a token id)
+    c += [Case("temperature true", body=completion(temperature=True), param="temperature"),
+          Case("max_tokens \"5\"", body=completion(max_tokens="5"), param="max_tokens"),
+          Case("stream \"yes\"", body=completion(stream="yes"), param="stream"),
+          Case("ignore_eos 1", body=completion(ignore_eos=1), param="ignore_eos"),
+          Case("prompt [true, false]", body=completion(prompt=[True, False]), param="prompt"),
+          Case("detokenize [true]", "/detokenize", {"model": MODEL, "tokens": [True]}, param="tokens"),
+          Case("temperature 1 (an integer is a number)", body=completion(temperature=1), expect=200)]
     # ---- token ids
     for ids in ([VOCAB], [2**31], [2**64], [-1], [[1, 2], [-5]], [[1, VOCAB + 5]], [1.5]):
         c.append(Case(f"prompt token ids {ids}", body=completion(prompt=ids), param="prompt"))

@@ -91,6 +91,11 @@ def test_required_tool_call_and_its_result_round_trip(client):
         {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather", "arguments": calls[0].arguments},
         {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}])
     assert follow.status in ("completed", "incomplete")
+    # the output items sent back as they came (with their ids and statuses) are input too
+    again = client.responses.create(model="default", tools=[WEATHER], max_output_tokens=4, temperature=0, input=[
+        {"role": "user", "content": "What is the weather in Velmor?"}, calls[0].model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}])
+    assert again.status in ("completed", "incomplete")
 
 
 def test_streamed_named_tool_call(client):
@@ -126,6 +131,15 @@ def test_streamed_named_tool_call(client):
     ({"text": {"format": {"type": "text"}, "bogus": 1}}, "bogus"),
     ({"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options"),
     ({"tool_choice": {"type": "function"}}, "tool_choice.name"),
+    # fields nobody reads: refused by name, never dropped
+    ({"stream_options": {"include_obfuscation": False}}, "stream_options"),  # without stream
+    ({"input": [{"role": "user", "content": "hi", "mood": "calm"}]}, "input.0.mood"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi", "cache": 1}]}]},
+     "input.0.content.0.cache"),
+    ({"tools": [{**WEATHER, "cache": 1}]}, "tools.0.cache"),
+    ({"tool_choice": {"type": "function", "name": "get_weather", "strict": True}, "tools": [WEATHER]},
+     "tool_choice.strict"),
+    ({"text": {"format": {"type": "json_object", "schema": SCHEMA}}}, "text.format.schema"),
 ])
 def test_what_a_stateless_server_cannot_do_is_a_400(client, extra, param):
     body = {"model": "default", "input": "hi", **extra}
