@@ -20,10 +20,11 @@ always.  CUDA graphs keep these launches as programmatic edges.
 Launched so: the batch-1 matrix-vector kernels (triton_gemv.py), which load their first weight
 words before they wait, and the attention kernel and the merge of its split keys
 (triton_paged_attention.py), which wait first.  Only on sm_90 and later (Hopper has the
-instructions; a T4, sm_75, does not), on a GPU (not under Triton's interpreter), and with
-QUANTSERVE_DEPENDENT_LAUNCH=1: off by default until measured on a GPU
-(bench/dependent_launch_gpu.sh).  The kernels' K-step SASS is the same with it (sm_90: 141 / 346
-instructions for the int8 / int4 dp4a forms).
+instructions; a T4, sm_75, does not), on a GPU (not under Triton's interpreter), unless
+QUANTSERVE_DEPENDENT_LAUNCH=0.  On by default since measured (bench/RESULTS.md, H100 2026-12-07:
+8B int8 batch 1 +2.8 %, 312.5 against 303.9 tok/s; int4 unchanged, 363.1 against 364.4).  The
+kernels' K-step SASS is the same with it (sm_90: 141 / 346 instructions for the int8 / int4 dp4a
+forms).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ FLAG = "PDL"  # the kernels' constexpr parameter: wait where `wait_for_previous`
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` are launched this way."""
-    if os.environ.get("QUANTSERVE_DEPENDENT_LAUNCH", "0") != "1" or os.environ.get("TRITON_INTERPRET") == "1":
+    if os.environ.get("QUANTSERVE_DEPENDENT_LAUNCH", "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return device.type == "cuda" and _capability(device.index or 0) >= (9, 0)
 

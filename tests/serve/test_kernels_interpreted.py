@@ -293,8 +293,8 @@ def test_split_k_partial_sums_are_added_in_split_order():
 def test_dependent_launches_only_on_sm90_where_turned_on_and_for_the_kernels_that_wait(monkeypatch):
     """dependent_launch.launch_options gives the wait flag and Triton's launch_pdl to the kernels
     that wait (the batch-1 matrix-vector kernels, the attention and its merge) on a GPU of sm_90
-    or later with QUANTSERVE_DEPENDENT_LAUNCH=1; nothing to the tiles, which do not wait, on a T4
-    (sm_75), without the variable, under the interpreter or on a CPU."""
+    or later unless QUANTSERVE_DEPENDENT_LAUNCH=0 (on by default); nothing to the tiles, which do
+    not wait, on a T4 (sm_75), with the variable at 0, under the interpreter or on a CPU."""
     from quantserve.server.fastcore import dependent_launch, triton_gemv, triton_mm, triton_paged_attention
 
     options, gpu = dependent_launch.launch_options, torch.device("cuda", 0)
@@ -302,7 +302,7 @@ def test_dependent_launches_only_on_sm90_where_turned_on_and_for_the_kernels_tha
              triton_paged_attention._attention_kernel, triton_paged_attention._merge_kernel)
     monkeypatch.setattr(dependent_launch, "_capability", lambda index: (9, 0))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setenv("QUANTSERVE_DEPENDENT_LAUNCH", "1")
+    monkeypatch.delenv("QUANTSERVE_DEPENDENT_LAUNCH", raising=False)  # the default
     assert [options(fn, gpu) for fn in waits] == [{"PDL": True, "launch_pdl": True}] * 4
     assert options(triton_mm._int8_kernel, gpu) == options(triton_mm._int4_kernel, gpu) == {}
     assert options(waits[0], torch.device("cpu")) == {}
