@@ -100,3 +100,16 @@ def positive_seconds(text: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise typer.BadParameter(f"{text}: a number of seconds above 0")
     return value
+
+
+def require_writable_output(out: str | Path) -> None:
+    """Where a bench writes its JSON, checked before any work: a run's figures must not be lost to a
+    bad path at its end (the folder is made; a folder named as the file is refused)."""
+    from quantserve.settings import UserError
+
+    try:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot write there ({e.strerror or e})") from None
+    if Path(out).is_dir():
+        raise UserError(f"--out {out} is a folder: name a JSON file")

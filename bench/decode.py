@@ -294,7 +294,10 @@ def run(o: DecodeOptions) -> None:
 def _measure(o: DecodeOptions) -> None:
     import torch
 
+    from quantserve.bench.args import require_writable_output
     from quantserve.capabilities import apply_profile, detect
+
+    require_writable_output(o.out)
 
     if o.quick:
         o = replace(o, models=("tiny",), batches=(1, 4), prompt_len=16, new_tokens=12,

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import typer
 
-from quantserve.bench.args import existing_file
+from quantserve.bench.args import existing_file, require_writable_output
 from quantserve.bench.serve_client import Record, run_level
 from quantserve.settings import UserError
 
@@ -193,13 +193,8 @@ def print_table(result: dict) -> None:
 def run(o: ServeOptions) -> None:
     """Load the server at each concurrency level of `o`, writing `o.out` after each level; raises
     UserError when the server cannot be benchmarked or some requests failed (the JSON is written)."""
-    if o.out:  # before any request: a run's figures must not be lost to a bad path at its end
-        try:
-            Path(o.out).parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UserError(f"--out {o.out}: cannot write there ({e.strerror or e})") from None
-        if Path(o.out).is_dir():
-            raise UserError(f"--out {o.out} is a folder: name a JSON file")
+    if o.out:
+        require_writable_output(o.out)
     if o.corpus:
         make_prompts(1, o.input_len, o.seed, o.corpus)  # an empty corpus fails now, not after the warm-up
     model = o.model or served_model(o.base_url, o.api_key, o.timeout)

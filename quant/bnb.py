@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from quantserve.quant.source import Checkpoint, require_causal_lm
+from quantserve.quant.source import Checkpoint, checkpoint_tokenizer, require_causal_lm
 from quantserve.settings import UserError
 
 def quantization_config(fmt: str):
@@ -37,7 +37,6 @@ def write_bnb(ckpt: Checkpoint, out_dir: Path, fmt: str, progress: bool = False)
     """Quantize `ckpt` on load (bitsandbytes) and save the quantized model + tokenizer."""
     import torch
     from transformers import AutoModelForCausalLM
-    from quantserve.modeling import load_tokenizer
     from quantserve.progress import transformers_bars
 
     require_causal_lm(ckpt)
@@ -45,12 +44,13 @@ def write_bnb(ckpt: Checkpoint, out_dir: Path, fmt: str, progress: bool = False)
         import bitsandbytes  # noqa: F401
     except ImportError as e:
         raise UserError("bitsandbytes formats need bitsandbytes (pip install 'quantserve[quant]')") from e
+    tokenizer = checkpoint_tokenizer(ckpt.path)  # before quantizing: a missing tokenizer is found at once
     with transformers_bars(progress):
         model = AutoModelForCausalLM.from_pretrained(
             str(ckpt.path), quantization_config=quantization_config(fmt), device_map=_device(), use_safetensors=True,
             dtype=torch.float16 if torch.cuda.is_available() else torch.float32)
         model.save_pretrained(out_dir, safe_serialization=True)
-    load_tokenizer(ckpt.path).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
     linear = [m for m in model.modules() if type(m).__name__ in ("Linear8bitLt", "Linear4bit")]
     n_tensors = sum(1 for _ in model.state_dict())
     return {"architecture": ckpt.architecture, "tensors": n_tensors, "quantized_linears": len(linear),

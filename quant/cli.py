@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 
 from quantserve.cli_util import new_app, run
-from quantserve.settings import UsageError
+from quantserve.settings import UsageError, UserError
 
 app = new_app("Quantize a checkpoint (bitsandbytes int8/nf4/fp4, GGUF F16/Q8_0/k-quants) and "
               "measure the quality cost.")
@@ -105,11 +105,16 @@ def table(src: str = typer.Argument("default", help="Checkpoint folder; 'default
     """Convert SRC to each format and print the quality table (markdown)."""
     from quantserve.formats import MANIFEST, check_format
     from quantserve.quant.convert import convert as do_convert
-    from quantserve.quant.evaluate import evaluate
+    from quantserve.quant.evaluate import evaluate, read_text_file
 
     fmts = [check_format(f.strip()).name for f in formats.split(",") if f.strip()]
     if not fmts:
         raise UsageError("--formats: a comma-separated list of formats (quant formats lists them)")
+    # what the user gave is checked before the first conversion, not after it
+    if workdir.exists() and not workdir.is_dir():
+        raise UserError(f"--workdir {workdir}: is a file, not a folder")
+    if text is not None:
+        read_text_file(text)
     source = _source(src)
     rows = []
     for fmt in fmts:

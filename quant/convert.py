@@ -112,9 +112,38 @@ def staging(out: Path, force: bool):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _refuse_quantized(src: Path) -> None:
+    """Refuse a source whose weights are quantized already: a bitsandbytes save (our own bnb outputs
+    included: their manifest says so) or another transformers quantizer's.  No writer reads them —
+    transformers cannot save a bnb model quantized again, and the GGUF writer meets bitsandbytes'
+    SCB / absmax tensors — and quantizing twice would compound the error anyway.  AWQ and GPTQ are
+    the exception: quant/prequantized.py dequantizes them first."""
+    from quantserve.formats import NotAModel, folder_format
+    from quantserve.quant.source import read_json
+
+    if (src / MANIFEST).is_file():
+        fmt = read_json(src / MANIFEST).get("format")
+    elif (src / "config.json").is_file():
+        config = read_json(src / "config.json")
+        try:
+            fmt = folder_format(config).name
+        except NotAModel as e:
+            raise UserError(f"{src / 'config.json'}: {e}") from None
+        if fmt in ("hf", "awq", "gptq"):
+            return
+        if fmt == "hf-quantized":  # another quantizer's: its own name says more
+            fmt = config["quantization_config"].get("quant_method") or fmt
+    else:
+        return  # not a checkpoint (or a LoRA adapter): open_checkpoint says what it is
+    raise UserError(f"{src} is already quantized ({fmt}): convert from the unquantized checkpoint")
+
+
 def _check_target(src: Path, out: Path, force: bool) -> None:
     if str(out) in ("", ".", ".."):
         raise UserError(f"-o {str(out)!r}: name a new folder for the conversion")
+    nearest = next(p for p in out.parents if p.exists())
+    if not nearest.is_dir():  # else mkdir's own words: "File exists" / "Not a directory"
+        raise UserError(f"-o {out}: {nearest} is a file, not a folder")
     if (out.exists() or out.is_symlink()) and not force:
         raise UserError(f"{out} already exists (use --force to replace it)")
     # --force replaces an earlier conversion, never a folder of other files (it would delete them)
@@ -152,6 +181,7 @@ def convert(src: Path, format_name: str, out: Path, force: bool = False, progres
     t0 = time.time()
     fmt = check_format(format_name)  # the format's record (quantserve/formats.py)
     src, out = Path(src), Path(out)
+    _refuse_quantized(src)
     if out.parent.is_dir():
         try:
             recover_killed_runs(out)  # before the target check: it may put a previous output back

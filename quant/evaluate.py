@@ -19,11 +19,25 @@ import tempfile
 from pathlib import Path
 
 from quantserve.formats import NotAModel, identify
-from quantserve.quant.manifest import write_manifest
-from quantserve.quant.source import open_checkpoint
+from quantserve.quant.manifest import check_weights, write_manifest
+from quantserve.quant.source import checkpoint_tokenizer, open_checkpoint
 from quantserve.settings import UserError
 
 WINDOW = 256  # tokens per scored window; each window starts from an empty context
+
+
+def read_text_file(path: Path) -> str:
+    """The contents of a `--text` file, or a UserError saying why it cannot be read; `quant eval`
+    and `quant table` call it first, before any model is loaded or converted."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{path}: is a folder, not a text file")
+    if not path.is_file():
+        raise UserError(f"{path}: no such text file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text") from e
 
 
 def heldout_documents(text_file: Path | None, tokenizer) -> tuple[list[str], str]:
@@ -38,12 +52,7 @@ def heldout_documents(text_file: Path | None, tokenizer) -> tuple[list[str], str
     if text_file is None:
         return default_eval_text(tokenizer)
     path = Path(text_file)
-    if not path.is_file():
-        raise UserError(f"{path}: no such text file")
-    try:
-        raw = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path}: not UTF-8 text") from e
+    raw = read_text_file(path)
     if path.suffix == ".jsonl":
         docs = []
         for n, line in enumerate(raw.splitlines(), 1):
@@ -139,14 +148,14 @@ _SOURCE_CACHE: dict[tuple, tuple] = {}
 
 def _source_logits(src: Path, text_file: Path | None):
     """(windows, logits, label, weight bytes) of the fp32 source on the held-out text."""
-    from quantserve.modeling import load_model, load_tokenizer, reference_run
+    from quantserve.modeling import load_model, reference_run
 
     with tempfile.TemporaryDirectory(prefix="quant-eval-") as tmp:
         ckpt = open_checkpoint(Path(src), merge_dir=Path(tmp) / "merged")
         text_key = (str(text_file), Path(text_file).stat().st_mtime_ns) if text_file and Path(text_file).is_file() else None
         key = (tuple(sorted(ckpt.source_files.items())), text_key)
         if key not in _SOURCE_CACHE:
-            tokenizer = load_tokenizer(ckpt.path)
+            tokenizer = checkpoint_tokenizer(ckpt.path)
             docs, label = heldout_documents(text_file, tokenizer)
             windows = token_windows(tokenizer, docs)
             with reference_run(load_model(ckpt.path)) as model:
@@ -168,7 +177,11 @@ def evaluate(src: Path, quantized: Path, text_file: Path | None = None) -> dict:
     """Score `quantized` against its source; store the row in the quantized folder's manifest."""
     from quantserve.progress import transformers_bars
 
+    if text_file is not None:  # a bad --text is found before either model loads
+        read_text_file(text_file)
     kind, target, manifest = _quantized_kind(Path(quantized))
+    if kind == "transformers":  # before the source runs: a broken output is found in a second, by name
+        check_weights(target, manifest)
     with transformers_bars(False):  # weight-loading bars: noise around a one-line result
         windows, src_logits, text_label, source_bytes, source_files = _source_logits(Path(src), text_file)
         converted_from = ((manifest or {}).get("source") or {}).get("files_sha256")

@@ -12,6 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 from quantserve.formats import GGUF_MAGIC
+from quantserve.quant.manifest import check_weights
 from quantserve.quant.source import check_safetensors, read_json
 from quantserve.settings import UserError
 
@@ -87,6 +88,7 @@ def describe_folder(path: Path) -> dict:
                         "folder)") from None
     fmt = {"format": found.format.name, "served_by": found.format.engine}
     if found.manifest is not None:
+        check_weights(path, found.manifest)  # a conversion whose weights are gone or cut short is no output
         out = {"kind": f"quant output ({found.manifest.get('format')})", "path": str(path), **fmt,
                "manifest": found.manifest}
         if found.container == "gguf":

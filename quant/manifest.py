@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from quantserve.formats import MANIFEST
+from quantserve.quant.source import check_safetensors
 from quantserve.settings import UserError
 
 KV_BYTES_PER_VALUE = 2  # llama.cpp's default KV cache type is F16; the T4 serves fp16 too
@@ -81,6 +82,23 @@ def write_manifest(folder: Path, manifest: dict) -> None:
     tmp = folder / f".{MANIFEST}.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(manifest, indent=1, default=str) + "\n")
     tmp.replace(folder / MANIFEST)
+
+
+def check_weights(folder: Path, manifest: dict | None) -> None:
+    """The weight files of an output folder are there and whole (headers and lengths; nothing
+    loaded): those its manifest lists, else every *.safetensors in it.  A weights file deleted or cut
+    short after the conversion would otherwise pass for a finished output, or fail later in a
+    library's words."""
+    folder = Path(folder)
+    listed = (manifest or {}).get("weight_files")
+    names = ([str(n) for n in listed] if isinstance(listed, list)
+             else sorted(p.name for p in folder.glob("*.safetensors")))
+    for name in names:
+        f = folder / name
+        if f.resolve().parent != folder.resolve() or not f.is_file():
+            raise UserError(f"{folder}: its {MANIFEST} names {name!r}, which is not a file in it")
+        if f.suffix == ".safetensors":
+            check_safetensors(f)
 
 
 def read_manifest(folder: Path) -> dict:

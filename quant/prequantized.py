@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from quantserve.quant.source import read_json
 from quantserve.settings import UserError
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column of each nibble (low to high) in an AWQ int32
@@ -28,7 +29,7 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column of each nibble (low to high) in a
 
 def _read(folder: Path) -> dict | str | None:
     """The checked AWQ / GPTQ settings, what is wrong with them (a str), or None (neither)."""
-    cfg = json.loads((Path(folder) / "config.json").read_text())
+    cfg = read_json(Path(folder) / "config.json")  # a broken config.json: named, and what is wrong
     q = cfg.get("quantization_config") or {}
     method = str(q.get("quant_method", "")).lower() if isinstance(q, dict) else ""
     if method not in ("awq", "gptq"):
@@ -162,7 +163,7 @@ def write_dequantized(src: Path, dst: Path) -> Path:
         if name not in packed:
             out[name] = get(name).to(torch.float16) if get(name).is_floating_point() else get(name)
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((src / "config.json").read_text())
+    cfg = read_json(src / "config.json")
     cfg.pop("quantization_config", None)
     cfg["torch_dtype"] = "float16"
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))

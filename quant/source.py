@@ -105,6 +105,25 @@ def architecture_of(config: dict, folder: Path) -> str:
     return str(archs[0])
 
 
+# Files a tokenizer is built from (one of them is needed); tokenizer_config.json alone is not one.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def checkpoint_tokenizer(folder: Path):
+    """The folder's Hugging Face tokenizer, or one UserError naming the folder: transformers says
+    "Couldn't instantiate the backend tokenizer ..." when the tokenizer files are simply missing."""
+    from quantserve.modeling import load_tokenizer
+
+    folder = Path(folder)
+    try:
+        return load_tokenizer(folder)
+    except (OSError, ValueError, KeyError) as e:
+        if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+            raise UserError(f"{folder}: no tokenizer files ({', '.join(TOKENIZER_FILES)}): "
+                            "copy the model's tokenizer into the folder") from e
+        raise UserError(f"{folder}: cannot load its tokenizer: {str(e).splitlines()[0]}") from e
+
+
 def open_checkpoint(src: Path, merge_dir: Path | None = None) -> Checkpoint:
     """Check `src` and describe it; a LoRA adapter is merged into its base under `merge_dir`."""
     src = require_checkpoint(Path(src))
@@ -178,8 +197,6 @@ def _merge_adapter(adapter: Path, out: Path, base_path: Path | None = None) -> C
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from quantserve.modeling import load_tokenizer
-
     # the base was checked to hold safetensors; use_safetensors=True keeps transformers from ever
     # falling back to a pickle next to them
     model = AutoModelForCausalLM.from_pretrained(str(base.path), dtype=torch.float32, use_safetensors=True)
@@ -192,7 +209,7 @@ def _merge_adapter(adapter: Path, out: Path, base_path: Path | None = None) -> C
     model.save_pretrained(out, safe_serialization=True)
     # The adapter folder's tokenizer wins (a fine-tune may have added tokens), else the base's.
     tok_dir = adapter if (adapter / "tokenizer_config.json").is_file() else base.path
-    load_tokenizer(tok_dir).save_pretrained(out)
+    checkpoint_tokenizer(tok_dir).save_pretrained(out)
     config = read_json(out / "config.json")
     merged = Checkpoint(out, adapter, config, architecture_of(config, out), weight_files(out),
                         adapter_base=base.path)
@@ -215,6 +232,20 @@ def require_causal_lm(ckpt: Checkpoint) -> None:
         AutoConfig.from_pretrained(str(ckpt.path))
     except (ValueError, KeyError, OSError) as e:
         raise UserError(f"{ckpt.origin}: config.json is not usable: {str(e).splitlines()[0]}") from e
+
+
+def require_causal_lm_folder(path: Path) -> None:
+    """`require_causal_lm` for a folder about to be served, trained or run, from its config.json
+    alone (nothing loaded): a BERT would otherwise load with a page of MISSING weights and fail
+    later on something else.  A LoRA adapter's base is checked where it loads; a config naming no
+    architecture is left to transformers, which picks the class by model_type."""
+    path = Path(path)
+    if (path / "adapter_config.json").is_file() or not (path / "config.json").is_file():
+        return
+    config = read_json(path / "config.json")
+    archs = config.get("architectures")
+    if archs and isinstance(archs, list):
+        require_causal_lm(Checkpoint(path, path, config, str(archs[0]), weight_files=[]))
 
 
 def parameter_count(ckpt: Checkpoint) -> int:

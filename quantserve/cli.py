@@ -14,7 +14,7 @@ import typer
 
 import quantserve.demo  # noqa: F401  (registers the name "default" for every command below)
 from quantserve.bytecode_cache import use_bytecode_cache
-from quantserve.cli_util import new_app, run
+from quantserve.cli_util import new_app, reports_interrupts, run
 from quantserve.quiet import quiet_libraries
 from quantserve.settings import UsageError, UserError
 
@@ -105,8 +105,10 @@ def generate(prompt: str = typer.Argument(..., help="A user message."),
     """Answer one chat message greedily with plain transformers (the reference path)."""
     from quantserve.settings import resolve_checkpoint
     from quantserve.modeling import generate_chat, load_model, load_tokenizer
+    from quantserve.quant.source import require_causal_lm_folder
 
     path = resolve_checkpoint(model)
+    require_causal_lm_folder(path)
     tok = load_tokenizer(path)
     print(generate_chat(load_model(path), tok, [prompt], max_new_tokens=max_tokens)[0])
 
@@ -149,7 +151,7 @@ from quantserve.server.cli import serve as _serve  # noqa: E402
 from quantserve.training.cli import plan_command, train_command  # noqa: E402
 
 app.command("plan")(plan_command)
-app.command("train")(train_command)
+app.command("train")(reports_interrupts(train_command))  # its Ctrl-C line says where a rerun resumes
 app.command("convert")(_quant_cli.convert)
 app.command("eval")(_quant_cli.eval_)
 app.command("inspect")(_quant_cli.inspect)

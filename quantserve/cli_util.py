@@ -10,6 +10,7 @@ import os
 import sys
 
 import typer
+from typer.core import TyperGroup
 
 from quantserve.settings import UsageError, UserError
 
@@ -19,8 +20,40 @@ except ImportError:  # older typer: plain click
     from click import exceptions as click_exceptions
 
 
+class Interrupted(click_exceptions.ClickException):
+    """Ctrl-C (or a SIGTERM a command turns into one) while a command ran: one line, exit 130."""
+
+    exit_code = 130
+
+
+def reports_interrupts(command):
+    """Mark a command that prints its own "interrupted: ..." line on Ctrl-C (`train`: where a rerun
+    resumes): `run` adds none to it."""
+    command.reports_interrupts = True
+    return command
+
+
+class _Group(TyperGroup):
+    """Typer turns a KeyboardInterrupt into a silent `Exit(130)` before `_run` can see it, so a
+    Ctrl-C printed nothing.  Here, below typer, it becomes `Interrupted`: "interrupted", plus the
+    resume hint a command may give as the KeyboardInterrupt's text."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt as e:
+            if os.environ.get("QUANTSERVE_DEBUG"):  # where it was when stopped (a hang's report)
+                import traceback
+
+                traceback.print_exc()
+            command = self.get_command(ctx, ctx.invoked_subcommand) if ctx.invoked_subcommand else None
+            if getattr(getattr(command, "callback", None), "reports_interrupts", False):
+                raise typer.Exit(130) from None  # its own line said it; an Exit passes the groups above
+            raise Interrupted(f"interrupted: {e}" if str(e) else "interrupted") from None
+
+
 def new_app(help: str) -> typer.Typer:
-    app = typer.Typer(help=help, no_args_is_help=True, add_completion=False,
+    app = typer.Typer(help=help, no_args_is_help=True, add_completion=False, cls=_Group,
                       pretty_exceptions_enable=False, rich_markup_mode=None)
 
     @app.callback()
@@ -69,7 +102,7 @@ def _run(app: typer.Typer, prog: str) -> None:
         fail(f"{e.format_message()}{where}", 2)
     except typer.Abort:
         fail("aborted", 130)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # outside a command (while parsing); a command's: _Group.invoke
         fail("interrupted", 130)
     except typer.Exit as e:
         raise SystemExit(e.exit_code) from None

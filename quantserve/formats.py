@@ -162,7 +162,7 @@ def identify(path: Path) -> Identified:
     ggufs = sorted(path.glob("*.gguf"))
     if ggufs and not has_config:
         if len(ggufs) > 1:
-            raise NotAModel(f"{path}: holds {len(ggufs)} .gguf files; name the one to serve")
+            raise NotAModel(f"{path}: holds {len(ggufs)} .gguf files; name the file itself")
         return Identified(FORMATS["gguf"], ggufs[0], manifest)
     if not has_config:
         raise NotAModel(f"{path}: not a Hugging Face checkpoint (no config.json) and no .gguf file")

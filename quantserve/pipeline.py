@@ -106,6 +106,10 @@ class Stage:
         t0 = time.time()
         try:
             result = work()
+        except KeyboardInterrupt:  # its text is the resume hint of the CLI's one "interrupted" line
+            rerun = "the command without --force" if self.force else "the same command"
+            raise KeyboardInterrupt(f"at stage '{self.name}'; {rerun} goes on from there "
+                                    "(finished stages are reused)") from None
         except UserError as e:
             raise UserError(f"pipeline stopped at stage '{self.name}': {e}") from e
         except Exception as e:
@@ -124,15 +128,16 @@ def say(msg: str) -> None:
 
 def run_pipeline(cfg: PipelineConfig) -> dict:
     from quantserve.formats import CONVERT_FORMATS
-    from quantserve.training.config import METHODS
     from quantserve.demo import corpus
     from quantserve.demo.default_model import resolve_model
+    from quantserve.quant.source import require_causal_lm_folder
 
+    if not cfg.formats:  # `--formats ,,` (an unset shell variable): never "build nothing"
+        raise UsageError(f"--formats names no format; choose from {', '.join(CONVERT_FORMATS)}")
     unknown = [f for f in cfg.formats if f not in CONVERT_FORMATS]
     if unknown:
         raise UsageError(f"unknown format(s) {unknown}; choose from {', '.join(CONVERT_FORMATS)}")
-    if cfg.method not in METHODS:
-        raise UsageError(f"--method must be one of {', '.join(METHODS)}, not {cfg.method!r}")
+    _check_train_options(cfg)
     if cfg.serve and cfg.serve_format not in (SOURCE, *cfg.formats):
         raise UsageError(f"--serve-format {cfg.serve_format} is not among the formats built "
                         f"({', '.join((SOURCE, *cfg.formats))})")
@@ -151,7 +156,9 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
 
         # every GPU stage of this process (reference checks, bitsandbytes) under the profile's budget
         apply_profile(detect(cfg.gpu_profile))
-    out = Path(cfg.out)
+    base = resolve_model(cfg.model, progress=cfg.progress)
+    require_causal_lm_folder(base)  # a BERT encoder: one line now, not a page of transformers' at the train stage
+    out = _output_folder(Path(cfg.out))  # last: a refused option leaves nothing behind
     t_start = time.time()
 
     # 1. data
@@ -165,8 +172,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         raise UserError(f"{eval_data}: no held-out examples to score")
     tool_heldout = corpus.read_examples(Path(files["tool_heldout"]))[: cfg.n_eval]
 
-    # 2. base model, plan
-    base = resolve_model(cfg.model, progress=cfg.progress)
+    # 2. base model (resolved above), plan
     _print_plan(base, cfg)
 
     # 3. fine-tune
@@ -217,6 +223,43 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     return summary
 
 
+def _check_train_options(cfg: PipelineConfig) -> None:
+    """--method and --epochs by training's own rules (`TrainConfig.validate`), before any stage runs:
+    the train stage would refuse them only after the data stage and the base model's evaluation."""
+    from quantserve.demo.corpus import DATA_FILES
+    from quantserve.training.config import TrainConfig
+
+    epochs = {} if cfg.train_epochs is None else {"epochs": cfg.train_epochs}
+    data = cfg.data or Path(cfg.out) / "data" / DATA_FILES["task_train"]
+    tc = TrainConfig(data=data, out=Path(cfg.out) / "train", model=cfg.model, method=cfg.method,
+                     merge=cfg.method != "full", **epochs)
+    try:
+        tc.validate()
+    except UsageError:  # an option's value: exit 2
+        raise
+    except UserError:  # about files (the data the first stage writes): the train stage checks those
+        pass
+
+
+def _output_folder(out: Path) -> Path:
+    """`out`, created, or one line saying why it cannot be (not a bare FileNotFoundError)."""
+    import os
+
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: exists and is not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        # the OS's reason names no place ("No such file or directory" for /proc/x): the folder it was refused in
+        there = next(p for p in out.parents if p.exists())
+        if not there.is_dir():
+            raise UserError(f"--out {out}: {there} is a file, not a folder") from None
+        raise UserError(f"--out {out}: cannot create the output folder in {there} ({e.strerror or e})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise UserError(f"--out {out}: the output folder is not writable")
+    return out
+
+
 def _print_plan(base: Path, cfg: PipelineConfig) -> None:
     from quantserve.training.plan import plan, print_report
 
@@ -238,7 +281,7 @@ def _train(base: Path, data: Path, out: Path, cfg: PipelineConfig, heldout, tool
         base_acc, base_tools = task_accuracy(model, tok, heldout), task_accuracy(model, tok, tool_heldout)
     del model
     say(f"[train] base model held-out exact match: {base_acc:.1%} (tool calls {base_tools:.1%})")
-    if cfg.train_epochs:
+    if cfg.train_epochs is not None:  # 0 is refused up front, never taken as "the default"
         extra = {"epochs": cfg.train_epochs}
     elif cfg.data is None:  # the default task has its own measured, gated recipe
         extra = corpus.task_finetune({name: Path(path) for name, path in files.items()})

@@ -96,12 +96,17 @@ def serve(
     replicas: Optional[str] = typer.Option(
         None, help="Run N copies of the server behind Ray Serve (one GPU each where there are GPUs), "
         "or 'auto' to scale between 1 and --max-replicas on waiting requests. Needs the 'replicas' extra."),
-    max_replicas: int = typer.Option(4, min=1, help="--replicas auto: the most replicas."),
-    routing: str = typer.Option("least-loaded", help="--replicas: least-loaded (fewest requests in flight, ties in turn) "
-                                "or session (one replica per x-session-id header, else per 'user')."),
+    # the --replicas options default to None, so that one given without --replicas is seen and refused
+    # (ReplicaOptions holds their defaults)
+    max_replicas: Optional[int] = typer.Option(None, min=1, show_default=False,
+                                               help="--replicas auto: the most replicas (default 4)."),
+    routing: Optional[str] = typer.Option(None, show_default=False, help="--replicas: least-loaded (the default: "
+                                          "fewest requests in flight, ties in turn) or session (one replica per "
+                                          "x-session-id header, else per 'user')."),
     address: Optional[str] = typer.Option(None, help="--replicas: join this Ray cluster (e.g. ray://head:10001 "
                                           "or auto); default: start a local one bound to 127.0.0.1."),
-    downscale_delay: float = typer.Option(60.0, min=0, help="--replicas auto: seconds of low load before a replica is removed."),
+    downscale_delay: Optional[float] = typer.Option(None, min=0, show_default=False, help="--replicas auto: seconds "
+                                                    "of low load before a replica is removed (default 60)."),
 ) -> None:
     """Serve a model with an OpenAI-compatible API (completions, chat, models, health, metrics)."""
     import uvicorn
@@ -123,6 +128,15 @@ def serve(
             raise UsageError(f"{flag} is empty (an unset variable?): leave the option out for its default")
     if not math.isfinite(shutdown_grace) or shutdown_grace > MAX_SHUTDOWN_GRACE_S:
         raise UsageError(f"--shutdown-grace must be at most {MAX_SHUTDOWN_GRACE_S} seconds, not {shutdown_grace}")
+    # the ReplicaOptions fields given (those left out keep its defaults)
+    replica_options = {field: value for field, value in (("max_replicas", max_replicas), ("routing", routing),
+                                                         ("address", address), ("downscale_delay_s", downscale_delay))
+                       if value is not None}
+    if replicas is None:  # a forgotten --replicas: one server would start, its replica options silently unused
+        for flag, value in (("--max-replicas", max_replicas), ("--routing", routing), ("--address", address),
+                            ("--downscale-delay", downscale_delay)):
+            if value is not None:
+                raise UsageError(f"{flag} needs --replicas (a count or auto); leave it out to run one server")
     if model == "default":
         from quantserve.settings import resolve_checkpoint
 
@@ -163,6 +177,7 @@ def serve(
                                                         kv_cache_dtype=kv_cache_dtype,
                                                         async_scheduling=async_scheduling))
     logging.getLogger("quantserve.server").debug("engine options: %s", engine.options)  # never the API key
+    _check_checkpoint(engine.kind, engine.path)
     # The port is taken before the model loads (minutes, for a big one): a busy port is one line now.
     sock = sock or bind_port(host, port)
     # a folder is known by its name, a file by its name without the extension
@@ -170,10 +185,10 @@ def serve(
     name = served_model_name or (named.stem if named.is_file() else named.name)
     if replicas is not None:
         sock.close()  # Ray Serve's proxy binds it
-        _serve_replicas(str(given), engine.options, name, replicas, max_replicas, routing, address, host, port,
-                        downscale_delay, dict(api_key=api_key, max_body_bytes=max_body_bytes,
-                                              max_logprobs=max_logprobs, shutdown_grace_s=shutdown_grace,
-                                              cors_origins=cors_origin, tool_call_parser=tool_call_parser))
+        _serve_replicas(str(given), engine.options, name, replicas, host, port, replica_options,
+                        dict(api_key=api_key, max_body_bytes=max_body_bytes, max_logprobs=max_logprobs,
+                             shutdown_grace_s=shutdown_grace, cors_origins=cors_origin,
+                             tool_call_parser=tool_call_parser))
         return
     failure: list[str] = []
 
@@ -215,19 +230,26 @@ def load_error_message(error: Exception) -> str:
         text = f"{flag} {error.problem}" if flag else error.problem
         if error.allowed_by:
             text += f"; pass --{error.allowed_by.replace('_', '-')} if you trust its source"
-        return text
-    return f"{type(error).__name__}: {error}"
+        return _one_line(text)
+    return f"{type(error).__name__}: {_one_line(str(error))[:300]}"
 
 
-def _serve_replicas(model, options, name, replicas, max_replicas, routing, address, host, port,
-                    downscale_delay, app_kwargs) -> None:
+def _one_line(text: str) -> str:
+    """A message's lines joined, as quantserve/cli_util.py's last resort joins them: the CLI's
+    error is one line, and a library's first line may only announce the reason its next gives."""
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _serve_replicas(model, options, name, replicas, host, port, replica_options: dict, app_kwargs) -> None:
+    """`replica_options`: the ReplicaOptions fields given on the command line (the others keep their defaults)."""
     from quantserve.server.replicas import ROUTINGS, ReplicaOptions, parse_replicas, serve_replicas
 
     try:
         count = parse_replicas(replicas)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if routing not in ROUTINGS:
+    routing = replica_options.get("routing")
+    if routing is not None and routing not in ROUTINGS:
         raise UsageError(f"unknown --routing {routing!r}: choose {', '.join(ROUTINGS)}")
     try:
         import ray  # noqa: F401
@@ -235,9 +257,7 @@ def _serve_replicas(model, options, name, replicas, max_replicas, routing, addre
     except ImportError:
         raise UserError("--replicas runs on Ray Serve, which is not installed: pip install 'quantserve[replicas]' "
                         "(make install does)") from None
-    serve_replicas(model, options, name, app_kwargs,
-                   ReplicaOptions(count, max_replicas, routing, address, host, port,
-                                  downscale_delay_s=downscale_delay))
+    serve_replicas(model, options, name, app_kwargs, ReplicaOptions(count, host=host, port=port, **replica_options))
 
 
 def _engine_or_exit(path: Path, options):
@@ -248,6 +268,21 @@ def _engine_or_exit(path: Path, options):
         return ScheduledEngine(path, options)
     except ModelLoadError as e:
         raise UserError(load_error_message(e)) from e
+
+
+def _check_checkpoint(kind: str, path: Path) -> None:
+    """What a checkpoint folder's own files say against serving it (the hf and fast engines), read
+    from its safetensors headers and config.json as `quant convert` and `quantserve info` read them:
+    a truncated or corrupt weight file, named; an architecture that is no causal LM.  Found while
+    loading, each was a failure after the port was bound and "serving ..." printed, in safetensors'
+    words (no file named) or transformers' (a BERT loaded, then broke at its first forward)."""
+    if kind == "gguf":
+        return
+    from quantserve.quant.source import check_safetensors, require_causal_lm_folder
+
+    for f in sorted(path.glob("*.safetensors")):
+        check_safetensors(f)
+    require_causal_lm_folder(path)
 
 
 def bind_port(host: str, port: int):

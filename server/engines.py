@@ -105,6 +105,16 @@ ENGINES = {"hf": _load_hf, "fast": _load_fast, "gguf": _load_gguf}
 ENGINE_CHOICES = ("auto", *ENGINES)
 
 
+def _check_context(kind: str, path: Path, context: int | None) -> None:
+    """--context against the model's trained context, from its config or GGUF metadata (no weights
+    loaded): raised at construction, so the CLI says it before it binds its port."""
+    if kind == "gguf":
+        from quantserve.server.gguf_engine import check_context
+    else:  # hf and fast read the same checkpoint folders
+        from quantserve.server.hf_engine import check_context
+    check_context(path, context)
+
+
 def _warm_up(backend) -> None:
     """One tiny prefill + decode before /health says ready: the first call of a backend allocates
     its buffers (llama.cpp: seconds), which should not land on the first user's request."""
@@ -172,6 +182,7 @@ class ScheduledEngine:
             raise ModelLoadError("applies to the hf and gguf engines (the fast engine's forward takes "
                                  "max_num_batched_tokens tokens, decodes and prompt chunks together)",
                                  "prefill_chunk", options.prefill_chunk)
+        _check_context(self.kind, self.path, options.context)
         self.info: EngineInfo | None = None
         self.tokenizer = None
         self.grammars = None  # structured.GrammarCompiler, once the tokenizer is loaded

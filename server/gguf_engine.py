@@ -173,6 +173,24 @@ def default_threads() -> int:
     return max(1, min(8, cores // 2))
 
 
+def check_context(path: Path, context: int | None) -> None:
+    """`context` against the file's trained context, from its metadata (gguf's reader maps the file
+    and reads no weights), so the CLI can refuse it before it binds its port and says "serving".
+    A file the reader cannot parse is left to llama.cpp's load, which says what is wrong with it."""
+    if not context:
+        return
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+        arch = reader.fields["general.architecture"].contents()
+        trained = reader.fields[f"{arch}.context_length"].contents()
+    except (ValueError, IndexError, KeyError, OSError):
+        return
+    if isinstance(trained, int) and context > trained:
+        raise ModelLoadError(f"exceeds the model's trained context of {trained} tokens", "context", context)
+
+
 def load_gguf(path: Path, context: int | None, max_batch: int, max_queue: int, threads: int | None = None,
               prefix_cache: bool = True, kv_cache_dtype: str = "auto"):
     """Load a GGUF file; returns (LlamaCppBackend, LlamaCppTokenizer, EngineInfo)."""

@@ -104,6 +104,21 @@ def quantization_of(path: Path) -> str | None:
     return None if fmt.name == "hf" else fmt.name.removeprefix("bnb-")
 
 
+def check_context(path: Path, context: int | None) -> None:
+    """`context` against the trained one that config.json states, before anything loads (the hf and
+    fast engines), so the CLI refuses it before it binds its port and says "serving".  The loaders
+    check it again on the loaded config, which also covers a config.json that states none."""
+    if not context:
+        return
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # loading says what is wrong with the folder
+    trained = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    if isinstance(trained, int) and context > trained:
+        raise ModelLoadError(f"exceeds the model's trained context of {trained} tokens", "context", context)
+
+
 def load_hf(path: Path, gpu_profile: str | None, context: int | None, max_batch: int, max_queue: int):
     """Load model + tokenizer; returns (model, HFTokenizer, EngineInfo)."""
     import torch
@@ -138,7 +153,8 @@ def load_hf(path: Path, gpu_profile: str | None, context: int | None, max_batch:
         except OSError as e:
             raise ModelLoadError(f"{path}: cannot load checkpoint: {str(e).splitlines()[0]}") from e
     if model is None:
-        raise ModelLoadError(f"{path}: cannot load checkpoint: {last_error}")
+        reason = str(last_error).partition("\n")[0]  # transformers' next lines list every config class it knows
+        raise ModelLoadError(f"{path}: cannot load checkpoint: {reason}")
     if not quant:
         model.to(caps.device)
     model.eval()

@@ -68,8 +68,8 @@ def train_command(
 
     settings = {name: value for name, value in ctx.params.items() if name in TrainConfig.field_names()}
     settings["progress"] = not quiet
+    explicit = {name for name in settings if _given(ctx, name)} | ({"progress"} if _given(ctx, "quiet") else set())
     if config is not None:  # the file's values, then whatever the command line says itself
-        explicit = {name for name in settings if _given(ctx, name)} | ({"progress"} if _given(ctx, "quiet") else set())
         cfg = TrainConfig.from_file(config, **{name: settings[name] for name in explicit})
     else:
         for name in ("data", "out"):
@@ -78,7 +78,9 @@ def train_command(
         cfg = TrainConfig(**settings)
     if nproc < 1:
         raise UsageError("--nproc must be at least 1")
-    cfg.validate()  # bad requests fail here, before any process is launched
+    # bad requests fail here, before any process is launched; `explicit` lets it refuse an option
+    # that would do nothing even where its value is the default (--lora-r 16 with --method full)
+    cfg.validate(explicit)
     if (nproc > 1 or hostfile is not None) and not distributed.launched():
         argv = _strip_launch_args(sys.argv[1:])
         code = distributed.launch(argv, nproc, hostfile)  # children print nothing to stdout

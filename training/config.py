@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+import os
+from collections.abc import Collection
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Optional
 
@@ -22,6 +24,8 @@ DTYPES = ("auto", "fp16", "bf16", "fp32")
 ATTN_IMPL = {"flash2": "flash_attention_2", "sdpa": "sdpa", "eager": "eager"}
 # Learning-rate schedules (after the linear warmup), as transformers names them.
 SCHEDULES = {"cosine": "cosine", "constant": "constant_with_warmup", "linear": "linear"}
+# Settings only LoRA / QLoRA read: set for a full fine-tune they would do nothing, so they are refused.
+LORA_ONLY = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "merge")
 
 
 _JSON_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", Path: "a path (a string)"}
@@ -143,8 +147,16 @@ class TrainConfig:
     def as_dict(self) -> dict:
         return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()}
 
-    def validate(self) -> None:
-        """Static checks that need neither the model nor the GPU."""
+    def chosen(self, given: Collection[str] = ()) -> set[str]:
+        """The settings this run asks for: `given` (the command line's, which the CLI can tell apart
+        even where they equal the default) and every one that differs from its default (a config
+        file's, code's)."""
+        return set(given) | {f.name for f in fields(self)
+                             if f.default is not MISSING and getattr(self, f.name) != f.default}
+
+    def validate(self, given: Collection[str] = ()) -> None:
+        """Static checks that need neither the model nor the GPU.  `given`: the settings named on
+        the command line (see `chosen`), so that one which would do nothing is refused."""
         _choice("--method", self.method, METHODS)
         _choice("--offload", self.offload, OFFLOADS)
         _choice("--attn", self.attn, ATTENTIONS)
@@ -163,8 +175,6 @@ class TrainConfig:
             raise UserError("optimizer offload needs ZeRO stage 1 or more (--zero 2 recommended)")
         if self.offload == "all" and self.zero != 3:
             raise UserError("--offload all (parameters too) needs --zero 3")
-        if self.merge and self.method == "full":
-            raise UserError("--merge applies to --method lora/qlora only")
         if self.save_steps < 0:
             raise UsageError("--save-steps must be 0 (no resumable checkpoints) or more")
         for name in ("micro_batch", "lora_r", "lora_alpha", "logging_steps"):
@@ -191,6 +201,14 @@ class TrainConfig:
             raise UsageError("--save-total-limit must be at least 1 (the checkpoint a run resumes from)")
         if self.eval_steps < 1:
             raise UsageError("--eval-steps must be at least 1")
+        # Settings that only another method or feature reads: refused, never silently ignored.
+        chosen = self.chosen(given)
+        lora = [_flag(name) for name in LORA_ONLY if name in chosen]
+        if lora and self.method == "full":
+            raise UserError(f"{', '.join(lora)} appl{'ies' if len(lora) == 1 else 'y'} to --method lora/qlora "
+                            "only (this run is a full fine-tune)")
+        if "eval_steps" in chosen and self.eval_data is None:
+            raise UserError("--eval-steps needs --eval-data (it is the number of steps between its checks)")
         if self.stop_at_exact_match is not None:
             if self.eval_data is None:
                 raise UserError("--stop-at-exact-match needs --eval-data (the prompts it is scored on)")
@@ -213,6 +231,7 @@ class TrainConfig:
             raise UserError(f"{self.data}: is a folder, expected a JSONL file")
         if self.out.exists() and not self.out.is_dir():
             raise UserError(f"{self.out}: exists and is not a folder")
+        _require_creatable(self.out)
         base = Path(self.model).resolve()
         out = self.out.resolve()
         # never, not even with --force: the run would write over the model it starts from, or (a
@@ -229,6 +248,27 @@ class TrainConfig:
             raise UserError(f"--global-batch {self.global_batch} is not a multiple of micro-batch x ranks "
                             f"= {self.micro_batch} x {world_size} = {per_step}")
         return self.global_batch // per_step
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _require_creatable(out: Path) -> None:
+    """Fail now, not after the model has loaded, when `out` cannot be made (or written into).
+    A folder is made and removed in its nearest existing folder: permission bits do not tell
+    (root passes them; /proc, read-only mounts and full disks refuse anyway)."""
+    import tempfile
+
+    parent = out.absolute()
+    try:
+        while not parent.exists():
+            parent = parent.parent
+        if not parent.is_dir():
+            raise UserError(f"--out {out}: {parent} is a file, not a folder")
+        os.rmdir(tempfile.mkdtemp(prefix=".quantserve-write-check-", dir=parent))
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot create a folder in {parent} ({e.strerror or e})") from None
 
 
 def _choice(flag: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -29,8 +29,10 @@ class Record:
     messages: list[dict] | None = None
 
 
-def read_jsonl(path: Path, skip_bad_lines: bool = False) -> list[Record]:
-    """Parse and check every line; a bad line is an error naming it (or a warning when skipping)."""
+def read_jsonl(path: Path, skip_bad_lines: bool = False, what: str = "training") -> list[Record]:
+    """Parse and check every line; a bad line is an error naming it (or a warning when skipping).
+    `what` the records are for, in the errors: "training" (--data) or "evaluation" (--eval-data,
+    which --skip-bad-lines does not cover)."""
     records, bad = [], []
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
@@ -45,12 +47,12 @@ def read_jsonl(path: Path, skip_bad_lines: bool = False) -> list[Record]:
             bad.append(f"line {n}: {e}")
     if bad and not skip_bad_lines:
         more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
-        raise UserError(f"{path}: {len(bad)} malformed line(s): {'; '.join(bad[:3])}{more}; "
-                        "fix them or pass --skip-bad-lines")
+        remedy = "fix them or pass --skip-bad-lines" if what == "training" else "fix them"
+        raise UserError(f"{path}: {len(bad)} malformed line(s): {'; '.join(bad[:3])}{more}; {remedy}")
     for msg in bad:
         print(f"warning: {path}: skipped {msg}", file=sys.stderr)
     if not records:
-        raise UserError(f"{path}: no training records (the file is empty or every line was bad)")
+        raise UserError(f"{path}: no {what} records (the file is empty or every line was bad)")
     return records
 
 

@@ -45,7 +45,7 @@ def read_eval_items(path: Path) -> list[EvalItem]:
     from quantserve.training.data import read_jsonl
 
     items = []
-    for rec in read_jsonl(path):
+    for rec in read_jsonl(path, what="evaluation"):
         if rec.messages is None or rec.messages[-1]["role"] != "assistant":
             raise UserError(f"{path}: line {rec.line}: an eval record needs 'messages' ending in the "
                             "assistant's reference answer")

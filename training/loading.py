@@ -61,6 +61,55 @@ def undo_liger_globals() -> None:
                 setattr(owner, name, value)
 
 
+def check_model(path: Path) -> None:
+    """One clear line for a checkpoint that cannot be trained, before the data is read or anything
+    loads: weights that are pickles, an architecture that is not a causal LM (a BERT would
+    otherwise fail on its tokenizer's missing chat template), a safetensors file cut short (named
+    here; safetensors' own error does not say which file).  The checks `quant convert` runs."""
+    from quantserve.modeling import require_safetensors
+    from quantserve.quant.source import check_safetensors, require_causal_lm_folder, weight_files
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        return  # a LoRA adapter folder: transformers says what it needs
+    require_safetensors(path)
+    require_causal_lm_folder(path)
+    for f in weight_files(path):
+        check_safetensors(f)  # the header and the length only: no weights are read
+
+
+def lora_target_names(cfg: TrainConfig) -> str | list[str]:
+    """--lora-targets as peft takes it: "all-linear", or a list of module names."""
+    if cfg.lora_targets == "all-linear":
+        return "all-linear"
+    return [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
+
+
+def check_lora_targets(cfg: TrainConfig, model_config) -> None:
+    """Every --lora-targets name must match a linear layer of the model, checked on a weightless
+    (meta-device) copy before anything loads: peft raises its own error class only when no name
+    matches, and silently leaves out a name that does not match when another one does."""
+    if cfg.method == "full":
+        return
+    targets = lora_target_names(cfg)
+    if targets == "all-linear":
+        return
+    if not targets:
+        raise UserError("--lora-targets names no module: give comma-separated names, or all-linear")
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    linear = [name for name, m in model.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D))]
+    for t in targets:  # peft's rule for a list: the full name, or its last dotted parts
+        if not any(name == t or name.endswith("." + t) for name in linear):
+            names = sorted({name.rsplit(".", 1)[-1] for name in linear})
+            raise UserError(f"--lora-targets {t!r} matches no linear layer of this model; its linear "
+                            f"layers: {', '.join(names)} (or all-linear)")
+
+
 def load_for_training(path: Path, cfg: TrainConfig, res: Resolved):
     import torch
     from transformers import AutoModelForCausalLM
@@ -121,10 +170,8 @@ def wrap_lora(model, cfg: TrainConfig):
         # What peft's prepare_model_for_kbit_training does for checkpointing, without its cast of
         # every non-quantized weight to fp32 (gigabytes of embeddings and lm_head on an 8B model).
         model.enable_input_require_grads()
-    targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else \
-        [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=targets, task_type="CAUSAL_LM")
+                      target_modules=lora_target_names(cfg), task_type="CAUSAL_LM")
     return get_peft_model(model, lora, autocast_adapter_dtype=True)
 
 

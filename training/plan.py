@@ -86,6 +86,29 @@ class Shape:
                    vocab=c.vocab_size, max_positions=getattr(c, "max_position_embeddings", 0))
 
 
+# What Shape.from_config reads: a decoder-only transformer's config, under transformers' Llama names
+SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def require_decoder_only(config, label: str) -> None:
+    """One line for a config the arithmetic does not describe (an encoder-decoder such as T5, an
+    encoder such as BERT), naming the fields it lacks, instead of an AttributeError or a made-up table."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    problems = []
+    if getattr(config, "is_encoder_decoder", False):
+        problems.append("is an encoder-decoder model" + (f" ({arch})" if arch else ""))
+    elif arch and arch not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        problems.append(f"describes a {arch}, not a causal LM")
+    missing = [name for name in SHAPE_FIELDS if getattr(config, name, None) is None]
+    if missing:
+        problems.append(f"has no {', '.join(missing)}")
+    if problems:
+        raise UserError(f"{label}: {type(config).__name__} {' and '.join(problems)}; the planner handles "
+                        f"decoder-only causal LM configs ({', '.join(SHAPE_FIELDS)})")
+
+
 @dataclass
 class Row:
     name: str
@@ -299,6 +322,7 @@ def plan_for_config(config, seq_len: int, micro_batch: int = 1, gpus: int = 1, g
         raise UsageError("--seq-len, --micro-batch and --gpus must be at least 1")
     if method not in (None, "full", "lora", "qlora"):
         raise UsageError(f"--method must be full, lora or qlora, not {method!r}")
+    require_decoder_only(config, label)
     s = Shape.from_config(config)
     if s.max_positions and seq_len > s.max_positions:
         raise UserError(f"--seq-len {seq_len} is over the model's limit of {s.max_positions} positions")

@@ -15,9 +15,11 @@ a GPU older than Ampere, bf16 on a T4; each is refused with the reason before an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -147,6 +149,13 @@ def cfg_profile(cfg: TrainConfig) -> str:
 
 def train(cfg: TrainConfig) -> Path:
     """Fine-tune `cfg.model` on `cfg.data`; return `cfg.out`, a loadable Hugging Face checkpoint."""
+    # stdout carries only what the caller prints (the CLI: the output path); libraries print
+    # there too (DeepSpeed: "... built successfully" when it builds an op), so they get stderr
+    with contextlib.redirect_stdout(sys.stderr):
+        return _train(cfg)
+
+
+def _train(cfg: TrainConfig) -> Path:
     cfg.validate()
     identity = run_identity(cfg)  # hashes the data file: once
     done = finished_run(cfg, identity)
@@ -181,16 +190,19 @@ def train(cfg: TrainConfig) -> Path:
     from quantserve.settings import resolve_checkpoint
     from quantserve.training import data as data_mod
     from quantserve.training.callbacks import MemoryCallback, ProgressCallback, StepLogCallback, write_log
-    from quantserve.training.loading import load_for_training, trainable_summary, undo_liger_globals
+    from quantserve.training.loading import (check_lora_targets, check_model, load_for_training,
+                                             trainable_summary, undo_liger_globals)
 
     caps = detect(cfg.gpu_profile)
     set_threads(cfg, caps, ws)
     model_path = resolve_checkpoint(cfg.model, progress=cfg.progress and rank == 0)
+    check_model(model_path)
     model_config = AutoConfig.from_pretrained(str(model_path))
     if cfg.plan == "auto":
         cfg = apply_auto_plan(cfg, model_config, caps, ws)
     res = resolve(cfg, caps, model_config)
     cfg.accumulation(res.world_size)  # a global batch the ranks cannot split fails here
+    check_lora_targets(cfg, model_config)
     seq_len = cfg.seq_len or min(getattr(model_config, "max_position_embeddings", MAX_DEFAULT_SEQ), MAX_DEFAULT_SEQ)
 
     tok = load_tokenizer(model_path)

@@ -188,3 +188,104 @@ def test_a_piped_bnb_convert_prints_its_answer_and_no_library_noise(default_mode
     assert proc.stdout.splitlines() == [proc.stdout.strip()] and proc.stdout.startswith(f"{out}: bnb-int8"), proc.stdout
     assert "accelerator" not in proc.stdout + proc.stderr
     assert "Cannot enable progress bars" not in proc.stderr and "\r" not in proc.stderr, proc.stderr
+
+
+# --- broken outputs, quantized sources, broken configs, missing tokenizers, bad --text -----------
+
+BNB_INT8 = {"quant_method": "bitsandbytes", "load_in_8bit": True, "load_in_4bit": False}
+
+
+def quantized_copy(default_model: Path, dst: Path, manifest: bool = True) -> Path:
+    """The default model dressed as a bnb-int8 `quant convert` output (its config's
+    quantization_config, and a manifest listing its weights): what inspect, eval and convert read
+    before they load anything, without a real bitsandbytes conversion."""
+    shutil.copytree(default_model, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, "quantization_config": BNB_INT8}))
+    if manifest:
+        from quantserve.quant.manifest import build_manifest, write_manifest
+        from quantserve.quant.source import open_checkpoint
+
+        write_manifest(dst, build_manifest(ckpt=open_checkpoint(default_model), fmt="bnb-int8", out_dir=dst,
+                                           weight_files=[dst / "model.safetensors"], summary={}, context=512,
+                                           seconds=0))
+    return dst
+
+
+def one_error_line(code: int, err: str) -> str:
+    assert code == 1 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, (code, err)
+    assert "Traceback (most recent" not in err and "Error:" not in err, err  # no library exception's name
+    return err
+
+
+def test_a_quant_output_with_broken_weights_is_not_reported_valid(default_model, tmp_path, monkeypatch, capsys):
+    out = quantized_copy(default_model, tmp_path / "bnb")
+    weights = out / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: 1 << 20])  # a copy cut short
+    for cmd in (["inspect", str(out)], ["eval", str(default_model), str(out)]):
+        err = one_error_line(*run_cli(monkeypatch, capsys, *cmd)[::2])
+        assert f"{weights}: safetensors file is truncated" in err, (cmd, err)
+    weights.unlink()
+    for cmd in (["inspect", str(out)], ["eval", str(default_model), str(out)]):
+        err = one_error_line(*run_cli(monkeypatch, capsys, *cmd)[::2])
+        assert "manifest.json names 'model.safetensors', which is not a file in it" in err, (cmd, err)
+
+
+@pytest.mark.parametrize("manifest", [True, False], ids=["quant-output", "bnb-checkpoint"])
+def test_an_already_quantized_source_is_refused_up_front(manifest, default_model, tmp_path, monkeypatch, capsys):
+    src = quantized_copy(default_model, tmp_path / "bnb", manifest=manifest)
+    for fmt in ("bnb-nf4", "gguf-q8_0"):
+        err = one_error_line(*run_cli(monkeypatch, capsys, "convert", str(src), "-f", fmt, "-o",
+                                      str(tmp_path / "out" / fmt), "-q")[::2])
+        assert f"{src} is already quantized (bnb-int8): convert from the unquantized checkpoint" in err, err
+    assert leftovers(tmp_path / "out") == []
+
+
+@pytest.mark.parametrize("config, want", [("[1, 2]", "expected a JSON object"), ("{garbage", "not valid JSON")])
+def test_a_broken_config_json_is_named(config, want, default_model, tmp_path, monkeypatch, capsys):
+    from quantserve.quant.prequantized import quantization_problem
+    from quantserve.settings import UserError
+
+    src = tmp_path / "src"
+    shutil.copytree(default_model, src)
+    (src / "config.json").write_text(config)
+    for fmt in ("gguf-f16", "bnb-int8"):
+        err = one_error_line(*run_cli(monkeypatch, capsys, "convert", str(src), "-f", fmt, "-o", str(tmp_path / fmt),
+                                      "-q")[::2])
+        assert f"{src / 'config.json'}: {want}" in err, err
+    with pytest.raises(UserError, match=f"config.json: {want}"):  # what the serving engines ask too
+        quantization_problem(src)
+
+
+def test_a_checkpoint_without_tokenizer_files_is_refused_in_one_line(default_model, tmp_path, monkeypatch, capsys):
+    src = tmp_path / "notok"
+    shutil.copytree(default_model, src, ignore=shutil.ignore_patterns("tokenizer*"))
+    err = one_error_line(*run_cli(monkeypatch, capsys, "convert", str(src), "-f", "bnb-int8", "-o",
+                                  str(tmp_path / "out"), "-q")[::2])
+    assert f"{src}: no tokenizer files" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_text_and_workdir_are_checked_before_any_model_is_loaded_or_converted(default_model, tmp_path, monkeypatch,
+                                                                            capsys):
+    from quantserve.quant import convert as convert_module
+    from quantserve.quant import evaluate as evaluate_module
+
+    def too_late(*args, **kwargs):
+        raise AssertionError("converted or loaded a model before checking --text / --workdir")
+    monkeypatch.setattr(convert_module, "convert", too_late)
+    monkeypatch.setattr(evaluate_module, "_source_logits", too_late)
+    out = quantized_copy(default_model, tmp_path / "bnb")
+    folder, missing, afile = tmp_path / "texts", tmp_path / "missing.txt", tmp_path / "afile"
+    folder.mkdir()
+    afile.write_text("not a folder")
+    cases = [(["eval", str(default_model), str(out), "--text", str(folder)], f"{folder}: is a folder, not a text file"),
+             (["eval", str(default_model), str(out), "--text", str(missing)], f"{missing}: no such text file"),
+             (["table", str(default_model), "--workdir", str(tmp_path / "w"), "--formats", "gguf-f16",
+               "--text", str(folder)], f"{folder}: is a folder, not a text file"),
+             (["table", str(default_model), "--workdir", str(afile), "--formats", "gguf-f16"],
+              f"--workdir {afile}: is a file, not a folder")]
+    for cmd, want in cases:
+        err = one_error_line(*run_cli(monkeypatch, capsys, *cmd)[::2])
+        assert want in err, (cmd, err)
+    assert not (tmp_path / "w").exists()

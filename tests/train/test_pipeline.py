@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -173,7 +174,57 @@ def test_bad_arguments_are_refused_before_any_work(tmp_path):
     assert proc.returncode == 2 and "--method must be one of" in proc.stderr
     proc = pipeline(tmp_path / "x", "--data", str(tmp_path / "missing.jsonl"))
     assert proc.returncode == 1 and "no such data file" in proc.stderr
+    # by training's own rules, not after the data stage and the base model's evaluation
+    for epochs in ("-1", "nan", "0"):  # 0 was taken as "the default recipe"
+        proc = pipeline(tmp_path / "x", "--epochs", epochs)
+        assert proc.returncode == 2 and "--epochs" in proc.stderr and "out of range" in proc.stderr, proc.stderr
+    for formats in (",,", " , "):  # with --no-serve an empty list was taken; serving, it was a misleading message
+        proc = pipeline(tmp_path / "x", "--formats", formats)
+        assert proc.returncode == 2 and "--formats names no format" in proc.stderr, proc.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_an_output_folder_that_cannot_be_made_is_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for out, why in ((blocker / "run", f"{blocker} is a file, not a folder"), (blocker, "exists and is not a folder")):
+        proc = pipeline(out, "--formats", "gguf-q8_0")
+        assert proc.returncode == 1 and proc.stdout == "" and "Traceback" not in proc.stderr, proc.stderr
+        (line,) = proc.stderr.strip().splitlines()
+        assert line.startswith(f"error: --out {out}: ") and why in line, line
+    if Path("/proc/self").is_dir():  # procfs takes no new folders: the OS says ENOENT, which named no place
+        proc = pipeline("/proc/quantserve-run", "--formats", "gguf-q8_0")
+        assert proc.stderr.strip() == ("error: --out /proc/quantserve-run: cannot create the output folder in /proc "
+                                       "(No such file or directory)"), proc.stderr
+
+
+def test_a_model_that_is_not_a_causal_lm_is_refused_before_any_work(tmp_path, default_model):
+    from tests.support.odd_models import odd_models
+
+    proc = pipeline(tmp_path / "x", "--model", str(odd_models(tmp_path, default_model) / "bert"))
+    assert proc.returncode == 1 and "not a causal language model" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
+
+
+def test_ctrl_c_is_one_line_that_says_where_a_rerun_goes_on(tmp_path, default_model):
+    """Typer turned the KeyboardInterrupt into a silent exit 130: Ctrl-C printed nothing at all."""
+    import signal
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "quantserve", "pipeline", "--out", str(out), "--no-serve",
+                             "--n-eval", "10", "--formats", "gguf-q8_0"], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        for line in proc.stdout:  # the base model was scored; the fine-tune takes minutes
+            if line.startswith("[train] base model"):
+                break
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and err == ("error: interrupted: at stage 'train'; the same command goes on "
+                                              "from there (finished stages are reused)\n"), (proc.returncode, err)
+    assert (out / "data" / "stage.json").is_file()  # what it says: the finished stage is kept
 
 
 @pytest.mark.slow

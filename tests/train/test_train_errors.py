@@ -14,6 +14,7 @@ import pytest
 from quantserve.capabilities import Capabilities
 from quantserve.settings import UserError
 from quantserve.training.config import TrainConfig
+from tests.support.odd_models import odd_models as make_odd_models
 
 CHAT = json.dumps({"messages": [{"role": "user", "content": "Reverse: [a,b,c,d]"},
                                 {"role": "assistant", "content": "[d,c,b,a]"}]})
@@ -219,3 +220,94 @@ def test_a_run_never_writes_over_its_base_model_or_a_folder_of_other_files(tmp_p
     one_line_error(cli("--data", str(good), "--model", str(base), "--out", str(theirs)), "--force", "run.json")
     assert {p.name: p.stat().st_mtime_ns for p in base.iterdir()} == before
     assert [p.name for p in theirs.iterdir()] == ["thesis.txt"]
+
+
+# Options that only another method or feature reads would do nothing: refused, never ignored.
+@pytest.mark.parametrize("args, said", [
+    (["--lora-r", "8", "--lora-alpha", "4", "--lora-targets", "q_proj"],
+     "--lora-r, --lora-alpha, --lora-targets apply to --method lora/qlora only"),
+    (["--lora-r", "16"], "--lora-r applies to --method lora/qlora only"),  # the default value, given
+    (["--no-merge"], "--merge applies to --method lora/qlora only"),
+    (["--eval-steps", "5"], "--eval-steps needs --eval-data"),
+])
+def test_an_option_that_would_do_nothing_is_refused(args, said, good, tmp_path):
+    one_line_error(cli("--data", str(good), "--out", str(tmp_path / "o"), "--max-steps", "1", *args), said)
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_config_files_lora_settings_for_a_full_fine_tune_are_refused(good, tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"data": str(good), "out": str(tmp_path / "o"), "lora_targets": "q_proj"}))
+    with pytest.raises(UserError, match="--lora-targets applies to --method lora/qlora only"):
+        TrainConfig.from_file(path).validate()
+    TrainConfig.from_file(path, method="lora").validate()
+
+
+@pytest.fixture(scope="module")
+def odd_models(tmp_path_factory, default_model):
+    return make_odd_models(tmp_path_factory.mktemp("odd-models"), default_model)
+
+
+@pytest.mark.parametrize("name", ["bert", "t5"])
+def test_a_model_that_is_not_a_causal_lm_is_refused_first(name, odd_models, good, tmp_path):
+    """Said before the data is read: the BERT otherwise fails on its tokenizer's chat template."""
+    msg = train_error(TrainConfig(data=good, out=tmp_path / "o", model=str(odd_models / name)))
+    assert "not a causal language model" in msg and str(odd_models / name) in msg
+
+
+def test_truncated_weights_name_the_file(odd_models, good, tmp_path):
+    msg = train_error(TrainConfig(data=good, out=tmp_path / "o", model=str(odd_models / "trunc")))
+    assert f"{odd_models / 'trunc' / 'model.safetensors'}: safetensors file is truncated" in msg
+
+
+def test_a_lora_target_that_matches_nothing_is_named_with_the_choices(good, tmp_path, default_model):
+    """Also when another target matches: peft would then leave the unmatched one out silently."""
+    for targets in ("nonexistent_proj", "q_proj,nonexistent_proj"):
+        msg = train_error(TrainConfig(data=good, out=tmp_path / "o", method="lora", lora_targets=targets))
+        assert "'nonexistent_proj' matches no linear layer" in msg
+        assert "q_proj" in msg and "down_proj" in msg and "all-linear" in msg
+
+
+def test_eval_data_problems_say_evaluation(good, tmp_path, default_model):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    msg = train_error(TrainConfig(data=good, out=tmp_path / "o", eval_data=empty))
+    assert msg.startswith(f"{empty}: no evaluation records"), msg
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(CHAT + "\n{oops\n")
+    msg = train_error(TrainConfig(data=good, out=tmp_path / "o", eval_data=bad))
+    assert "line 2" in msg and "--skip-bad-lines" not in msg  # it covers --data only
+
+
+def test_an_output_folder_that_cannot_be_made_is_refused_up_front(good, tmp_path):
+    """By validate(), which loads nothing (before: after the model had loaded)."""
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(UserError, match="afile is a file, not a folder"):
+        TrainConfig(data=good, out=tmp_path / "afile" / "o").validate()
+    if Path("/proc/self").is_dir():  # refuses a new folder even to root, whose permission bits pass
+        with pytest.raises(UserError, match="--out /proc/x: cannot create a folder in /proc"):
+            TrainConfig(data=good, out=Path("/proc/x")).validate()
+    TrainConfig(data=good, out=tmp_path / "new" / "o").validate()
+    assert not (tmp_path / "new").exists()  # the check leaves nothing behind
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
+def test_stdout_carries_only_the_output_path_under_deepspeed(good, tmp_path, default_model):
+    """DeepSpeed prints "... built successfully" on stdout when it builds its CPU communication op."""
+    out = tmp_path / "o"
+    r = cli("--data", str(good), "--out", str(out), "--max-steps", "1", "--micro-batch", "1", "--zero", "2",
+            "--method", "lora", "--save-steps", "0", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"{out}\n"
+
+
+@pytest.mark.parametrize("name, said", [
+    ("t5", "T5Config is an encoder-decoder model (T5ForConditionalGeneration) and has no intermediate_size"),
+    ("bert", "BertConfig describes a BertModel, not a causal LM"),
+])
+def test_plan_refuses_what_its_arithmetic_does_not_describe(name, said, odd_models):
+    from quantserve.training.plan import plan
+
+    with pytest.raises(UserError) as e:
+        plan(model=str(odd_models / name), seq_len=512)
+    assert said in str(e.value) and "decoder-only causal LM" in str(e.value) and "\n" not in str(e.value)

@@ -230,6 +230,18 @@ def test_gpu_bench_refuses_a_cpu_in_one_line():
         "error: bench decode measures the 1B/8B shapes on a CUDA GPU; on a CPU use --quick"]
 
 
+def test_bench_decode_checks_its_output_before_measuring(tmp_path):
+    """A path it cannot write is one line at once, not after the whole run (its figures lost)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", "quantserve", "bench", "decode", "--quick", "--out",
+                           str(blocker / "decode.json")], capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith(f"error: --out {blocker}"), proc.stderr
+    assert "tokens/s" not in proc.stdout and time.time() - t0 < 60
+
+
 def test_kernel_bench_refuses_a_cpu_in_one_line():
     import torch
 

@@ -1,6 +1,7 @@
 """The `quantserve` command line: fast help, `info`, and one clear line for every bad input."""
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -8,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.cli import assert_one_line_error, cli
 from tests.support import REPO
+from tests.support.cli import assert_one_line_error, cli
+from tests.support.odd_models import odd_models
 
 
 def test_help_is_fast_and_imports_no_heavy_library():
@@ -190,3 +192,44 @@ def test_a_bad_environment_variable_is_named_never_ignored(engine, name, value):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and f"{name}={value!r}" in errors[0] and "hf engine" not in errors[0], proc.stderr
+
+
+def test_generate_refuses_a_model_that_is_not_a_causal_lm(tmp_path, default_model):
+    """quant's check, before loading: not a page of transformers' load report, then a chat-template error."""
+    bert = odd_models(tmp_path, default_model) / "bert"
+    assert_one_line_error(cli("generate", "hi", "--model", str(bert)), 1, "BertModel", "not a causal language model")
+
+
+def ctrl_c(*args, after: str, stream: str = "stdout"):
+    """Run `quantserve ARGS`, press Ctrl-C (SIGINT) once a line of its `stream` holds `after`: its
+    exit code and everything it wrote to stderr."""
+    proc = subprocess.Popen([sys.executable, "-m", "quantserve", *args], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        seen = []
+        for line in getattr(proc, stream):
+            seen.append(line)
+            if after in line:
+                break
+        assert proc.poll() is None, f"it ended before {after!r}: {''.join(seen)}"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    return proc.returncode, "".join(seen) + err if stream == "stderr" else err
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
+    """Typer turned a KeyboardInterrupt into a silent exit 130: Ctrl-C printed nothing at all."""
+    code, err = ctrl_c("bench", "decode", "--quick", "--out", str(tmp_path / "decode.json"), after="copy bandwidth")
+    assert code == 130 and err == "error: interrupted\n", (code, err)
+
+
+def test_ctrl_c_in_train_is_its_own_resume_hint_alone(tmp_path):
+    """`train` says where a rerun resumes: that line is the one line, with no "interrupted" added."""
+    assert cli("data", "--out", str(tmp_path / "data")).returncode == 0
+    code, err = ctrl_c("train", "--data", str(tmp_path / "data" / "task_train.jsonl"), "--out", str(tmp_path / "run"),
+                       after="model:", stream="stderr")
+    assert code == 130 and "Traceback" not in err, (code, err)
+    said = [line for line in err.splitlines() if "interrupted" in line]
+    assert said == ["interrupted: no checkpoint was saved yet; the same command starts again"], err
