@@ -150,8 +150,10 @@ def cfg_profile(cfg: TrainConfig) -> str:
 def train(cfg: TrainConfig) -> Path:
     """Fine-tune `cfg.model` on `cfg.data`; return `cfg.out`, a loadable Hugging Face checkpoint."""
     # stdout carries only what the caller prints (the CLI: the output path); libraries print
-    # there too (DeepSpeed: "... built successfully" when it builds an op), so they get stderr
-    with contextlib.redirect_stdout(sys.stderr):
+    # there too (DeepSpeed: "... built successfully" when it builds an op), so they get stderr,
+    # from the first process only (every rank prints them: the log would say each twice)
+    first = os.environ.get("RANK", "0") == "0"
+    with contextlib.redirect_stdout(sys.stderr if first else open(os.devnull, "w")):
         return _train(cfg)
 
 
