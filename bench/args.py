@@ -105,11 +105,9 @@ def positive_seconds(text: str) -> float:
 def require_writable_output(out: str | Path) -> None:
     """Where a bench writes its JSON, checked before any work: a run's figures must not be lost to a
     bad path at its end (the folder is made; a folder named as the file is refused)."""
-    from quantserve.settings import UserError
+    from quantserve.settings import UserError, require_creatable_folder
 
-    try:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"--out {out}: cannot write there ({e.strerror or e})") from None
+    require_creatable_folder(Path(out).parent)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
     if Path(out).is_dir():
         raise UserError(f"--out {out} is a folder: name a JSON file")

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from quantserve.pipeline_serving import serve_and_score, serve_forever
-from quantserve.settings import UsageError, UserError
+from quantserve.settings import UsageError, UserError, require_creatable_folder
 
 DEFAULT_FORMATS = ("bnb-int8", "bnb-nf4", "gguf-q8_0", "gguf-q4_k_m")
 SOURCE = "source"  # the fine-tuned checkpoint itself, served unquantized
@@ -243,20 +243,8 @@ def _check_train_options(cfg: PipelineConfig) -> None:
 
 def _output_folder(out: Path) -> Path:
     """`out`, created, or one line saying why it cannot be (not a bare FileNotFoundError)."""
-    import os
-
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out}: exists and is not a folder")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        # the OS's reason names no place ("No such file or directory" for /proc/x): the folder it was refused in
-        there = next(p for p in out.parents if p.exists())
-        if not there.is_dir():
-            raise UserError(f"--out {out}: {there} is a file, not a folder") from None
-        raise UserError(f"--out {out}: cannot create the output folder in {there} ({e.strerror or e})") from None
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise UserError(f"--out {out}: the output folder is not writable")
+    require_creatable_folder(out)
+    out.mkdir(parents=True, exist_ok=True)
     return out
 
 

@@ -45,6 +45,28 @@ def make_readable(folder: Path) -> None:
             os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
 
 
+def require_creatable_folder(folder: Path, flag: str = "--out") -> Path:
+    """Fail now, not after a model has loaded, when `folder` cannot be made or written into: one
+    line naming `flag` and where it was refused.  Nothing is left behind: a folder is made and
+    removed in the nearest existing one, since permission bits do not tell (root passes them;
+    /proc, read-only mounts and full disks refuse anyway)."""
+    import tempfile
+
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"{flag} {folder}: exists and is not a folder")
+    parent = folder.absolute()
+    try:
+        while not parent.exists():
+            parent = parent.parent
+        if not parent.is_dir():
+            raise UserError(f"{flag} {folder}: {parent} is a file, not a folder")
+        os.rmdir(tempfile.mkdtemp(prefix=".quantserve-write-check-", dir=parent))
+    except OSError as e:
+        raise UserError(f"{flag} {folder}: cannot create a folder in {parent} ({e.strerror or e})") from None
+    return folder
+
+
 def require_checkpoint(path: Path) -> Path:
     """Check that `path` is a Hugging Face checkpoint folder (config.json + weights), or raise.
 

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Collection
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Optional
 
-from quantserve.settings import UsageError, UserError
+from quantserve.settings import UsageError, UserError, require_creatable_folder
 
 METHODS = ("full", "lora", "qlora")
 OFFLOADS = ("none", "optimizer", "all")
@@ -229,9 +228,7 @@ class TrainConfig:
             raise UserError(f"{self.data}: no such data file")
         if self.data.is_dir():
             raise UserError(f"{self.data}: is a folder, expected a JSONL file")
-        if self.out.exists() and not self.out.is_dir():
-            raise UserError(f"{self.out}: exists and is not a folder")
-        _require_creatable(self.out)
+        require_creatable_folder(self.out)
         base = Path(self.model).resolve()
         out = self.out.resolve()
         # never, not even with --force: the run would write over the model it starts from, or (a
@@ -252,23 +249,6 @@ class TrainConfig:
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
-
-
-def _require_creatable(out: Path) -> None:
-    """Fail now, not after the model has loaded, when `out` cannot be made (or written into).
-    A folder is made and removed in its nearest existing folder: permission bits do not tell
-    (root passes them; /proc, read-only mounts and full disks refuse anyway)."""
-    import tempfile
-
-    parent = out.absolute()
-    try:
-        while not parent.exists():
-            parent = parent.parent
-        if not parent.is_dir():
-            raise UserError(f"--out {out}: {parent} is a file, not a folder")
-        os.rmdir(tempfile.mkdtemp(prefix=".quantserve-write-check-", dir=parent))
-    except OSError as e:
-        raise UserError(f"--out {out}: cannot create a folder in {parent} ({e.strerror or e})") from None
 
 
 def _choice(flag: str, value: str, allowed: tuple[str, ...]) -> None:

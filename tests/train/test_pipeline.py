@@ -194,7 +194,7 @@ def test_an_output_folder_that_cannot_be_made_is_one_line(tmp_path):
         assert line.startswith(f"error: --out {out}: ") and why in line, line
     if Path("/proc/self").is_dir():  # procfs takes no new folders: the OS says ENOENT, which named no place
         proc = pipeline("/proc/quantserve-run", "--formats", "gguf-q8_0")
-        assert proc.stderr.strip() == ("error: --out /proc/quantserve-run: cannot create the output folder in /proc "
+        assert proc.stderr.strip() == ("error: --out /proc/quantserve-run: cannot create a folder in /proc "
                                        "(No such file or directory)"), proc.stderr
 
 
