@@ -13,6 +13,10 @@ Then one prompt of `--prompt-len` tokens (eager, as `bench decode` runs prompts)
 untimed call (that one tunes the prompt-sized kernels), and the sum of its kernels' GPU time under
 torch.profiler (the wall time of an eager forward carries the host's launches, which differ between
 machines: 25 against 45 ms for the same fp16 prompt on two H100s of one day).
+With `--graph-prompts`: each size's prompt as a server runs it, one compiled forward replayed from
+the CUDA graph of its token bucket (size - 1 tokens, so the bucket is `size`), wall time best of 5;
+int8/int4 with their weights dequantized ahead on a second stream (dequant_ahead.py) and in line
+(the launcher's tiles or copies), one after the other in the same process.
 """
 
 from __future__ import annotations
@@ -73,7 +77,8 @@ def profile_steps(step, steps: int) -> dict:
             "idle_us": round(wall * 1e6 - total, 1), "groups": groups, "kernels": rows}
 
 
-def run_one(shape: str, quant: str, kernel: str, steps: int, prompt_len: int, caps, context: int = 128) -> dict:
+def run_one(shape: str, quant: str, kernel: str, steps: int, prompt_len: int, caps, context: int = 128,
+            graph_prompts: list[int] = ()) -> dict:
     import torch
 
     from quantserve.bench.decode import model_config
@@ -81,7 +86,7 @@ def run_one(shape: str, quant: str, kernel: str, steps: int, prompt_len: int, ca
 
     cfg = model_config(shape)
     t0 = time.perf_counter()
-    core = FastCore(None, random_config=cfg, max_slots=1, max_seq=-(-(max(prompt_len, context) + steps + 64) // 256) * 256,
+    core = FastCore(None, random_config=cfg, max_slots=1, max_seq=-(-(max(prompt_len, context, *graph_prompts) + steps + 64) // 256) * 256,
                     device=torch.device("cuda"), weight_quant=quant, quant_kernel=kernel, compile=True,
                     profile=caps.profile)
     core.steps.compile_mixed = False  # prompts eagerly: this measures decode
@@ -153,7 +158,37 @@ def run_one(shape: str, quant: str, kernel: str, steps: int, prompt_len: int, ca
                                          if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3, 2)
         print(f"    prompt of {prompt_len} tokens: {row['prompt_ms']:.2f} ms (best of 3, eager), "
               f"{row['prompt_gpu_ms']:.2f} ms of GPU kernels", flush=True)
+    if graph_prompts:
+        row["graph_prompt_ms"] = graph_prompt_times(core, graph_prompts, cfg.vocab_size)
     return row
+
+
+def graph_prompt_times(core, sizes: list[int], vocab: int) -> dict:
+    """{"512", "512 ahead" or "512 inline": ms}: a prompt of size - 1 tokens through the mixed CUDA graph of the
+    `size` bucket, best of 5 after one call that records it (and tunes the in-line path's kernels)."""
+    import torch
+
+    times = {}
+    core.steps.compile_mixed = True
+    for ring in [core.ahead, None] if core.ahead is not None else [None]:
+        core.steps.ahead = ring
+        core.steps.mixed_steps.clear()  # recorded again, with or without the ring
+        label = " ahead" if ring is not None else " inline" if core.ahead is not None else ""  # fp16: ""
+        for size in sizes:
+            ids = torch.randint(0, vocab, (size - 1,))
+            runs = []
+            for _ in range(6):
+                core.release(0)
+                torch.cuda.synchronize()
+                t1 = time.perf_counter()
+                core.prefill(0, ids)
+                torch.cuda.synchronize()
+                runs.append(time.perf_counter() - t1)
+            times[f"{size}{label}"] = round(min(runs[1:]) * 1e3, 3)
+            print(f"    prompt step of {size} tokens{label}: {times[f'{size}{label}']:.3f} ms (CUDA graph, best of 5)",
+                  flush=True)
+    core.steps.ahead = core.ahead
+    return times
 
 
 def main(argv=None) -> int:
@@ -164,6 +199,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=64, help="decode steps timed")
     ap.add_argument("--context", type=int, default=128, help="tokens in the KV cache before the timed steps")
     ap.add_argument("--prompt-len", type=int, default=512, help="tokens of the timed prompt (0: none)")
+    ap.add_argument("--graph-prompts", default="", help="comma list of token buckets whose prompt steps to "
+                    "time from CUDA graphs (e.g. 256,512,2048; int8/int4: with the copies ahead and in line)")
     ap.add_argument("--out", default="bench/results/step_profile.json", help="JSON file to write")
     args = ap.parse_args(argv)
     import torch
@@ -182,7 +219,7 @@ def main(argv=None) -> int:
     for quant in [q for q in args.quants.split(",") if q]:
         try:
             result["rows"].append(run_one(args.model, quant, args.kernel, args.steps, args.prompt_len, caps,
-                                          args.context))
+                                          args.context, [int(s) for s in args.graph_prompts.split(",") if s]))
         except Exception as e:  # noqa: BLE001  (one format failing keeps the others)
             import traceback
 
