@@ -14,9 +14,7 @@ untimed call (that one tunes the prompt-sized kernels), and the sum of its kerne
 torch.profiler (the wall time of an eager forward carries the host's launches, which differ between
 machines: 25 against 45 ms for the same fp16 prompt on two H100s of one day).
 With `--graph-prompts`: each size's prompt as a server runs it, one compiled forward replayed from
-the CUDA graph of its token bucket (size - 1 tokens, so the bucket is `size`), wall time best of 5;
-int8/int4 with their weights dequantized ahead on a second stream (dequant_ahead.py) and in line
-(the launcher's tiles or copies), one after the other in the same process.
+the CUDA graph of its token bucket (size - 1 tokens, so the bucket is `size`), wall time best of 5.
 """
 
 from __future__ import annotations
@@ -164,30 +162,24 @@ def run_one(shape: str, quant: str, kernel: str, steps: int, prompt_len: int, ca
 
 
 def graph_prompt_times(core, sizes: list[int], vocab: int) -> dict:
-    """{"512", "512 ahead" or "512 inline": ms}: a prompt of size - 1 tokens through the mixed CUDA graph of the
-    `size` bucket, best of 5 after one call that records it (and tunes the in-line path's kernels)."""
+    """{size: ms}: a prompt of size - 1 tokens through the mixed CUDA graph of the `size` bucket (what
+    a server replays), best of 5 after one call that records it (and tunes its weight kernels)."""
     import torch
 
     times = {}
     core.steps.compile_mixed = True
-    for ring in [core.ahead, None] if core.ahead is not None else [None]:
-        core.steps.ahead = ring
-        core.steps.mixed_steps.clear()  # recorded again, with or without the ring
-        label = " ahead" if ring is not None else " inline" if core.ahead is not None else ""  # fp16: ""
-        for size in sizes:
-            ids = torch.randint(0, vocab, (size - 1,))
-            runs = []
-            for _ in range(6):
-                core.release(0)
-                torch.cuda.synchronize()
-                t1 = time.perf_counter()
-                core.prefill(0, ids)
-                torch.cuda.synchronize()
-                runs.append(time.perf_counter() - t1)
-            times[f"{size}{label}"] = round(min(runs[1:]) * 1e3, 3)
-            print(f"    prompt step of {size} tokens{label}: {times[f'{size}{label}']:.3f} ms (CUDA graph, best of 5)",
-                  flush=True)
-    core.steps.ahead = core.ahead
+    for size in sizes:
+        ids = torch.randint(0, vocab, (size - 1,))
+        runs = []
+        for _ in range(6):
+            core.release(0)
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            core.prefill(0, ids)
+            torch.cuda.synchronize()
+            runs.append(time.perf_counter() - t1)
+        times[str(size)] = round(min(runs[1:]) * 1e3, 3)
+        print(f"    prompt step of {size} tokens: {times[str(size)]:.3f} ms (CUDA graph, best of 5)", flush=True)
     return times
 
 
@@ -200,9 +192,16 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=128, help="tokens in the KV cache before the timed steps")
     ap.add_argument("--prompt-len", type=int, default=512, help="tokens of the timed prompt (0: none)")
     ap.add_argument("--graph-prompts", default="", help="comma list of token buckets whose prompt steps to "
-                    "time from CUDA graphs (e.g. 256,512,2048; int8/int4: with the copies ahead and in line)")
+                    "time from CUDA graphs (e.g. 256,512,2048)")
     ap.add_argument("--out", default="bench/results/step_profile.json", help="JSON file to write")
     args = ap.parse_args(argv)
+    graph_prompts = [int(s) for s in args.graph_prompts.split(",") if s.strip()]
+    from quantserve.server.fastcore.graphs import TOKEN_BUCKETS
+
+    if any(s not in TOKEN_BUCKETS or s > 2048 for s in graph_prompts):
+        print(f"error: --graph-prompts takes token buckets up to 2048 ({', '.join(map(str, TOKEN_BUCKETS[:13]))})",
+              file=sys.stderr)
+        return 2
     import torch
 
     if not torch.cuda.is_available():
@@ -219,7 +218,7 @@ def main(argv=None) -> int:
     for quant in [q for q in args.quants.split(",") if q]:
         try:
             result["rows"].append(run_one(args.model, quant, args.kernel, args.steps, args.prompt_len, caps,
-                                          args.context, [int(s) for s in args.graph_prompts.split(",") if s]))
+                                          args.context, graph_prompts))
         except Exception as e:  # noqa: BLE001  (one format failing keeps the others)
             import traceback
 

@@ -33,7 +33,6 @@ import torch
 from quantserve.server.fastcore.attention import use_attention
 from quantserve.server.fastcore.batch import build_batch
 from quantserve.server.fastcore.blocks import BLOCK, BlockPool
-from quantserve.server.fastcore.dequant_ahead import DequantAhead
 from quantserve.server.fastcore.graphs import Steps
 from quantserve.server.fastcore.model import ModelArgs
 from quantserve.server.fastcore.quant import default_kernel, int4_tinygemm_supported, linear_weight_bytes
@@ -105,9 +104,6 @@ class FastCore:
         self.groups = self.args.n_heads // self.args.n_kv_heads  # query heads per KV head
         self.model = build_transformer(weights, self.args, device, dtype, weight_quant, quant_kernel, group_size)
         self.attention = use_attention(self.model, attention, device)
-        # long prompts' int8/int4 weights dequantized a layer ahead, beside the matmuls: allocated
-        # here, before the KV pool takes what memory is left
-        self.ahead = DequantAhead.for_model(self.model) if device.type == "cuda" and quant_kernel == "triton" else None
         self.load_seconds = self.start_up["weights"] = time.perf_counter() - t0
         if device.type == "cuda":
             # the load's fp16 copies are freed but stay held by the caching allocator, in pieces
@@ -124,7 +120,7 @@ class FastCore:
         self.compile = device.type == "cuda" if compile is None else compile
         graphs = self.compile and device.type == "cuda" and self.attention == "triton"
         self.steps = Steps(self.model, device, max_slots, self.compile, graphs, weight_quant, quant_kernel,
-                           self.max_batched_tokens, self.groups, self.ahead)
+                           self.max_batched_tokens, self.groups)
         self.start_up["kv pool"] = time.perf_counter() - t0
 
     # ---- sizes ---------------------------------------------------------------------------------

@@ -54,10 +54,9 @@ class Steps:
     """The compiled steps of one model and cache, and the CUDA graphs recorded for them."""
 
     def __init__(self, model, device: torch.device, max_seqs: int, compile: bool, graphs: bool,
-                 weight_quant: str, quant_kernel: str, max_tokens: int = 2048, groups: int = 1, ahead=None):
-        """max_tokens: the most tokens one forward takes; groups: query heads per KV head; ahead:
-        the int8/int4 weights' copies made ahead for long forwards (dequant_ahead.py), or None."""
-        self.model, self.device, self.compile, self.groups, self.ahead = model, device, compile, groups, ahead
+                 weight_quant: str, quant_kernel: str, max_tokens: int = 2048, groups: int = 1):
+        """max_tokens: the most tokens one forward takes; groups: query heads per KV head."""
+        self.model, self.device, self.compile, self.groups = model, device, compile, groups
         self.compile_mixed = compile  # off: prompt steps eagerly (benches that time decode alone)
         self.trash_row = max_seqs  # the block table's padding row (every entry the trash block)
         self.buckets = tuple(b for b in BATCH_BUCKETS if b < max_seqs) + (max_seqs,)
@@ -100,8 +99,7 @@ class Steps:
         stance = torch.compiler.set_stance("force_eager") if eager or not self.compile else contextlib.nullcontext()
         # no "duck sizing": a step whose token count equals its sequence count (all decodes) must
         # not tie the two sizes together for the steps after it
-        ahead = self.ahead.forward(batch.tokens.shape[0]) if self.ahead is not None else contextlib.nullcontext()
-        with stance, torch.fx.experimental._config.patch(use_duck_shape=False), ahead:
+        with stance, torch.fx.experimental._config.patch(use_duck_shape=False):
             return self.model(batch)
 
     # ---- any batch -----------------------------------------------------------------------------

@@ -239,24 +239,23 @@ def _int4_dense_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, GROUP: tl.constexpr, 
 _DENSE_BLOCK = (32, 256)  # 8 KB of int8 or 4 KB of packed int4 per program
 
 
-def dequantize_int8(weight, scales, dtype, out=None):
-    """int8 [N, K] and per-row scales [N] -> `dtype` [N, K] (written into `out` where given)."""
+def dequantize_int8(weight, scales, dtype):
+    """int8 [N, K] and per-row scales [N] -> `dtype` [N, K]."""
     import torch
 
     N, K = weight.shape
-    out = torch.empty((N, K), device=weight.device, dtype=dtype) if out is None else out
+    out = torch.empty((N, K), device=weight.device, dtype=dtype)
     bn, bk = _DENSE_BLOCK
     _int8_dense_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](weight, scales, out, N, K, BLOCK_N=bn, BLOCK_K=bk)
     return out
 
 
-def dequantize_int4(packed, scales, mins, group: int, dtype, out=None):
-    """packed uint8 [N, K/2], per-group scales / mins [N, K/group] -> `dtype` [N, K] (q * s + m;
-    written into `out` where given)."""
+def dequantize_int4(packed, scales, mins, group: int, dtype):
+    """packed uint8 [N, K/2], per-group scales / mins [N, K/group] -> `dtype` [N, K] (q * s + m)."""
     import torch
 
     N, K = packed.shape[0], packed.shape[1] * 2
-    out = torch.empty((N, K), device=packed.device, dtype=dtype) if out is None else out
+    out = torch.empty((N, K), device=packed.device, dtype=dtype)
     bn = _DENSE_BLOCK[0] * _DENSE_BLOCK[1] // group  # as many weights a program as int8's
     _int4_dense_kernel[(triton.cdiv(N, bn), K // group)](packed, scales, mins, out, N, K, GROUP=group, BLOCK_N=bn)
     return out

@@ -7,9 +7,7 @@ tensor cores from sm_80 on, FMAs below: a T4); the per-channel (int8) or per-gro
 are applied to the tile's partial sums.  One kernel serves every decode batch (M = 1..64): rows
 past M are masked.  Each kernel computes either x @ W.T or W @ x.T (SWAP), whichever its timings
 pick per shape.  Batch 1 has kernels of its own (triton_gemv.py); prompts (M > 64) take 128-row
-tiles or dequantize-then-cuBLAS (triton_dequant.py), whichever is faster for the shape; inside a
-forward of 256 tokens or more, the copies are made a layer ahead on a second stream instead
-(dequant_ahead.py).
+tiles or dequantize-then-cuBLAS (triton_dequant.py), whichever is faster for the shape.
 
 Skinny layers (the 8B model's down projection: N = 4096 outputs, K = 14336) give too few output
 tiles to keep every multiprocessor busy, so K may be split over SPLIT_K programs, whose partial
@@ -27,13 +25,15 @@ from __future__ import annotations
 import sys
 
 import torch
+
+
 import triton
 import triton.language as tl
 
 from quantserve.server.fastcore.triton_dequant import (AUTOTUNE_OPTIONS, compiling_ahead, dequantize_int4,
                                                        dequantize_int8, int8_to, nibbles_to_fp16)
 from quantserve.server.fastcore.kernel_timing import graph_times, quick_bench
-from quantserve.server.fastcore import dependent_launch, dequant_ahead, triton_dp4a as dp4a, triton_splits as splits
+from quantserve.server.fastcore import dependent_launch, triton_dp4a as dp4a, triton_splits as splits
 from quantserve.server.fastcore.triton_gemv import fits as gemv_fits, int4_gemv_kernel, int8_gemv_kernel
 from quantserve.server.fastcore.triton_rows import block_m as rows_block_m, fits as rows_fit, int4_rows_kernel
 from quantserve.server.fastcore.triton_splits import store_tile
@@ -407,9 +407,6 @@ def run_choice(fn, config, block_m: int, M: int, N: int, K: int, x: torch.Tensor
 def int8_weight_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [M, K] fp16, weight int8 [N, K], scales [N] -> [M, N] in x's dtype."""
     x = x.contiguous()
-    ahead = dequant_ahead.active(x.shape[0])
-    if ahead is not None and (y := ahead.mm(x, weight)) is not None:
-        return y
     return _launch(int8_kernel, x.shape[0], weight.shape[0], x, (x, weight, scales), gemv=int8_gemv_kernel,
                    dense=_int8_dense, prompt=int8_prompt_kernel)
 
@@ -425,9 +422,6 @@ def int4_weight_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
     """x [M, K] fp16, packed uint8 [N, K/2], scales/mins [N, K/group] -> [M, N] in x's dtype.
     Dequantization: w = q * scale + min, q in 0..15."""
     x = x.contiguous()
-    ahead = dequant_ahead.active(x.shape[0])
-    if ahead is not None and (y := ahead.mm(x, packed)) is not None:
-        return y
     return _launch(int4_kernel, x.shape[0], packed.shape[0], x, (x, packed, scales, mins), gemv=int4_gemv_kernel,
                    dense=_int4_dense, prompt=int4_prompt_kernel, rows=int4_rows_kernel, GROUP=group_size)
 
