@@ -299,13 +299,15 @@ def _measure(o: DecodeOptions) -> None:
 
     require_writable_output(o.out)
 
-    if o.quick:
-        o = replace(o, models=("tiny",), batches=(1, 4), prompt_len=16, new_tokens=12,
-                    generate_tokens=32, no_fit_check=True)  # enough steps to stand above timing noise
+    if o.quick:  # its sizes where none were given (a given --new-tokens or --batches is kept)
+        quick = dict(models=("tiny",), batches=(1, 4), prompt_len=16, new_tokens=12,
+                     generate_tokens=32, no_fit_check=True)  # enough steps to stand above timing noise
+        o = replace(o, **{k: v for k, v in quick.items() if getattr(o, k) == getattr(DecodeOptions, k)})
     caps = detect(o.gpu_profile)
-    if caps.device != "cuda" and not o.quick and o.models != ("tiny",):
+    if caps.device != "cuda" and set(o.models) - {"tiny"}:
         # the 1B/8B shapes at fp32 on a CPU would grind for hours and measure nothing useful
-        raise UserError("bench decode measures the 1B/8B shapes on a CUDA GPU; on a CPU use --quick")
+        raise UserError("bench decode measures the 1B/8B shapes on a CUDA GPU; on a CPU use --quick "
+                        "(without --models)")
     apply_profile(caps)
     device = torch.device(caps.device)
     dtype = torch.float16 if device.type == "cuda" else torch.float32

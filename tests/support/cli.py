@@ -19,3 +19,41 @@ def assert_one_line_error(proc, code, *needles):
     assert "Traceback" not in proc.stderr + proc.stdout
     for needle in needles:
         assert needle in lines[0], lines[0]
+
+
+def ctrl_c(*args, after: str, stream: str = "stdout", timeout: float = 120) -> tuple[int, str, str]:
+    """Run `quantserve ARGS` in a session of its own, and once a line of its `stream` holds `after`
+    press Ctrl-C as a terminal does: SIGINT to its whole process group (the children it started
+    too).  Returns its exit code, its stdout and its stderr, each with the lines read before the
+    signal.  Still running `timeout` seconds later: fails with where each of its threads was."""
+    import shutil
+    import signal
+
+    import pytest
+
+    proc = subprocess.Popen([sys.executable, "-m", "quantserve", *args], cwd=REPO, text=True, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    seen = []
+    try:
+        for line in getattr(proc, stream):
+            seen.append(line)
+            if after in line:
+                break
+        if proc.poll() is not None:
+            pytest.fail(f"it ended before {after!r}: {''.join(seen)}")
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+            stacks = subprocess.run([spy, "dump", "--pid", str(proc.pid)], capture_output=True, text=True).stdout \
+                if os.path.exists(spy) else "(no py-spy to show where)"
+            pytest.fail(f"still running {timeout:.0f} s after Ctrl-C; its threads:\n{stacks}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    read = "".join(seen)
+    return proc.returncode, (read + out if stream == "stdout" else out), (read + err if stream == "stderr" else err)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import REPO
+from tests.support.cli import ctrl_c
 from tests.support.families import FAMILIES, family_checkpoint
 
 FORMATS = "bnb-int8,gguf-q8_0,gguf-q4_k_m"
@@ -206,27 +207,14 @@ def test_a_model_that_is_not_a_causal_lm_is_refused_before_any_work(tmp_path, de
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
 
 
-@pytest.mark.skip(reason="timing: on a loaded 2-core machine the interrupt missed its window (a fresh-clone "
-                  "make test, 2026-12-07: bench decode --quick ended first; train and the pipeline still ran 120 s "
-                  "after SIGINT): to be made robust")
 def test_ctrl_c_is_one_line_that_says_where_a_rerun_goes_on(tmp_path, default_model):
     """Typer turned the KeyboardInterrupt into a silent exit 130: Ctrl-C printed nothing at all."""
-    import signal
-
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "quantserve", "pipeline", "--out", str(out), "--no-serve",
-                             "--n-eval", "10", "--formats", "gguf-q8_0"], cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        for line in proc.stdout:  # the base model was scored; the fine-tune takes minutes
-            if line.startswith("[train] base model"):
-                break
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == 130 and err == ("error: interrupted: at stage 'train'; the same command goes on "
-                                              "from there (finished stages are reused)\n"), (proc.returncode, err)
+    # the base model was scored; the fine-tune takes minutes
+    code, _, err = ctrl_c("pipeline", "--out", str(out), "--no-serve", "--n-eval", "10", "--formats", "gguf-q8_0",
+                          after="[train] base model")
+    assert code == 130 and err == ("error: interrupted: at stage 'train'; the same command goes on "
+                                   "from there (finished stages are reused)\n"), (code, err)
     assert (out / "data" / "stage.json").is_file()  # what it says: the finished stage is kept
 
 

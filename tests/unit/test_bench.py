@@ -150,8 +150,9 @@ def test_decode_quick(tmp_path):
     from quantserve.bench.decode import main
 
     out = tmp_path / "d.json"
-    assert main(["--quick", "--out", str(out)]) == 0
+    assert main(["--quick", "--new-tokens", "10", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
+    assert res["settings"]["new_tokens"] == 10 and res["settings"]["prompt_len"] == 16  # given kept, rest quick's
     engines = {(r["engine"], r["batch"]) for r in res["rows"] if "tok_s" in r}
     assert {("generate", 1), ("fastcore-fp32", 1), ("fastcore-int8", 4), ("fastcore-int4", 1)} <= engines
     assert not [r for r in res["rows"] if "error" in r]
@@ -224,10 +225,11 @@ def test_gpu_bench_refuses_a_cpu_in_one_line():
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the benchmark would run")
-    proc = subprocess.run([sys.executable, "-m", "quantserve", "bench", "decode"], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
-        "error: bench decode measures the 1B/8B shapes on a CUDA GPU; on a CPU use --quick"]
+    for extra in ([], ["--quick", "--models", "8b"]):  # --quick keeps a given --models (it silently ran tiny)
+        proc = subprocess.run([sys.executable, "-m", "quantserve", "bench", "decode", *extra], capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+            "error: bench decode measures the 1B/8B shapes on a CUDA GPU; on a CPU use --quick (without --models)"]
 
 
 def test_bench_decode_checks_its_output_before_measuring(tmp_path):
