@@ -206,6 +206,9 @@ class TrainConfig:
         if lora and self.method == "full":
             raise UserError(f"{', '.join(lora)} appl{'ies' if len(lora) == 1 else 'y'} to --method lora/qlora "
                             "only (this run is a full fine-tune)")
+        if "padding_free" in chosen and self.packing:
+            raise UserError("--padding-free / --padded lay out unpacked batches; with --packing every row is "
+                            "already a full seq-len block: leave it out")
         if "eval_steps" in chosen and self.eval_data is None:
             raise UserError("--eval-steps needs --eval-data (it is the number of steps between its checks)")
         if self.stop_at_exact_match is not None:

@@ -55,11 +55,13 @@ def is_run_folder(out: Path) -> bool:
 
 
 def other_run(cfg: TrainConfig, identity: dict | None = None) -> str | None:
-    """If `cfg.out` holds the start of (or a finished) run of another config or data: what differs.
+    """If `cfg.out` holds a checkpoint of (or a finished) run of another config or data: what differs.
     `identity`: `run_identity(cfg)` where the caller has it."""
     path = cfg.out / RUN_FILE
     if not path.is_file():
         return None  # nothing there, or a run from before run.json existed
+    if not _checkpoint_folders(cfg.out) and not (cfg.out / "train_log.json").is_file():
+        return None  # it stopped (failed, Ctrl-C) before its first checkpoint: nothing of it to keep
     try:
         theirs = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):

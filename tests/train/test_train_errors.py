@@ -229,6 +229,8 @@ def test_a_run_never_writes_over_its_base_model_or_a_folder_of_other_files(tmp_p
     (["--lora-r", "16"], "--lora-r applies to --method lora/qlora only"),  # the default value, given
     (["--no-merge"], "--merge applies to --method lora/qlora only"),
     (["--eval-steps", "5"], "--eval-steps needs --eval-data"),
+    (["--packing", "--padding-free"], "--padding-free / --padded lay out unpacked batches"),  # the default, given
+    (["--packing", "--padded"], "--padding-free / --padded lay out unpacked batches"),
 ])
 def test_an_option_that_would_do_nothing_is_refused(args, said, good, tmp_path):
     one_line_error(cli("--data", str(good), "--out", str(tmp_path / "o"), "--max-steps", "1", *args), said)

@@ -187,6 +187,22 @@ def test_rerun_of_a_finished_train_is_a_no_op_and_force_retrains(small_data, tmp
     assert log["global_step"] == 4 and log["resumed_from"] is None
 
 
+def test_a_run_that_stopped_before_its_first_checkpoint_does_not_hold_its_folder(small_data, tmp_path):
+    """A run that failed (or was interrupted) before saving anything left only run.json: a rerun with
+    changed settings (a smaller --micro-batch after running out of memory) trains there without
+    --force.  Once a checkpoint exists, the folder is that run's."""
+    from quantserve.training.config import TrainConfig
+    from quantserve.training.runs import RUN_FILE, other_run, run_identity
+
+    out = tmp_path / "ft"
+    out.mkdir()
+    (out / RUN_FILE).write_text(json.dumps(run_identity(TrainConfig(data=small_data, out=out, micro_batch=8))))
+    smaller = TrainConfig(data=small_data, out=out, micro_batch=4)
+    assert other_run(smaller) is None
+    (out / "checkpoint-2").mkdir()
+    assert other_run(smaller) == "different --micro-batch"
+
+
 def test_eval_gate_stops_the_run_once_the_target_is_reached(small_data, tmp_path):
     """The gate scores the eval file every --eval-steps and stops there once the target is met.
 
