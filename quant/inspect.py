@@ -21,7 +21,9 @@ _LONG_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer
                 "tokenizer.ggml.scores")
 
 
-def _reader(path: Path):
+def read_gguf(path: Path):
+    """gguf's reader over the file (metadata and tensor table, no weights read), or one UserError:
+    a truncated or corrupt file fails its tensor table."""
     from gguf import GGUFReader
 
     try:
@@ -32,7 +34,7 @@ def _reader(path: Path):
 
 def gguf_tensor_types(path: Path) -> dict[str, int]:
     """How many tensors of each ggml type a GGUF file holds."""
-    return dict(Counter(t.tensor_type.name for t in _reader(path).tensors))
+    return dict(Counter(t.tensor_type.name for t in read_gguf(path).tensors))
 
 
 def _field_value(field):
@@ -48,7 +50,7 @@ def _field_value(field):
 
 
 def describe_gguf(path: Path) -> dict:
-    reader = _reader(path)
+    reader = read_gguf(path)
     metadata = {}
     for name, field in reader.fields.items():
         if name.startswith("GGUF."):

@@ -118,10 +118,15 @@ def checkpoint_tokenizer(folder: Path):
     try:
         return load_tokenizer(folder)
     except (OSError, ValueError, KeyError) as e:
-        if not any((folder / name).is_file() for name in TOKENIZER_FILES):
-            raise UserError(f"{folder}: no tokenizer files ({', '.join(TOKENIZER_FILES)}): "
-                            "copy the model's tokenizer into the folder") from e
+        require_tokenizer_files(folder)
         raise UserError(f"{folder}: cannot load its tokenizer: {str(e).splitlines()[0]}") from e
+
+
+def require_tokenizer_files(folder: Path) -> None:
+    """One UserError where `folder` has none of the files a tokenizer is built from."""
+    if not any((Path(folder) / name).is_file() for name in TOKENIZER_FILES):
+        raise UserError(f"{folder}: no tokenizer files ({', '.join(TOKENIZER_FILES)}): "
+                        "copy the model's tokenizer into the folder")
 
 
 def open_checkpoint(src: Path, merge_dir: Path | None = None) -> Checkpoint:

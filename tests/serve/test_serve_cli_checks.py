@@ -1,6 +1,6 @@
 """`quantserve serve` refuses what cannot be served before it binds its port and says "serving":
-a model that is no causal LM, a truncated safetensors file, a --context past the trained one, a
---replicas option without --replicas.  Each was found only after the server had started (or, for
+a model that is no causal LM, a truncated safetensors or GGUF file, a folder without tokenizer
+files, a --context past the trained one, a --replicas option without --replicas.  Each was found only after the server had started (or, for
 the replica options, never).
 
 Every command runs against a port that is already taken: a check made before the bind answers with
@@ -68,6 +68,18 @@ def test_truncated_weights_are_refused_naming_the_file(odd_models):
     """safetensors' own words named no file ("incomplete metadata, file not fully covered")."""
     assert_one_line_error(serve(str(odd_models / "trunc")), 1,
                           f"{odd_models / 'trunc' / 'model.safetensors'}: safetensors file is truncated")
+
+
+def test_a_folder_without_tokenizer_files_is_refused_in_one_line(odd_models):
+    """It loaded the weights, then failed in transformers' words after "serving"."""
+    assert_one_line_error(serve(str(odd_models / "notok")), 1, f"{odd_models / 'notok'}: no tokenizer files")
+
+
+def test_a_truncated_gguf_is_refused_naming_the_file(gguf_folder, tmp_path):
+    """llama.cpp's load failed after "serving" (or, mapped, would have died of SIGBUS)."""
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes((gguf_folder / "model.gguf").read_bytes()[:-4096])
+    assert_one_line_error(serve(str(cut)), 1, f"{cut}: corrupt or truncated GGUF file")
 
 
 def test_a_context_past_the_trained_one_is_refused_before_the_port(default_model, gguf_folder):

@@ -1,6 +1,6 @@
 """Tiny checkpoints no command may take, for the tests of their refusals: an encoder (BERT), an
-encoder-decoder (T5), both with the default model's tokenizer, and the default model with its
-safetensors file cut short."""
+encoder-decoder (T5), both with the default model's tokenizer, the default model with its
+safetensors file cut short, and the default model without its tokenizer files."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 def odd_models(root: Path, default_model: Path) -> Path:
-    """`root` holding bert/, t5/ and trunc/."""
+    """`root` holding bert/, t5/, trunc/ and notok/."""
     from transformers import BertConfig, BertModel, T5Config, T5ForConditionalGeneration
 
     BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
@@ -23,4 +23,6 @@ def odd_models(root: Path, default_model: Path) -> Path:
     shutil.copytree(default_model, root / "trunc")
     weights = root / "trunc" / "model.safetensors"
     os.truncate(weights, weights.stat().st_size // 2)
+    shutil.copytree(default_model, root / "notok", ignore=shutil.ignore_patterns("tokenizer*", "vocab*",
+                                                                                  "special_tokens_map.json"))
     return root
