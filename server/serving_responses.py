@@ -13,6 +13,7 @@ a `function_call` item per tool call; streamed, the events are the Responses API
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any, AsyncIterator
 
@@ -45,12 +46,14 @@ _HINTS = {"user", "metadata", "safety_identifier", "prompt_cache_key"}
 _TEXT_REFUSED = {"verbosity": ((None,), "verbosity cannot be honoured by this server")}
 
 
-def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat completion request that answers `req`, or a 400 naming what cannot be served."""
+def to_chat(req: ResponsesRequest) -> tuple[ChatCompletionRequest, "Origins"]:
+    """The chat completion request that answers `req` and where its messages came from in `req`, or
+    a 400 naming what cannot be served."""
     refuse_fields(dict(req.model_extra or {}), _REFUSED, _HINTS, "the Responses API")
     if (req.model_extra or {}).get("stream_options") is not None and not req.stream:
         raise APIError(400, "stream_options: only allowed with stream true", param="stream_options")
-    body: dict[str, Any] = {"model": req.model, "messages": _messages(req), "stream": req.stream,
+    origins = Origins()
+    body: dict[str, Any] = {"model": req.model, "messages": _messages(req, origins), "stream": req.stream,
                             "max_completion_tokens": req.max_output_tokens}
     for name in ("temperature", "top_p", "parallel_tool_calls", "top_k", "min_p", "seed",
                  "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "ignore_eos"):
@@ -73,10 +76,50 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         else:
             body["response_format"] = fmt
     try:
-        return ChatCompletionRequest.model_validate(body)
+        return ChatCompletionRequest.model_validate(body), origins
     except ValidationError as e:
         err = e.errors()[0]
-        raise APIError(400, f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}", param=str(err["loc"][0])) from None
+        path = ".".join(str(x) for x in err["loc"])
+        raise origins.rename(APIError(400, f"{path}: {err['msg']}", param=path)) from None
+
+
+class Origins:
+    """Where each chat message (and each tool call in one) came from in the Responses request, so
+    that an error the chat completion raises names the request's own fields: `input.2.arguments`,
+    not `messages.1.tool_calls.0.function.arguments`, which this request has no such thing as."""
+
+    _CHAT = re.compile(r"\bmessages\.(\d+)(?:\.tool_calls\.(\d+))?((?:\.[A-Za-z_]+)*)")
+    _RENAMES = [(re.compile(r"\bmax_completion_tokens\b"), "max_output_tokens"),
+                (re.compile(r"\btools\.(\d+)\.function\b"), r"tools.\1"),
+                (re.compile(r"\btool_choice\.function\b"), "tool_choice"),
+                (re.compile(r"\bresponse_format(?:\.json_schema)?\b"), "text.format")]
+
+    def __init__(self):
+        self.messages: list[tuple[str, str]] = []  # (path in the request, role) of each chat message
+        self.calls: dict[tuple[int, int], str] = {}  # (message, call) -> its function_call item
+
+    def rename(self, error: APIError) -> APIError:
+        error.message = self._renamed(error.message)
+        error.param = self._renamed(error.param) if error.param else error.param
+        return error
+
+    def _renamed(self, text: str) -> str:
+        for pattern, name in self._RENAMES:
+            text = pattern.sub(name, text)
+        return self._CHAT.sub(self._path, text)
+
+    def _path(self, match: re.Match) -> str:
+        m, call, rest = int(match[1]), match[2], match[3].lstrip(".")
+        if m >= len(self.messages):
+            return match[0]
+        where, role = self.messages[m]
+        if call is not None:
+            where = self.calls.get((m, int(call)), where)
+            rest = {"function.name": "name", "function.arguments": "arguments", "id": "call_id",
+                    "function": ""}.get(rest, rest)
+        else:
+            rest = {"tool_call_id": "call_id", "content": "output" if role == "tool" else "content"}.get(rest, rest)
+        return f"{where}.{rest}" if rest else where
 
 
 def _text_format(text) -> dict | None:
@@ -137,10 +180,13 @@ def _required_string(item: dict, name: str, where: str) -> str:
     return value
 
 
-def _messages(req: ResponsesRequest) -> list[dict]:
-    """`instructions` and `input` as chat messages (consecutive function calls: one assistant turn)."""
+def _messages(req: ResponsesRequest, origins: Origins) -> list[dict]:
+    """`instructions` and `input` as chat messages (consecutive function calls: one assistant turn),
+    each one's place in `req` noted in `origins`."""
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    origins.messages += [("instructions", "system")] * len(messages)
     if isinstance(req.input, str):
+        origins.messages.append(("input", "user"))
         return messages + [{"role": "user", "content": req.input}]
     if not req.input:
         raise APIError(400, "input: an empty list (send a string or at least one item)", param="input")
@@ -156,6 +202,7 @@ def _messages(req: ResponsesRequest) -> list[dict]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise APIError(400, f"{where}.role: {role!r} is not a message role", param=f"{where}.role")
             messages.append({"role": role, "content": _text_of(item.get("content"), where)})
+            origins.messages.append((where, role))
         elif kind == "function_call":
             arguments = item.get("arguments", "")
             if not isinstance(arguments, str):
@@ -167,9 +214,12 @@ def _messages(req: ResponsesRequest) -> list[dict]:
                 last["tool_calls"].append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                origins.messages.append((where, "assistant"))
+            origins.calls[(len(messages) - 1, len(messages[-1]["tool_calls"]) - 1)] = where
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": _required_string(item, "call_id", where),
                              "content": _text_of(item.get("output"), where, "output")})
+            origins.messages.append((where, "tool"))
         else:
             raise APIError(400, f"{where}.type: {kind!r} input items are not supported (messages, "
                            "function_call and function_call_output are)", param=f"{where}.type")
@@ -226,8 +276,7 @@ def _status(finish: str | None) -> str:
 async def respond(state: ServerState, req: ResponsesRequest, request) -> dict:
     from quantserve.server import serving_chat
 
-    chat = to_chat(req)
-    job, plan = await serving_chat.prepare(state, chat)
+    job, plan = await prepare_stream(state, req)
     await run_to_reply(job, request, collect(state, job))
     choice = job.choices[0]
     message, finish = serving_chat.reply_message(choice.text, choice.finish_reason, plan)
@@ -239,9 +288,14 @@ async def respond(state: ServerState, req: ResponsesRequest, request) -> dict:
 
 
 async def prepare_stream(state: ServerState, req: ResponsesRequest):
+    """The chat completion's job and tool plan for `req`; its 400s in the Responses request's terms."""
     from quantserve.server import serving_chat
 
-    return await serving_chat.prepare(state, to_chat(req))
+    chat, origins = to_chat(req)
+    try:
+        return await serving_chat.prepare(state, chat)
+    except APIError as e:
+        raise origins.rename(e) from None
 
 
 async def stream(state: ServerState, req: ResponsesRequest, job, plan) -> AsyncIterator[str]:

@@ -5,6 +5,7 @@ output, tool calls and a tool-result round trip, and the refusals of a stateless
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -140,6 +141,14 @@ def test_streamed_named_tool_call(client):
     ({"tool_choice": {"type": "function", "name": "get_weather", "strict": True}, "tools": [WEATHER]},
      "tool_choice.strict"),
     ({"text": {"format": {"type": "json_object", "schema": SCHEMA}}}, "text.format.schema"),
+    # what the chat completion underneath finds wrong, named as this request names it
+    ({"input": [{"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{oops"}]}, "input.0"),
+    ({"instructions": "be brief", "input": [
+        {"role": "user", "content": "hi"},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": "[1]"}]}, "input.2"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": 5}]}, None),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": 5}}}, None),
 ])
 def test_what_a_stateless_server_cannot_do_is_a_400(client, extra, param):
     body = {"model": "default", "input": "hi", **extra}
@@ -147,4 +156,7 @@ def test_what_a_stateless_server_cannot_do_is_a_400(client, extra, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["message"] and (param is None or err["param"] == param)
+    # never the chat request's names, which this request has none of
+    assert not re.search(r"messages\.|tool_calls|max_completion_tokens|response_format|\.function\b",
+                         err["message"] + (err["param"] or "")), err
     assert httpx.get(client.base + "/health").status_code == 200
