@@ -131,19 +131,8 @@ def run_one(shape: str, quant: str, kernel: str, steps: int, prompt_len: int, ca
     for r in row["profile"]["kernels"][:14]:
         print(f"        {r['us']:8.1f} us  x{r['calls']:<6} {r['name'][:90]}", flush=True)
     if prompt_len:
-        core.release(0)
         ids = torch.randint(0, cfg.vocab_size, (prompt_len,))
-        core.prefill(0, ids)  # tunes the prompt-sized kernels
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(3):
-            core.release(0)
-            torch.cuda.synchronize()
-            t1 = time.perf_counter()
-            core.prefill(0, ids)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t1)
-        row["prompt_len"], row["prompt_ms"] = prompt_len, round(min(times) * 1e3, 2)
+        row["prompt_len"], row["prompt_ms"] = prompt_len, round(best_prefill_ms(core, ids, 3), 2)
         # the wall time carries the host's launches (an eager forward): the kernels' own time is the
         # prompt's cost on the GPU, what a server's compiled, batched prompt steps come close to
         from torch.profiler import ProfilerActivity, profile
@@ -161,24 +150,31 @@ def run_one(shape: str, quant: str, kernel: str, steps: int, prompt_len: int, ca
     return row
 
 
+def best_prefill_ms(core, ids, runs: int) -> float:
+    """The fastest of `runs` prefills of `ids` into an emptied slot 0, in ms, after one untimed call
+    (it tunes the prompt-sized kernels, or records the step's CUDA graph)."""
+    import torch
+
+    times = []
+    for _ in range(runs + 1):
+        core.release(0)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        core.prefill(0, ids)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t1)
+    return min(times[1:]) * 1e3
+
+
 def graph_prompt_times(core, sizes: list[int], vocab: int) -> dict:
     """{size: ms}: a prompt of size - 1 tokens through the mixed CUDA graph of the `size` bucket (what
-    a server replays), best of 5 after one call that records it (and tunes its weight kernels)."""
+    a server replays), best of 5."""
     import torch
 
     times = {}
     core.steps.compile_mixed = True
     for size in sizes:
-        ids = torch.randint(0, vocab, (size - 1,))
-        runs = []
-        for _ in range(6):
-            core.release(0)
-            torch.cuda.synchronize()
-            t1 = time.perf_counter()
-            core.prefill(0, ids)
-            torch.cuda.synchronize()
-            runs.append(time.perf_counter() - t1)
-        times[str(size)] = round(min(runs[1:]) * 1e3, 3)
+        times[str(size)] = round(best_prefill_ms(core, torch.randint(0, vocab, (size - 1,)), 5), 3)
         print(f"    prompt step of {size} tokens: {times[str(size)]:.3f} ms (CUDA graph, best of 5)", flush=True)
     return times
 
