@@ -111,3 +111,11 @@ def require_writable_output(out: str | Path) -> None:
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     if Path(out).is_dir():
         raise UserError(f"--out {out} is a folder: name a JSON file")
+
+
+def quick_sizes(args: argparse.Namespace, parser: argparse.ArgumentParser, **sizes) -> None:
+    """A script's --quick: its small `sizes` set where the command line gave none of its own (a given
+    one is kept, never silently replaced)."""
+    for name, value in sizes.items():
+        if getattr(args, name) == parser.get_default(name):
+            setattr(args, name, value)

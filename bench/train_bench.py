@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from quantserve.bench.args import quick_sizes
 from quantserve.bench.train_report import Result, plot, print_table, summarize
 
 TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -309,8 +310,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=Path("train_bench.json"))
     args = ap.parse_args()
     if args.quick:
-        args.seq_len, args.batch, args.steps, args.warmup = 128, 2, 2, 1
-        args.zero_seq_len, args.qlora_contexts = 128, [64, 128]
+        quick_sizes(args, ap, seq_len=128, batch=2, steps=2, warmup=1, zero_seq_len=128, qlora_contexts=[64, 128])
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     import torch

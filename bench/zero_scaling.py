@@ -134,13 +134,15 @@ def main() -> None:
     ap.add_argument("--replot", type=Path, default=None, help="draw FILE.json's PNG beside it and exit")
     ap.add_argument("train_args", nargs="*", help="more `quantserve train` options, after --")
     args = ap.parse_args()
+    if args.quick:
+        from quantserve.bench.args import quick_sizes
+
+        quick_sizes(args, ap, seq_len=128, steps=4, micro_batch=2, warmup_steps=1, lr=1e-3)
     if args.nproc < 1 or args.steps <= args.warmup_steps:
         ap.error("--nproc at least 1, and --steps more than --warmup-steps")
     if args.replot:
         print(plot(json.loads(args.replot.read_text()), args.replot.with_suffix(".png")))
         return
-    if args.quick:
-        args.seq_len, args.steps, args.micro_batch, args.warmup_steps, args.lr = 128, 4, 2, 1, 1e-3
     args.global_batch = args.global_batch or args.micro_batch * args.nproc
 
     from transformers import AutoConfig

@@ -403,3 +403,17 @@ def test_attention_split_plots_a_saved_run_without_a_gpu(tmp_path):
     bad = subprocess.run(run + [str(png), "--plot", str(tmp_path / "x.png")], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_quick_sizes_keep_what_the_command_line_gave():
+    """--quick sets its small sizes only where none was given (it silently replaced --steps and the like)."""
+    import argparse
+
+    from quantserve.bench.args import quick_sizes
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--seq-len", type=int, default=4096)
+    args = ap.parse_args(["--steps", "7"])
+    quick_sizes(args, ap, steps=2, seq_len=128)
+    assert (args.steps, args.seq_len) == (7, 128)
