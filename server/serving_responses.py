@@ -117,6 +117,8 @@ class Origins:
             where = self.calls.get((m, int(call)), where)
             rest = {"function.name": "name", "function.arguments": "arguments", "id": "call_id",
                     "function": ""}.get(rest, rest)
+        elif where in ("instructions", "input"):  # a string field of the request is the content itself
+            rest = "" if rest == "content" else rest
         else:
             rest = {"tool_call_id": "call_id", "content": "output" if role == "tool" else "content"}.get(rest, rest)
         return f"{where}.{rest}" if rest else where
