@@ -25,13 +25,18 @@ def ctrl_c(*args, after: str, stream: str = "stdout", timeout: float = 120) -> t
     """Run `quantserve ARGS` in a session of its own, and once a line of its `stream` holds `after`
     press Ctrl-C as a terminal does: SIGINT to its whole process group (the children it started
     too).  Returns its exit code, its stdout and its stderr, each with the lines read before the
-    signal.  Still running `timeout` seconds later: fails with where each of its threads was."""
+    signal.  Still running `timeout` seconds later: fails with where each of its threads was.
+
+    The command starts with SIGINT's default action, as from a shell: pytest-xdist's workers ignore
+    SIGINT, a process inherits that, and Python then installs no KeyboardInterrupt at all (`make
+    test` found the commands still running 120 s after the signal)."""
     import shutil
     import signal
 
     import pytest
 
     proc = subprocess.Popen([sys.executable, "-m", "quantserve", *args], cwd=REPO, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     seen = []
     try:
