@@ -21,9 +21,7 @@ _LONG_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer
                 "tokenizer.ggml.scores")
 
 
-def read_gguf(path: Path):
-    """gguf's reader over the file (metadata and tensor table, no weights read), or one UserError:
-    a truncated or corrupt file fails its tensor table."""
+def _reader(path: Path):
     from gguf import GGUFReader
 
     try:
@@ -34,7 +32,7 @@ def read_gguf(path: Path):
 
 def gguf_tensor_types(path: Path) -> dict[str, int]:
     """How many tensors of each ggml type a GGUF file holds."""
-    return dict(Counter(t.tensor_type.name for t in read_gguf(path).tensors))
+    return dict(Counter(t.tensor_type.name for t in _reader(path).tensors))
 
 
 def _field_value(field):
@@ -50,7 +48,7 @@ def _field_value(field):
 
 
 def describe_gguf(path: Path) -> dict:
-    reader = read_gguf(path)
+    reader = _reader(path)
     metadata = {}
     for name, field in reader.fields.items():
         if name.startswith("GGUF."):

@@ -271,15 +271,13 @@ def _engine_or_exit(path: Path, options):
 
 
 def _check_checkpoint(kind: str, path: Path) -> None:
-    """What a checkpoint's own files say against serving it, read as `quant convert` and `quant
-    inspect` read them: a truncated or corrupt weight file or .gguf, named; an architecture that is
-    no causal LM; a folder without tokenizer files.  Found while loading, each was a failure after
-    the port was bound and "serving ..." printed, in the loader's words (no file named) or
-    transformers' (a BERT loaded, then broke at its first forward)."""
+    """What a checkpoint folder's own files say against serving it (the hf and fast engines; a GGUF
+    file is checked as the engine is built), read as `quant convert` reads them: a truncated or
+    corrupt weight file, named; an architecture that is no causal LM; no tokenizer files.  Found
+    while loading, each was a failure after the port was bound and "serving ..." printed, in
+    safetensors' words (no file named) or transformers' (a BERT loaded, then broke at its first
+    forward)."""
     if kind == "gguf":
-        from quantserve.quant.inspect import read_gguf
-
-        read_gguf(path)  # its tensor table: a truncated or corrupt file
         return
     from quantserve.quant.source import check_safetensors, require_causal_lm_folder, require_tokenizer_files
 

@@ -107,12 +107,16 @@ ENGINE_CHOICES = ("auto", *ENGINES)
 
 def _check_context(kind: str, path: Path, context: int | None) -> None:
     """--context against the model's trained context, from its config or GGUF metadata (no weights
-    loaded): raised at construction, so the CLI says it before it binds its port."""
+    loaded; a GGUF file's tensor table checked whole on the way): raised at construction, so the
+    CLI says it before it binds its port."""
     if kind == "gguf":
-        from quantserve.server.gguf_engine import check_context
+        from quantserve.server.gguf_engine import check_file
+
+        check_file(path, context)
     else:  # hf and fast read the same checkpoint folders
         from quantserve.server.hf_engine import check_context
-    check_context(path, context)
+
+        check_context(path, context)
 
 
 def _warm_up(backend) -> None:

@@ -173,19 +173,23 @@ def default_threads() -> int:
     return max(1, min(8, cores // 2))
 
 
-def check_context(path: Path, context: int | None) -> None:
-    """`context` against the file's trained context, from its metadata (gguf's reader maps the file
-    and reads no weights), so the CLI can refuse it before it binds its port and says "serving".
-    A file the reader cannot parse is left to llama.cpp's load, which says what is wrong with it."""
-    if not context:
-        return
+def check_file(path: Path, context: int | None) -> None:
+    """The file's header and tensor table, and `context` against its trained context, read with
+    gguf's reader (it maps the file and reads no weights): a truncated or corrupt file, or a context
+    past the trained one, refused before the CLI binds its port and says "serving" (llama.cpp's load
+    failed only after that).  A file without the context in its metadata is left to that load."""
     from gguf import GGUFReader
 
     try:
         reader = GGUFReader(str(path))
+    except (ValueError, IndexError, OSError) as e:  # what `quant inspect` says of such a file
+        raise ModelLoadError(f"{path}: corrupt or truncated GGUF file ({e})") from None
+    if not context:
+        return
+    try:
         arch = reader.fields["general.architecture"].contents()
         trained = reader.fields[f"{arch}.context_length"].contents()
-    except (ValueError, IndexError, KeyError, OSError):
+    except (ValueError, IndexError, KeyError):
         return
     if isinstance(trained, int) and context > trained:
         raise ModelLoadError(f"exceeds the model's trained context of {trained} tokens", "context", context)
