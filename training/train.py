@@ -153,7 +153,7 @@ def train(cfg: TrainConfig) -> Path:
     # there too (DeepSpeed: "... built successfully" when it builds an op), so they get stderr,
     # from the first process only (every rank prints them: the log would say each twice)
     first = os.environ.get("RANK", "0") == "0"
-    with contextlib.redirect_stdout(sys.stderr if first else open(os.devnull, "w")):
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(sys.stderr if first else devnull):
         return _train(cfg)
 
 
