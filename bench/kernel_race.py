@@ -20,7 +20,9 @@ kernel alone) and int4-rows (2-16 rows: triton_rows.py's kernel alone).  int8-w8
 path the server takes) rounds x to int8 with one scale per row and multiplies on the int8 tensor
 cores through cuBLASLt (`torch._int_mm`; a T4 has them too, while Triton's `tl.dot` has no tensor
 cores below sm_80): what a prompt could cost without an fp16 copy of the weight, and, in its
-error column, what rounding the activations costs.  Every row also records the error against the
+error column, what rounding the activations costs.  int8-wgmma / int4-wgmma (prompts, sm_90+):
+triton_wgmma.py's TMA-fed kernels alone, at the fastest of their configs for the shape; fp16-wgmma
+the same tiles on the fp16 weight, nothing converted (what the conversion costs).  Every row also records the error against the
 fp32 product of the same integers dequantized.
 """
 
@@ -36,8 +38,8 @@ from pathlib import Path
 from quantserve.bench.decode_device import copy_bandwidth
 from quantserve.bench.kernels import SHAPES
 
-KINDS = ("fp16", "int8", "int8-old", "int8-gemv", "int8-dp4a", "int8-gemlite", "int8-dense", "int8-tiles", "int8-coltiles", "int8-w8a8", "int4",
-         "int4-old", "int4-gemv", "int4-halfdot", "int4-dp4a", "int4-gemlite", "int4-dense", "int4-tiles", "int4-coltiles", "int4-tiled",
+KINDS = ("fp16", "fp16-wgmma", "int8", "int8-old", "int8-gemv", "int8-dp4a", "int8-gemlite", "int8-dense", "int8-tiles", "int8-coltiles", "int8-w8a8", "int8-wgmma", "int4",
+         "int4-old", "int4-gemv", "int4-halfdot", "int4-dp4a", "int4-gemlite", "int4-dense", "int4-tiles", "int4-coltiles", "int4-wgmma", "int4-tiled",
          "int4-rows")
 BATCH1_ONLY = ("-old", "-gemv", "-halfdot", "-dp4a", "-gemlite")  # kinds timed at M = 1 only
 DECODE_ONLY = ("-tiled",)  # M <= 64 only
@@ -83,14 +85,14 @@ def build(kind: str, w, old):
 
     from quantserve.server.fastcore.quant import linear_weight_bytes, make_linear
 
-    if kind == "fp16":
+    if kind in ("fp16", "fp16-wgmma"):
         layer = make_linear(w, None, "none", torch.float16)
-        return layer, linear_weight_bytes(layer), layer
+        return (_wgmma_layer(layer) if kind == "fp16-wgmma" else layer), linear_weight_bytes(layer), layer
     weights, _, library = kind.partition("-")
     layer = make_linear(w, None, weights, torch.float16, "gemlite" if library == "gemlite" else "triton")
     fn = {"old": lambda: _old_layer(kind, layer, old), "dense": lambda: _dense_layer(layer),
           "tiles": lambda: _alone(layer, "tiles"), "coltiles": lambda: _alone(layer, "tiles", {"ROWS_FIRST": False}),
-          "w8a8": lambda: _w8a8_layer(layer), "gemv": lambda: _alone(layer, "gemv", {"BIT_DEQUANT": True}),
+          "w8a8": lambda: _w8a8_layer(layer), "wgmma": lambda: _wgmma_layer(layer), "gemv": lambda: _alone(layer, "gemv", {"BIT_DEQUANT": True}),
           "tiled": lambda: _alone(layer, "tiled"), "rows": lambda: _alone(layer, "rows"),
           "halfdot": lambda: _alone(layer, "gemv", {"BIT_DEQUANT": True, "HALF_DOT": True}),
           "dp4a": lambda: _alone(layer, "gemv", {"BIT_DEQUANT": True, "DOT4": True})}.get(library, lambda: layer)()
@@ -134,6 +136,51 @@ def _w8a8_layer(layer):
     def call(x):
         xq, row_scales = _compiled["rows"](x)
         return _compiled["scaled"](torch._int_mm(xq, weight_t), row_scales, layer.scales, x.dtype)
+    return call
+
+
+_wgmma_chosen: dict = {}  # (int4, float weight, N, K, M) -> the state of the first copy that timed the configs
+
+
+def _wgmma_layer(layer):
+    """x -> y by triton_wgmma's kernels alone (sm_90+), at the config that timed fastest for this M
+    (every candidate's time kept in `call.state["times"]`)."""
+    from quantserve.server.fastcore import triton_wgmma as wg
+    from quantserve.server.fastcore.kernel_timing import graph_times
+
+    int4, floating = hasattr(layer, "mins"), layer.weight.is_floating_point()
+    N, K = layer.weight.shape[0], layer.weight.shape[1] * (2 if int4 else 1)
+    state = {}
+
+    def on(config):
+        if floating:
+            return lambda x: wg.float_wgmma_mm(x, layer.weight, config)
+        if int4:
+            return lambda x: wg.int4_wgmma_mm(x, layer.weight, layer.scales, layer.mins, layer.group_size, config)
+        return lambda x: wg.int8_wgmma_mm(x, layer.weight, layer.scales, config)
+
+    def call(x):
+        M = x.shape[0]
+        if M not in state and (int4, floating, N, K, M) in _wgmma_chosen:  # another copy of this layer timed them
+            state.update(_wgmma_chosen[int4, floating, N, K, M])
+        if M not in state:
+            configs = [c for c in wg.CONFIGS if c.fits(N, K, layer.group_size if int4 else None)]
+            calls, kept = [], []
+            for c in configs:
+                try:
+                    on(c)(x)
+                    calls.append(lambda c=c: on(c)(x))
+                    kept.append(c)
+                except Exception as e:  # noqa: BLE001  (a config this Triton cannot compile: recorded)
+                    state.setdefault("errors", []).append(f"{c}: {e!r}"[:300])
+            times = graph_times(calls)
+            state[M] = kept[min(range(len(kept)), key=times.__getitem__)]
+            state["times"] = {f"{c.block_n}x{c.block_m}x{c.block_k} w{c.warps} s{c.stages}": round(t * 1e3, 1)
+                              for c, t in zip(kept, times)}
+            _wgmma_chosen[int4, floating, N, K, M] = dict(state)
+        state["config"] = state[M]
+        return on(state[M])(x)
+    call.state = state
     return call
 
 
@@ -214,6 +261,9 @@ def describe_choice(kind: str, fn, N: int, K: int, M: int) -> str | None:
         f, config, block_m, flags = c
         name = getattr(f, "__name__", None) or getattr(getattr(f, "fn", None), "__name__", str(f))
         return f"{name} {config.kwargs if config is not None else 'dense'} w{getattr(config, 'num_warps', '-')} {flags}"
+    if kind.endswith("-wgmma"):
+        c = fn.state.get("config")
+        return f"wgmma {c} of {fn.state.get('times')} {fn.state.get('errors', '')}" if c is not None else None
     if kind.endswith(("-old", "-tiles", "-coltiles", "-gemv", "-halfdot", "-dp4a", "-tiled", "-rows")):
         c = fn.state.get("config")
         return f"{kind.split('-')[1]} {c.kwargs} w{c.num_warps} s{c.num_stages}" if c is not None else None
@@ -253,7 +303,7 @@ def run(shapes, kinds, batches, out: str, old_path: str | None, budget_mb: int =
                 for M in batches:
                     if M > 1 and kind.endswith(BATCH1_ONLY):
                         continue  # batch-1 kernels (ours alone, old) / GemLite's own per-M tuning: batch 1 only here
-                    if M <= 64 and kind.endswith(("-dense", "-tiles", "-coltiles", "-w8a8")):
+                    if M <= 64 and kind.endswith(("-dense", "-tiles", "-coltiles", "-w8a8", "-wgmma")):
                         continue  # a prompt path
                     if (M > 64 and kind.endswith(DECODE_ONLY)) or (not 2 <= M <= 16 and kind.endswith(FEW_ROWS_ONLY)):
                         continue

@@ -108,6 +108,32 @@ def test_every_prompt_tile_config():
             check(y, ref4, f"int4 prompt {config} {raster}")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="the TMA-fed wgmma prompt kernels need sm_90 (an H100 or later)")
+def test_every_wgmma_prompt_config():
+    """Each config of the sm_90 prompt kernels (triton_wgmma.py), over rows that are not whole row
+    tiles, outputs that are not whole weight tiles, activations with outlier columns; int4 at
+    groups of 128 and 64."""
+    from quantserve.server.fastcore import triton_wgmma as wg
+    from quantserve.server.fastcore.quant import make_linear
+
+    N, K = 1000, 2048
+    q8, q4 = layers(N, K, seed=5)
+    torch.manual_seed(5)
+    q4_64 = make_linear(torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02, None, "int4", torch.float16,
+                        "torch", group_size=64)
+    for M in (65, 200, 512):
+        x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+        x[:, ::97] *= 30
+        assert wg.usable(x)
+        for config in wg.CONFIGS:
+            check(wg.int8_wgmma_mm(x, q8.weight, q8.scales, config), reference(q8, x), f"int8 M={M} {config}")
+            for q in (q4, q4_64):
+                if config.fits(N, K, q.group_size):
+                    check(wg.int4_wgmma_mm(x, q.weight, q.scales, q.mins, q.group_size, config), reference(q, x),
+                          f"int4 g{q.group_size} M={M} {config}")
+
+
 def test_every_tile_config_at_decode_batches():
     """Each tiled config (both orientations: x @ W.T and the transposed W @ x.T, split-K or not; int4
     with its offsets' term on `tl.dot` or summed), at decode batches that fill one tile, part of one

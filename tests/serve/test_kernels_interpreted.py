@@ -335,3 +335,24 @@ def test_the_batch1_kernels_as_dependent_launches_load_their_first_weights_befor
         assert order["weight_loads_before_wait"] >= 1 and order["x_loads_before_wait"] == 0, (kind, order)
         assert order["k_step"] == order["k_step_dependent"], (kind, order)
 
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_the_wgmma_prompt_kernels_compute_the_layer(weights):
+    """triton_wgmma.py's kernels (sm_90 prompts: TMA tiles, the weight dequantized as the first
+    operand) over rows and outputs that are not whole tiles; on a CPU in the interpreter, where TMA
+    is emulated (tests/serve/test_gpu_kernels.py runs every config on an sm_90 GPU)."""
+    from quantserve.server.fastcore import triton_wgmma as wg
+
+    q8, q4 = _layers(7)
+    x = torch.randn(70, K, device=DEVICE, dtype=DTYPE)
+    x[:, ::97] *= 30
+    config = wg.WgmmaConfig(64, 64, 64, 4, 2)
+    if weights == "int8":
+        y = wg.int8_wgmma_mm(x, q8.weight, q8.scales, config)
+        ref = x.float() @ (q8.weight.float() * q8.scales.float()[:, None]).t()
+    else:
+        y = wg.int4_wgmma_mm(x, q4.weight, q4.scales, q4.mins, q4.group_size, config)
+        ref = x.float() @ q4.dequantize(torch.float32).t()
+    assert y.shape == (70, N) and y.dtype == DTYPE
+    _close(y, ref, f"{weights} wgmma")

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The sm_90 prompt kernels (server/fastcore/triton_wgmma.py: TMA-fed tiles, the weight dequantized in
+# registers as wgmma's first operand) on the lent GPU:
+#   bench/wgmma_gpu.sh OUT race     install; their GPU tests; the per-layer race of the 8B's prompt-sized
+#                                   matmuls (256, 512 and 2,048 rows: fp16 cuBLAS, the same tiles on the
+#                                   fp16 weight, dequantize-then-cuBLAS, the 128-row tiles, the wgmma
+#                                   kernels), then the 1B's layers at 512 rows
+#   bench/wgmma_gpu.sh OUT serve    install; the launcher's GPU tests; the step profile's prompt steps
+#                                   replayed from CUDA graphs (256, 512, 2,048 tokens; fp16, int8, int4)
+#                                   and batch-1 decode, 8B, T4 profile, all in one process
+# Run from the repo root with .devwheels carried.  Each phase ends by 420 s.
+set -uo pipefail
+out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
+export PYTHONPATH=$site PYTHONUNBUFFERED=1
+source "$repo/bench/gpu_lib.sh"  # install_site, log, left, gpu_tests, step_profile
+install_site; (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) > "$out/bench.txt"
+log "installed"
+race() {  # UNTIL_S SHAPE LAYERS BATCHES NAME
+  (cd /tmp && QUANTSERVE_HOME=/tmp/qs-race timeout $(left "$1") python3 -m quantserve.bench.kernel_race --shapes "$2" \
+      --layers "$3" --batches "$4" \
+      --kinds fp16,fp16-wgmma,int8-dense,int8-tiles,int8-wgmma,int4-dense,int4-wgmma --out "$out/race-$5.json") \
+      > "$out/race-$5.log" 2>&1 || log "race $5: rc=$?"
+  grep -E "M=|copy bandwidth|rror" "$out/race-$5.log" >> "$out/bench.txt"; log "race $5 done"
+}
+if [ "$phase" = race ]; then
+  gpu_tests $(left 120) "wgmma" "$repo/tests/serve/test_gpu_kernels.py"
+  race 330 8b qkv,o,gate_up,down 256,512,2048 8b
+  race 420 1b qkv,o,gate_up,down 512 1b
+elif [ "$phase" = serve ]; then
+  gpu_tests $(left 170) "wgmma or launcher or prompt_tile or shipped_table" "$repo/tests/serve/test_gpu_kernels.py"
+  step_profile $(left 420) prompts --quants none,int8,int4 --kernel triton --steps 8 --prompt-len 512 \
+      --graph-prompts 256,512,2048
+else
+  echo "wgmma_gpu.sh: unknown phase '$phase' (race or serve)" >&2; exit 2
+fi
+cat "$out/bench.txt"
