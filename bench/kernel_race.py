@@ -139,6 +139,10 @@ def _w8a8_layer(layer):
     return call
 
 
+def _wgmma_name(c) -> str:
+    return "{BLOCK_N}x{BLOCK_M}x{BLOCK_K}".format(**c.kwargs) + f" w{c.num_warps} s{c.num_stages}"
+
+
 _wgmma_chosen: dict = {}  # (int4, float weight, N, K, M) -> the state of the first copy that timed the configs
 
 
@@ -164,7 +168,7 @@ def _wgmma_layer(layer):
         if M not in state and (int4, floating, N, K, M) in _wgmma_chosen:  # another copy of this layer timed them
             state.update(_wgmma_chosen[int4, floating, N, K, M])
         if M not in state:
-            configs = [c for c in wg.CONFIGS if c.fits(N, K, layer.group_size if int4 else None)]
+            configs = wg.configs_for(K, layer.group_size if int4 else None)
             calls, kept = [], []
             for c in configs:
                 try:
@@ -175,7 +179,7 @@ def _wgmma_layer(layer):
                     state.setdefault("errors", []).append(f"{c}: {e!r}"[:300])
             times = graph_times(calls)
             state[M] = kept[min(range(len(kept)), key=times.__getitem__)]
-            state["times"] = {f"{c.block_n}x{c.block_m}x{c.block_k} w{c.warps} s{c.stages}": round(t * 1e3, 1)
+            state["times"] = {_wgmma_name(c): round(t * 1e3, 1)
                               for c, t in zip(kept, times)}
             _wgmma_chosen[int4, floating, N, K, M] = dict(state)
         state["config"] = state[M]
@@ -263,7 +267,7 @@ def describe_choice(kind: str, fn, N: int, K: int, M: int) -> str | None:
         return f"{name} {config.kwargs if config is not None else 'dense'} w{getattr(config, 'num_warps', '-')} {flags}"
     if kind.endswith("-wgmma"):
         c = fn.state.get("config")
-        return f"wgmma {c} of {fn.state.get('times')} {fn.state.get('errors', '')}" if c is not None else None
+        return f"wgmma {_wgmma_name(c)} of {fn.state.get('times')} {fn.state.get('errors', '')}" if c is not None else None
     if kind.endswith(("-old", "-tiles", "-coltiles", "-gemv", "-halfdot", "-dp4a", "-tiled", "-rows")):
         c = fn.state.get("config")
         return f"{kind.split('-')[1]} {c.kwargs} w{c.num_warps} s{c.num_stages}" if c is not None else None

@@ -18,47 +18,42 @@ sm_90.  `usable(x)` says whether a call may take this path; the launcher times i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-from quantserve.server.fastcore.triton_dequant import int8_to, nibbles_to_fp16
+from quantserve.server.fastcore.triton_dequant import dequantize_int4, dequantize_int8, int8_to, nibbles_to_fp16
 
 
-@dataclass(frozen=True)
-class WgmmaConfig:
-    """One tile shape: BLOCK_N weight rows (a multiple of 64: one warpgroup's wgmma height each),
-    BLOCK_M prompt rows, BLOCK_K deep, on `warps` warps with `stages` shared-memory stages."""
-    block_n: int
-    block_m: int
-    block_k: int
-    warps: int
-    stages: int
-
-    def fits(self, N: int, K: int, group: int | None = None) -> bool:
-        return K % self.block_k == 0 and (group is None or group % self.block_k == 0)
+# Candidates timed per shape (a few: each is one Triton compile at start-up).  BLOCK_N weight rows
+# (multiples of 64: one warpgroup's wgmma height), BLOCK_M prompt rows, BLOCK_K deep.
+_SHAPES = ((128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3),
+           (128, 128, 128, 8, 3), (64, 256, 64, 4, 4), (128, 64, 64, 4, 5))
+CONFIGS = tuple(triton.Config({"BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
+                for bn, bm, bk, warps, stages in _SHAPES)
 
 
-# Candidates timed per shape (a few: each is one Triton compile at start-up).
-CONFIGS = (
-    WgmmaConfig(128, 128, 64, 8, 4),
-    WgmmaConfig(128, 256, 64, 8, 3),
-    WgmmaConfig(128, 256, 64, 8, 4),
-    WgmmaConfig(256, 128, 64, 8, 3),
-    WgmmaConfig(128, 128, 128, 8, 3),
-    WgmmaConfig(64, 256, 64, 4, 4),
-    WgmmaConfig(128, 64, 64, 4, 5),
-)
+def fits(config: triton.Config, K: int, group: int | None = None) -> bool:
+    """Whether `config` serves K columns (whole K tiles, each inside one int4 group)."""
+    bk = config.kwargs["BLOCK_K"]
+    return K % bk == 0 and (group is None or group % bk == 0)
+
+
+def configs_for(K: int, group: int | None = None) -> list[triton.Config]:
+    return [c for c in CONFIGS if fits(c, K, group)]
 
 
 def usable(x: torch.Tensor) -> bool:
-    """Whether x may take this path: a CUDA GPU of sm_90 or later, x row-major with 16-byte rows and
-    base (TMA's rules), fp16 or bf16."""
-    return (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0) and x.dim() == 2
-            and x.dtype in (torch.float16, torch.bfloat16) and x.stride(1) == 1
+    """Whether x may take this path: x row-major with 16-byte rows and base (TMA's rules), fp16 or
+    bf16, on a CUDA GPU of sm_90 or later (or in Triton's interpreter, which emulates TMA)."""
+    gpu = (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0)) or INTERPRETED
+    return (gpu and x.dim() == 2 and x.dtype in (torch.float16, torch.bfloat16) + ((torch.float32,) if INTERPRETED else ()) and x.stride(1) == 1
             and (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0)
+
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -115,44 +110,46 @@ def _int4_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, M, N, K, stride_om
     _store(out_ptr, acc, rn, rm, M, N, stride_om)
 
 
-def _descriptors(x: torch.Tensor, w: torch.Tensor, config: WgmmaConfig, w_block_k: int):
+def _launch(kernel, x: torch.Tensor, w: torch.Tensor, args: tuple, N: int, config: triton.Config, w_block_k: int,
+            warmup: bool, extra: dict):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return (TensorDescriptor.from_tensor(x, [config.block_m, config.block_k]),
-            TensorDescriptor.from_tensor(w, [config.block_n, w_block_k]))
-
-
-def _grid(M: int, N: int, config: WgmmaConfig) -> tuple:
-    return (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n),)
-
-
-def int8_wgmma_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, config: WgmmaConfig,
-                  bit_dequant: bool = True) -> torch.Tensor:
-    """x [M, K] @ (weight int8 [N, K] * scales [N]).T on one config."""
     M, K = x.shape
-    N = weight.shape[0]
+    bm, bn, bk = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]
     out = torch.empty((M, N), device=x.device, dtype=x.dtype)
-    x_desc, w_desc = _descriptors(x, weight, config, config.block_k)
-    _int8_wgmma_kernel[_grid(M, N, config)](x_desc, w_desc, scales, out, M, N, K, out.stride(0),
-                                            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                                            BIT_DEQUANT=bit_dequant, num_warps=config.warps, num_stages=config.stages)
+    call = (TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, w_block_k]), *args,
+            out, M, N, K, out.stride(0))
+    options = {**config.kwargs, **extra, "num_warps": config.num_warps, "num_stages": config.num_stages}
+    if warmup:  # compile only (triton_dequant.compiling_ahead runs it on a thread)
+        return kernel.warmup(*call, grid=(1,), **options)
+    kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](*call, **options)
     return out
 
 
-def float_wgmma_mm(x: torch.Tensor, weight: torch.Tensor, config: WgmmaConfig) -> torch.Tensor:
+def int8_wgmma_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, config: triton.Config,
+                  warmup: bool = False, bit_dequant: bool = True) -> torch.Tensor:
+    """x [M, K] @ (weight int8 [N, K] * scales [N]).T on one config (`warmup`: compile it, no launch).
+    Where x cannot take this path (`usable`), dequantize-then-cuBLAS computes the same."""
+    if not usable(x):
+        return None if warmup else torch.mm(x, dequantize_int8(weight, scales, x.dtype).t())
+    return _launch(_int8_wgmma_kernel, x, weight, (scales,), weight.shape[0], config, config.kwargs["BLOCK_K"], warmup,
+                   {"BIT_DEQUANT": bit_dequant})
+
+
+def float_wgmma_mm(x: torch.Tensor, weight: torch.Tensor, config: triton.Config) -> torch.Tensor:
     """x @ weight.T for a float weight on the same tiles, nothing converted: what the tiles cost
     without their dequantization (kernel_race's fp16-wgmma)."""
     return int8_wgmma_mm(x, weight, torch.ones(weight.shape[0], device=x.device, dtype=x.dtype), config)
 
 
 def int4_wgmma_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int,
-                  config: WgmmaConfig, bit_dequant: bool = True) -> torch.Tensor:
-    """x [M, K] @ (q * scales + mins).T, q the nibbles of packed uint8 [N, K/2], one scale / min per group."""
-    M, K = x.shape
-    N = packed.shape[0]
-    out = torch.empty((M, N), device=x.device, dtype=x.dtype)
-    x_desc, w_desc = _descriptors(x, packed, config, config.block_k // 2)
-    _int4_wgmma_kernel[_grid(M, N, config)](x_desc, w_desc, scales, mins, out, M, N, K, out.stride(0), GROUP=group,
-                                            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                                            BIT_DEQUANT=bit_dequant, num_warps=config.warps, num_stages=config.stages)
-    return out
+                  config: triton.Config, warmup: bool = False, bit_dequant: bool = True) -> torch.Tensor:
+    """x [M, K] @ (q * scales + mins).T, q the nibbles of packed uint8 [N, K/2], one scale / min per
+    group (as int8_wgmma_mm otherwise)."""
+    if not usable(x):
+        return None if warmup else torch.mm(x, dequantize_int4(packed, scales, mins, group, x.dtype).t())
+    return _launch(_int4_wgmma_kernel, x, packed, (scales, mins), packed.shape[0], config,
+                   config.kwargs["BLOCK_K"] // 2, warmup, {"GROUP": group, "BIT_DEQUANT": bit_dequant})
+
+
+int8_wgmma_mm.kernel, int4_wgmma_mm.kernel = _int8_wgmma_kernel, _int4_wgmma_kernel  # their parameters (kernel_choices)

@@ -129,7 +129,7 @@ def test_every_wgmma_prompt_config():
         for config in wg.CONFIGS:
             check(wg.int8_wgmma_mm(x, q8.weight, q8.scales, config), reference(q8, x), f"int8 M={M} {config}")
             for q in (q4, q4_64):
-                if config.fits(N, K, q.group_size):
+                if wg.fits(config, K, q.group_size):
                     check(wg.int4_wgmma_mm(x, q.weight, q.scales, q.mins, q.group_size, config), reference(q, x),
                           f"int4 g{q.group_size} M={M} {config}")
 

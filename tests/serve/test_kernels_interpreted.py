@@ -342,12 +342,15 @@ def test_the_wgmma_prompt_kernels_compute_the_layer(weights):
     """triton_wgmma.py's kernels (sm_90 prompts: TMA tiles, the weight dequantized as the first
     operand) over rows and outputs that are not whole tiles; on a CPU in the interpreter, where TMA
     is emulated (tests/serve/test_gpu_kernels.py runs every config on an sm_90 GPU)."""
+    import triton
+
     from quantserve.server.fastcore import triton_wgmma as wg
 
     q8, q4 = _layers(7)
     x = torch.randn(70, K, device=DEVICE, dtype=DTYPE)
     x[:, ::97] *= 30
-    config = wg.WgmmaConfig(64, 64, 64, 4, 2)
+    config = triton.Config({"BLOCK_N": 64, "BLOCK_M": 64, "BLOCK_K": 64}, num_warps=4, num_stages=2)
+    assert wg.usable(x)
     if weights == "int8":
         y = wg.int8_wgmma_mm(x, q8.weight, q8.scales, config)
         ref = x.float() @ (q8.weight.float() * q8.scales.float()[:, None]).t()
