@@ -190,6 +190,9 @@ def main(argv=None) -> int:
     ap.add_argument("--graph-prompts", default="", help="comma list of token buckets whose prompt steps to "
                     "time from CUDA graphs (e.g. 256,512,2048)")
     ap.add_argument("--out", default="bench/results/step_profile.json", help="JSON file to write")
+    ap.add_argument("--save-choices", default=None, metavar="PATH",
+                    help="also write the weight kernels' choices tuned here (kernel_choices.py's JSON; "
+                         "bench/kernel_table.py merges them into a GPU's shipped table)")
     args = ap.parse_args(argv)
     graph_prompts = [int(s) for s in args.graph_prompts.split(",") if s.strip()]
     from quantserve.server.fastcore.graphs import TOKEN_BUCKETS
@@ -224,6 +227,10 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
+    if args.save_choices:
+        from quantserve.server.fastcore import kernel_choices
+
+        kernel_choices.save_choices(args.save_choices)
     return 0
 
 

@@ -5,10 +5,11 @@
 #                                   matmuls (256, 512 and 2,048 rows: fp16 cuBLAS, the same tiles on the
 #                                   fp16 weight, dequantize-then-cuBLAS, the 128-row tiles, the wgmma
 #                                   kernels), then the 1B's layers at 512 rows
-#   bench/wgmma_gpu.sh OUT serve    install; the launcher's GPU tests; the step profile's prompt steps
-#                                   replayed from CUDA graphs (256, 512, 2,048 tokens; fp16, int8, int4)
-#                                   and batch-1 decode, 8B, T4 profile, all in one process
-# Run from the repo root with .devwheels carried.  Each phase ends by 420 s.
+#   bench/wgmma_gpu.sh OUT serve    install; the launcher's GPU tests; the 8B's race again; the step
+#                                   profile's prompt steps replayed from CUDA graphs (256, 512, 2,048
+#                                   tokens; fp16, int8, int4) and batch-1 decode, 8B, T4 profile, all in
+#                                   one process; its prompt rows merged into a copy of the shipped tables
+# Run from the repo root with .devwheels carried.  race ends by 420 s, serve by ~520 s.
 set -uo pipefail
 out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
 export PYTHONPATH=$site PYTHONUNBUFFERED=1
@@ -27,9 +28,21 @@ if [ "$phase" = race ]; then
   race 330 8b qkv,o,gate_up,down 256,512,2048 8b
   race 420 1b qkv,o,gate_up,down 512 1b
 elif [ "$phase" = serve ]; then
-  gpu_tests $(left 170) "wgmma or launcher or prompt_tile or shipped_table" "$repo/tests/serve/test_gpu_kernels.py"
-  step_profile $(left 420) prompts --quants none,int8,int4 --kernel triton --steps 8 --prompt-len 512 \
-      --graph-prompts 256,512,2048
+  gpu_tests $(left 150) "wgmma or launcher or prompt_tile or shipped_table or dense" "$repo/tests/serve/test_gpu_kernels.py"
+  race 230 8b qkv,o,gate_up,down 256,512,2048 8b
+  step_profile $(left 500) prompts --quants none,int8,int4 --kernel triton --steps 8 --prompt-len 512 \
+      --graph-prompts 256,512,2048 --save-choices "$out/choices.json"
+  # the 8B's prompt rows the step profile tuned (with the wgmma kernels among them), merged into a copy
+  # of the shipped tables: the rows a table for this GPU would take
+  cp -r "$repo/server/fastcore/kernel_tables" "$out/tables"
+  python3 - "$out/prompt-rows.json" "$out/choices.json" <<'PY'
+import json, sys
+rows = [r for f in sys.argv[2:] for r in json.load(open(f)) if r["key"][1] > 64 and not r["key"][2]]
+json.dump(rows, open(sys.argv[1], "w"), indent=1)
+print(len(rows), "prompt rows")
+PY
+  (cd /tmp && python3 -m quantserve.bench.kernel_table --gpu "$(python3 -c 'import torch; print(torch.cuda.get_device_name())')" \
+      --out "$out/tables" "$out/prompt-rows.json") >> "$out/bench.txt" 2>&1 || log "kernel_table: rc=$?"
 else
   echo "wgmma_gpu.sh: unknown phase '$phase' (race or serve)" >&2; exit 2
 fi

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from quantserve.server.fastcore import triton_dp4a as dp4a, triton_gemv, triton_mm
+from quantserve.server.fastcore import triton_dp4a as dp4a, triton_gemv, triton_mm, triton_wgmma as wgmma
 from quantserve.server.fastcore.kernel_tables import read_rows, write_json
 from quantserve.server.fastcore.triton_rows import int4_rows_kernel
 
@@ -25,14 +25,16 @@ def _rows() -> list[dict]:
     """`triton_mm._chosen` as JSON rows (kernel_tables.py's format).  A batch-1 row also says whether
     the matrix-vector kernels it was chosen among loaded their weights a step ahead ("ahead"): the
     forms time differently with and without (bench/RESULTS.md, 2026-12-06), so a row made under the
-    other setting is tuned again rather than taken."""
+    other setting is tuned again rather than taken.  A prompt row chosen with the sm_90 wgmma
+    kernels among the candidates says so ("wgmma"): on an sm_90 GPU a row without is tuned again."""
     rows = []
     for key, (fn, config, block_m, flags) in triton_mm._chosen.items():
         kept = None if config is None else {"kwargs": config.kwargs, "num_warps": config.num_warps,
                                             "num_stages": config.num_stages}
         rows.append({"key": [*key[:5], str(key[5]).removeprefix("torch."), key[6]],
                      "kernel": triton_mm._kernel_name(fn), "config": kept, "block_m": block_m, "flags": flags}
-                    | ({"ahead": triton_gemv.LOAD_AHEAD} if key[2] else {}))
+                    | ({"ahead": triton_gemv.LOAD_AHEAD} if key[2] else {})
+                    | ({"wgmma": True} if key in triton_mm._with_wgmma else {}))
     return rows
 
 
@@ -47,9 +49,15 @@ def _kernels() -> dict:
     import inspect
 
     fns = (triton_mm._int8_kernel, triton_mm._int4_kernel, triton_mm._int8_dense, triton_mm._int4_dense,
-           triton_gemv.int8_gemv_kernel.fn, triton_gemv.int4_gemv_kernel.fn, int4_rows_kernel.fn)
-    # a JITFunction's own Python function has the signature
-    return {triton_mm._kernel_name(fn): (fn, set(inspect.signature(getattr(fn, "fn", fn)).parameters)) for fn in fns}
+           triton_gemv.int8_gemv_kernel.fn, triton_gemv.int4_gemv_kernel.fn, int4_rows_kernel.fn,
+           wgmma.int8_wgmma_mm, wgmma.int4_wgmma_mm)
+    # a JITFunction's own Python function has the signature; the wgmma launchers', their kernel's
+    return {triton_mm._kernel_name(fn): (fn, set(inspect.signature(_python(getattr(fn, "kernel", fn))).parameters))
+            for fn in fns}
+
+
+def _python(fn):
+    return getattr(fn, "fn", fn)
 
 
 def load_choices(*paths) -> int:
@@ -57,10 +65,12 @@ def load_choices(*paths) -> int:
     kernel, shape and dtype), the first file's winning where two name one shape; returns how many
     were taken.  A missing or unreadable file is skipped, and so is a row this version cannot run
     as written (a kernel it lacks, a config or flag its kernel does not take), that rounds x to
-    int8 where QUANTSERVE_INT8_ACTIVATIONS=0, or a batch-1 row chosen with the other loop (its
-    "ahead", absent before 2026-12-06, other than triton_gemv.LOAD_AHEAD): those shapes are tuned
-    again."""
+    int8 where QUANTSERVE_INT8_ACTIVATIONS=0, a batch-1 row chosen with the other loop (its
+    "ahead", absent before 2026-12-06, other than triton_gemv.LOAD_AHEAD), or a prompt row whose
+    "wgmma" (absent before 2026-12-07) differs from whether this GPU runs those kernels: those
+    shapes are tuned again."""
     kernels = _kernels()
+    wgmma_here = wgmma.available()
     taken = 0
     for path in paths:
         for row in read_rows(path) if path is not None else ():
@@ -79,9 +89,14 @@ def load_choices(*paths) -> int:
                 name, bucket, batch1, n, k, dtype, group = row["key"]
                 if batch1 and bool(row.get("ahead", False)) != triton_gemv.LOAD_AHEAD:
                     continue  # chosen among batch-1 kernels of the other loop (_rows): tuned again
+                with_wgmma = bool(row.get("wgmma", False))
+                if int(bucket) > 64 and not batch1 and with_wgmma != wgmma_here:
+                    continue  # a prompt row chosen without the wgmma kernels on an sm_90 GPU, or with: tuned again
                 key = (name, int(bucket), bool(batch1), int(n), int(k), getattr(torch, dtype), group)
                 if key not in triton_mm._chosen:
                     triton_mm._chosen[key] = (fn, config, int(row["block_m"]), flags)
+                    if with_wgmma:
+                        triton_mm._with_wgmma.add(key)
                     taken += 1
             except (KeyError, TypeError, ValueError, AttributeError):
                 continue

@@ -7,7 +7,8 @@ tensor cores from sm_80 on, FMAs below: a T4); the per-channel (int8) or per-gro
 are applied to the tile's partial sums.  One kernel serves every decode batch (M = 1..64): rows
 past M are masked.  Each kernel computes either x @ W.T or W @ x.T (SWAP), whichever its timings
 pick per shape.  Batch 1 has kernels of its own (triton_gemv.py); prompts (M > 64) take 128-row
-tiles or dequantize-then-cuBLAS (triton_dequant.py), whichever is faster for the shape.
+tiles, dequantize-then-cuBLAS (triton_dequant.py) or, on sm_90, TMA-fed wgmma tiles
+(triton_wgmma.py), whichever is fastest for the shape.
 
 Skinny layers (the 8B model's down projection: N = 4096 outputs, K = 14336) give too few output
 tiles to keep every multiprocessor busy, so K may be split over SPLIT_K programs, whose partial
@@ -34,6 +35,7 @@ from quantserve.server.fastcore.triton_dequant import (AUTOTUNE_OPTIONS, compili
                                                        dequantize_int8, int8_to, nibbles_to_fp16)
 from quantserve.server.fastcore.kernel_timing import graph_times, quick_bench
 from quantserve.server.fastcore import dependent_launch, triton_dp4a as dp4a, triton_splits as splits
+from quantserve.server.fastcore import triton_wgmma as wgmma
 from quantserve.server.fastcore.triton_gemv import fits as gemv_fits, int4_gemv_kernel, int8_gemv_kernel
 from quantserve.server.fastcore.triton_rows import block_m as rows_block_m, fits as rows_fit, int4_rows_kernel
 from quantserve.server.fastcore.triton_splits import store_tile
@@ -253,6 +255,9 @@ def _int4_dense(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, min
 # (kernel name, M bucket, batch 1?, N, K, dtype, group) -> (kernel, config, BLOCK_M, flags) chosen for
 # it; flags: keyword arguments of the kernel the choice fixed (the dequantization trick or not)
 _chosen: dict[tuple, tuple] = {}
+# the prompt keys of _chosen whose choice was made with the sm_90 wgmma kernels among the candidates
+# (kernel_choices.py tunes a kept prompt choice again on an sm_90 GPU where they were not)
+_with_wgmma: set[tuple] = set()
 
 
 def _tune(tuned, block_m: int, M: int, N: int, K: int, x: torch.Tensor, args: tuple, extra: dict,
@@ -335,13 +340,14 @@ def _agreeing(choices: list[tuple], M: int, N: int, K: int, x: torch.Tensor, arg
 def _launch(kernel, M: int, N: int, x: torch.Tensor, args: tuple, gemv=None, dense=None, prompt=None,
             rows=None, **extra) -> torch.Tensor:
     """Run `kernel` (or, at batch 1, `gemv`; at 2-16 rows, `rows`; for a prompt, `prompt`'s 128-row
-    tiles or `dense`, where faster) for this shape's chosen config.
+    tiles, `dense` or on sm_90 triton_wgmma's kernels, where faster) for this shape's chosen config.
 
     The first call for a shape tunes: each autotuner picks its best config, then the kinds'
     winners are timed against each other (at batch 1: tiled, matrix-vector with and without the
     bit-pattern dequantization, int4's packed fp16 products, x rounded to int8 for dp4a; at 2-16
     rows: tiled and the few-rows kernel; for M > 64: tiled on 64 rows, 128-row tiles,
-    dequantize-then-cuBLAS) and the fastest is kept.  Later calls launch the choice directly."""
+    dequantize-then-cuBLAS, the wgmma kernels' configs) and the fastest is kept.  Later calls
+    launch the choice directly."""
     K = x.shape[1]
     bucket = _m_bucket(M, fine=rows is not None)
     key = (kernel.fn.__name__, bucket, M == 1, N, K, x.dtype, extra.get("GROUP"))  # batch 1 has its own choice
@@ -351,6 +357,10 @@ def _launch(kernel, M: int, N: int, x: torch.Tensor, args: tuple, gemv=None, den
             choices = [_chosen[(kernel.fn.__name__, 64, False, N, K, x.dtype, extra.get("GROUP"))], (dense, None, 0, {})]
             if prompt is not None:
                 choices.append(_tune(prompt, PROMPT_BLOCK_M, M, N, K, x, args, extra))
+            if wgmma.usable(x):  # sm_90: TMA-fed tiles, the weight dequantized as wgmma's first operand
+                fn = wgmma.int4_wgmma_mm if "GROUP" in extra else wgmma.int8_wgmma_mm
+                choices += [(fn, c, c.kwargs["BLOCK_M"], {}) for c in wgmma.configs_for(K, extra.get("GROUP"))]
+                _with_wgmma.add(key)
         else:
             choices = [_tune(kernel, _block_m(M), M, N, K, x, args, extra, bucket)]
             if rows is not None and 1 < M <= 16 and rows_fit(K):
@@ -386,8 +396,11 @@ def run_choice(fn, config, block_m: int, M: int, N: int, K: int, x: torch.Tensor
                warmup: bool = False):
     """One call of a choice; `warmup`: compile its Triton kernel without launching it.  With the
     GATED flag (triton_gemv.py) the output is N / 2 wide: silu(gate) * up of the two halves."""
+    group = [extra["GROUP"]] if "GROUP" in extra else []
     if config is None:  # dequantize + cuBLAS
-        return None if warmup else fn(*args, *([extra["GROUP"]] if "GROUP" in extra else []))
+        return None if warmup else fn(*args, *group)
+    if fn in (wgmma.int8_wgmma_mm, wgmma.int4_wgmma_mm):  # launched by their own module, config and all
+        return fn(*args, *group, config, warmup=warmup)
     meta = config.kwargs
     split = meta["SPLIT_K"]
     out, part = splits.buffers(M, N, split, x, bool(extra.get("GATED")))

@@ -4,8 +4,8 @@ with the weight tiles dequantized in registers as wgmma's first operand, never w
 The prompt path elsewhere (triton_mm.py) either writes an fp16 copy of each weight and hands it to
 cuBLAS, or runs 128-row tiles whose operands are plain pointer loads.  Here both operands arrive by
 TMA (tensor descriptors) into a ring of shared-memory stages, so the loads run ahead of the math;
-the weight tile is read from shared memory into registers, converted (int8: 1152 + w as fp16 bits;
-int4: Marlin's nibble trick, then q * s + z per group) and fed to wgmma from registers.  The kernel
+the weight tile is read from shared memory into registers, converted (int8: 1152 + w as fp16 bits,
+four bytes at a time; int4: Marlin's nibble trick, then q * s + z per group) and fed to wgmma from registers.  The kernel
 computes y.T = W @ x.T, so the weight is the first operand, the one wgmma takes from registers; x,
 the second, stays in shared memory as TMA wrote it.
 
@@ -24,13 +24,14 @@ import torch
 import triton
 import triton.language as tl
 
-from quantserve.server.fastcore.triton_dequant import dequantize_int4, dequantize_int8, int8_to, nibbles_to_fp16
+from quantserve.server.fastcore.triton_dequant import dequantize_int4, dequantize_int8, int8s_to_fp16, nibbles_to_fp16
 
 
-# Candidates timed per shape (a few: each is one Triton compile at start-up).  BLOCK_N weight rows
-# (multiples of 64: one warpgroup's wgmma height), BLOCK_M prompt rows, BLOCK_K deep.
-_SHAPES = ((128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3),
-           (128, 128, 128, 8, 3), (64, 256, 64, 4, 4), (128, 64, 64, 4, 5))
+# Candidates timed per shape (a few: each is one Triton compile at start-up): BLOCK_N weight rows
+# (multiples of 64: one warpgroup's wgmma height), BLOCK_M prompt rows, BLOCK_K deep, warps, stages.
+# The ones that won some layer of the 8B / 1B at 256-2,048 rows on an H100 (bench/RESULTS.md,
+# 2026-12-07); 256 x 128 tiles, and 128 x 128 x 64, never did.
+_SHAPES = ((128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 128, 8, 3), (64, 256, 64, 4, 4))
 CONFIGS = tuple(triton.Config({"BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
                 for bn, bm, bk, warps, stages in _SHAPES)
 
@@ -45,11 +46,17 @@ def configs_for(K: int, group: int | None = None) -> list[triton.Config]:
     return [c for c in CONFIGS if fits(c, K, group)]
 
 
+def available() -> bool:
+    """Whether this process's GPU runs these kernels (sm_90 or later)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
 def usable(x: torch.Tensor) -> bool:
     """Whether x may take this path: x row-major with 16-byte rows and base (TMA's rules), fp16 or
     bf16, on a CUDA GPU of sm_90 or later (or in Triton's interpreter, which emulates TMA)."""
     gpu = (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0)) or INTERPRETED
-    return (gpu and x.dim() == 2 and x.dtype in (torch.float16, torch.bfloat16) + ((torch.float32,) if INTERPRETED else ()) and x.stride(1) == 1
+    dtypes = (torch.float16, torch.bfloat16) + ((torch.float32,) if INTERPRETED else ())
+    return (gpu and x.dim() == 2 and x.dtype in dtypes and x.stride(1) == 1
             and (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0)
 
 
@@ -79,7 +86,7 @@ def _int8_wgmma_kernel(x_desc, w_desc, s_ptr, out_ptr, M, N, K, stride_om,
         w = w_desc.load([pid_n * BLOCK_N, k])  # int8 [BN, BK]
         x = x_desc.load([pid_m * BLOCK_M, k])  # [BM, BK]
         if w.dtype == tl.int8:
-            w = int8_to(w, x.dtype, BIT_DEQUANT)
+            w = int8s_to_fp16(w) if BIT_DEQUANT else w.to(x.dtype)
         acc = tl.dot(w.to(x.dtype), x.T, acc)  # (a float weight: the same tiles unconverted, bench's baseline)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

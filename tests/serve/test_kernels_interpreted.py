@@ -359,3 +359,33 @@ def test_the_wgmma_prompt_kernels_compute_the_layer(weights):
         ref = x.float() @ q4.dequantize(torch.float32).t()
     assert y.shape == (70, N) and y.dtype == DTYPE
     _close(y, ref, f"{weights} wgmma")
+
+
+def test_a_prompt_choice_says_whether_the_wgmma_kernels_were_among_its_candidates(tmp_path):
+    """A kept prompt row says whether the sm_90 wgmma kernels were timed for it ("wgmma"): it is taken
+    only where that matches this GPU (here, no sm_90: rows chosen without them), so an sm_90 GPU
+    tunes again a prompt shape chosen without them, and no GPU below sm_90 takes a wgmma choice."""
+    from quantserve.server.fastcore import kernel_choices, triton_mm, triton_wgmma
+
+    assert not triton_wgmma.available()
+    config = {"BLOCK_N": 128, "BLOCK_M": 256, "BLOCK_K": 64}
+    without = _row("int8", 512, False, "_int8_dense", None, 0, 0, {})
+    with_wgmma = _row("int4", 512, False, "int4_wgmma_mm", config, 8, 256, {}) | {"wgmma": True}
+    (tmp_path / "kept.json").write_text(json.dumps([without, with_wgmma]))
+    saved, saved_with = dict(triton_mm._chosen), set(triton_mm._with_wgmma)
+    triton_mm._chosen.clear()
+    try:
+        assert kernel_choices.load_choices(tmp_path / "kept.json") == 1
+        (key,) = triton_mm._chosen
+        assert key[0] == "_int8_kernel" and key not in triton_mm._with_wgmma
+        kernel_choices.save_choices(tmp_path / "saved.json")
+        assert "wgmma" not in json.loads((tmp_path / "saved.json").read_text())[0]
+        triton_mm._with_wgmma.add(key)  # as the launcher marks a prompt shape it timed them for
+        kernel_choices.save_choices(tmp_path / "saved.json")
+        assert json.loads((tmp_path / "saved.json").read_text())[0]["wgmma"] is True
+        assert set(kernel_choices._kernels()["int4_wgmma_mm"][1]) >= set(config)  # a wgmma row's config is valid
+    finally:
+        triton_mm._chosen.clear()
+        triton_mm._chosen.update(saved)
+        triton_mm._with_wgmma.clear()
+        triton_mm._with_wgmma.update(saved_with)
