@@ -103,6 +103,28 @@ def int8s_to_fp16(w):
 
 
 @triton.jit
+def int8_pairs_to_fp16(w):
+    """int16 tile, each value two int8 columns (2j in the low byte, 2j + 1 in the high one) -> the
+    even and the odd columns as two fp16 tiles of its shape (int4's nibbles_to_fp16 for bytes):
+    per four bytes one xor, two prmt and two sub.f16x2.  In the interpreter: shifts."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 u, e, o, k1152;
+            mov.b32 k1152, 0x64806480;
+            xor.b32 u, $2, 0x80808080;
+            prmt.b32 e, u, 0x64646464, 0x5240;
+            prmt.b32 o, u, 0x64646464, 0x5341;
+            sub.f16x2 $0, e, k1152;
+            sub.f16x2 $1, o, k1152;
+            }""",
+            constraints="=r,=r,r", args=[w], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+    else:
+        v = w.to(tl.int32)
+        return ((v << 24) >> 24).to(tl.float16), (v >> 8).to(tl.float16)
+
+
+@triton.jit
 def nibble_to(q, dtype: tl.constexpr, BIT_DEQUANT: tl.constexpr):
     """uint8 tile of values 0..15 -> `dtype`."""
     if BIT_DEQUANT:

@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from quantserve.server.fastcore.triton_dequant import dequantize_int4, dequantize_int8, int8s_to_fp16, nibbles_to_fp16
+from quantserve.server.fastcore.triton_dequant import (dequantize_int4, dequantize_int8, int8_pairs_to_fp16, int8s_to_fp16,
+                                                       nibbles_to_fp16)
 
 
 # Candidates timed per shape (a few: each is one Triton compile at start-up): BLOCK_N weight rows
@@ -76,18 +77,32 @@ def _store(out_ptr, acc, rn, rm, M, N, stride_om):
     tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _as_float(w, BIT_DEQUANT: tl.constexpr):
+    """An int8 tile as fp16 (a float weight as it is: the same tiles unconverted, bench's baseline)."""
+    if w.dtype == tl.int8:
+        if BIT_DEQUANT:
+            return int8s_to_fp16(w)
+        return w.to(tl.float16)
+    return w
+
+
 @triton.jit(do_not_specialize=["M"])
 def _int8_wgmma_kernel(x_desc, w_desc, s_ptr, out_ptr, M, N, K, stride_om,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       BIT_DEQUANT: tl.constexpr = True):
+                       BIT_DEQUANT: tl.constexpr = True, PAIRS: tl.constexpr = False):
+    # PAIRS: w_desc is the int8 weight seen as int16 [N, K/2], two columns a value, split into the
+    # even and odd columns and interleaved back (as int4's nibbles are).
     pid_n, pid_m = _tile(tl.program_id(0), M, BLOCK_M)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
-        w = w_desc.load([pid_n * BLOCK_N, k])  # int8 [BN, BK]
         x = x_desc.load([pid_m * BLOCK_M, k])  # [BM, BK]
-        if w.dtype == tl.int8:
-            w = int8s_to_fp16(w) if BIT_DEQUANT else w.to(x.dtype)
-        acc = tl.dot(w.to(x.dtype), x.T, acc)  # (a float weight: the same tiles unconverted, bench's baseline)
+        if PAIRS:
+            even, odd = int8_pairs_to_fp16(w_desc.load([pid_n * BLOCK_N, k // 2]))  # [BN, BK / 2] each
+            w = tl.interleave(even, odd)
+        else:
+            w = _as_float(w_desc.load([pid_n * BLOCK_N, k]), BIT_DEQUANT)  # int8 [BN, BK]
+        acc = tl.dot(w.to(x.dtype), x.T, acc)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     scale = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)  # one per output: applied once
@@ -134,13 +149,20 @@ def _launch(kernel, x: torch.Tensor, w: torch.Tensor, args: tuple, N: int, confi
 
 
 def int8_wgmma_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, config: triton.Config,
-                  warmup: bool = False, bit_dequant: bool = True) -> torch.Tensor:
+                  warmup: bool = False, bit_dequant: bool = True, pairs: bool | None = None) -> torch.Tensor:
     """x [M, K] @ (weight int8 [N, K] * scales [N]).T on one config (`warmup`: compile it, no launch).
     Where x cannot take this path (`usable`), dequantize-then-cuBLAS computes the same."""
     if not usable(x):
         return None if warmup else torch.mm(x, dequantize_int8(weight, scales, x.dtype).t())
+    pairs = PAIRS if pairs is None else pairs
+    if pairs and weight.dtype == torch.int8:
+        return _launch(_int8_wgmma_kernel, x, weight.view(torch.int16), (scales,), weight.shape[0], config,
+                       config.kwargs["BLOCK_K"] // 2, warmup, {"PAIRS": True})
     return _launch(_int8_wgmma_kernel, x, weight, (scales,), weight.shape[0], config, config.kwargs["BLOCK_K"], warmup,
                    {"BIT_DEQUANT": bit_dequant})
+
+
+PAIRS = False  # int8's weight read as int16 pairs (its kernel's PAIRS)
 
 
 def float_wgmma_mm(x: torch.Tensor, weight: torch.Tensor, config: triton.Config) -> torch.Tensor:
@@ -159,4 +181,4 @@ def int4_wgmma_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, m
                    config.kwargs["BLOCK_K"] // 2, warmup, {"GROUP": group, "BIT_DEQUANT": bit_dequant})
 
 
-int8_wgmma_mm.kernel, int4_wgmma_mm.kernel = _int8_wgmma_kernel, _int4_wgmma_kernel  # their parameters (kernel_choices)
+int8_wgmma_mm.jit_kernel, int4_wgmma_mm.jit_kernel = _int8_wgmma_kernel, _int4_wgmma_kernel  # their parameters (kernel_choices)

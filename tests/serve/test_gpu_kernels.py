@@ -127,7 +127,9 @@ def test_every_wgmma_prompt_config():
         x[:, ::97] *= 30
         assert wg.usable(x)
         for config in wg.CONFIGS:
-            check(wg.int8_wgmma_mm(x, q8.weight, q8.scales, config), reference(q8, x), f"int8 M={M} {config}")
+            for pairs in (False, True):
+                check(wg.int8_wgmma_mm(x, q8.weight, q8.scales, config, pairs=pairs), reference(q8, x),
+                      f"int8 M={M} {config} pairs={pairs}")
             for q in (q4, q4_64):
                 if wg.fits(config, K, q.group_size):
                     check(wg.int4_wgmma_mm(x, q.weight, q.scales, q.mins, q.group_size, config), reference(q, x),

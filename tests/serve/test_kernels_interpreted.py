@@ -337,7 +337,7 @@ def test_the_batch1_kernels_as_dependent_launches_load_their_first_weights_befor
 
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("weights", ["int8", "int8-pairs", "int4"])
 def test_the_wgmma_prompt_kernels_compute_the_layer(weights):
     """triton_wgmma.py's kernels (sm_90 prompts: TMA tiles, the weight dequantized as the first
     operand) over rows and outputs that are not whole tiles; on a CPU in the interpreter, where TMA
@@ -351,8 +351,8 @@ def test_the_wgmma_prompt_kernels_compute_the_layer(weights):
     x[:, ::97] *= 30
     config = triton.Config({"BLOCK_N": 64, "BLOCK_M": 64, "BLOCK_K": 64}, num_warps=4, num_stages=2)
     assert wg.usable(x)
-    if weights == "int8":
-        y = wg.int8_wgmma_mm(x, q8.weight, q8.scales, config)
+    if weights.startswith("int8"):
+        y = wg.int8_wgmma_mm(x, q8.weight, q8.scales, config, pairs=weights == "int8-pairs")
         ref = x.float() @ (q8.weight.float() * q8.scales.float()[:, None]).t()
     else:
         y = wg.int4_wgmma_mm(x, q4.weight, q4.scales, q4.mins, q4.group_size, config)
