@@ -5,6 +5,8 @@
 #                                   matmuls (256, 512 and 2,048 rows: fp16 cuBLAS, the same tiles on the
 #                                   fp16 weight, dequantize-then-cuBLAS, the 128-row tiles, the wgmma
 #                                   kernels), then the 1B's layers at 512 rows
+#   bench/wgmma_gpu.sh OUT pairs    install; the wgmma and shipped-table GPU tests; the 8B's race of fp16
+#                                   and the wgmma kernels alone (int8 in both forms)
 #   bench/wgmma_gpu.sh OUT serve    install; the launcher's GPU tests; the 8B's race again; the step
 #                                   profile's prompt steps replayed from CUDA graphs (256, 512, 2,048
 #                                   tokens; fp16, int8, int4) and batch-1 decode, 8B, T4 profile, all in
@@ -19,7 +21,7 @@ log "installed"
 race() {  # UNTIL_S SHAPE LAYERS BATCHES NAME
   (cd /tmp && QUANTSERVE_HOME=/tmp/qs-race timeout $(left "$1") python3 -m quantserve.bench.kernel_race --shapes "$2" \
       --layers "$3" --batches "$4" \
-      --kinds fp16,fp16-wgmma,int8-dense,int8-tiles,int8-wgmma,int4-dense,int4-wgmma --out "$out/race-$5.json") \
+      --kinds "${KINDS:-fp16,fp16-wgmma,int8-dense,int8-tiles,int8-wgmma,int4-dense,int4-wgmma}" --out "$out/race-$5.json") \
       > "$out/race-$5.log" 2>&1 || log "race $5: rc=$?"
   grep -E "M=|copy bandwidth|rror" "$out/race-$5.log" >> "$out/bench.txt"; log "race $5 done"
 }
@@ -43,7 +45,10 @@ print(len(rows), "prompt rows")
 PY
   (cd /tmp && python3 -m quantserve.bench.kernel_table --gpu "$(python3 -c 'import torch; print(torch.cuda.get_device_name())')" \
       --out "$out/tables" "$out/prompt-rows.json") >> "$out/bench.txt" 2>&1 || log "kernel_table: rc=$?"
+elif [ "$phase" = pairs ]; then  # int8's two forms (PAIRS) against fp16, and the GPU tests they need
+  gpu_tests $(left 150) "wgmma or shipped_table" "$repo/tests/serve/test_gpu_kernels.py"
+  KINDS=fp16,int8-wgmma,int4-wgmma race 300 8b qkv,o,gate_up,down 256,512,2048 8b
 else
-  echo "wgmma_gpu.sh: unknown phase '$phase' (race or serve)" >&2; exit 2
+  echo "wgmma_gpu.sh: unknown phase '$phase' (race, serve or pairs)" >&2; exit 2
 fi
 cat "$out/bench.txt"
