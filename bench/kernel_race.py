@@ -21,7 +21,8 @@ path the server takes) rounds x to int8 with one scale per row and multiplies on
 cores through cuBLASLt (`torch._int_mm`; a T4 has them too, while Triton's `tl.dot` has no tensor
 cores below sm_80): what a prompt could cost without an fp16 copy of the weight, and, in its
 error column, what rounding the activations costs.  int8-wgmma / int4-wgmma (prompts, sm_90+):
-triton_wgmma.py's TMA-fed kernels alone, at the fastest of their configs for the shape; fp16-wgmma
+triton_wgmma.py's TMA-fed kernels alone, at the fastest of their configs (and of MORE_CONFIGS,
+which the launcher does not time; int8 in both forms, PAIRS or not) for the shape; fp16-wgmma
 the same tiles on the fp16 weight, nothing converted (what the conversion costs).  Every row also records the error against the
 fp32 product of the same integers dequantized.
 """
@@ -170,7 +171,7 @@ def _wgmma_layer(layer):
         if M not in state and (int4, floating, N, K, M) in _wgmma_chosen:  # another copy of this layer timed them
             state.update(_wgmma_chosen[int4, floating, N, K, M])
         if M not in state:
-            configs = [(c, pairs) for c in wg.configs_for(K, layer.group_size if int4 else None)
+            configs = [(c, pairs) for c in wg.configs_for(K, layer.group_size if int4 else None, more=True)
                        for pairs in ((False, True) if not (int4 or floating) else (False,))]  # int8: both forms
             calls, kept = [], []
             for c in configs:

@@ -33,8 +33,17 @@ from quantserve.server.fastcore.triton_dequant import (dequantize_int4, dequanti
 # The ones that won some layer of the 8B / 1B at 256-2,048 rows on an H100 (bench/RESULTS.md,
 # 2026-12-07); 256 x 128 tiles, and 128 x 128 x 64, never did.
 _SHAPES = ((128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 128, 8, 3), (64, 256, 64, 4, 4))
-CONFIGS = tuple(triton.Config({"BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
-                for bn, bm, bk, warps, stages in _SHAPES)
+# more that bench/kernel_race.py times beside them (not the launcher: each is a compile at start-up)
+_MORE_SHAPES = ((128, 128, 64, 8, 4), (64, 256, 128, 4, 3), (64, 128, 64, 4, 4), (128, 256, 64, 8, 5),
+                (64, 256, 64, 4, 5), (128, 128, 64, 4, 4))
+
+
+def _configs(shapes) -> tuple:
+    return tuple(triton.Config({"BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
+                 for bn, bm, bk, warps, stages in shapes)
+
+
+CONFIGS, MORE_CONFIGS = _configs(_SHAPES), _configs(_MORE_SHAPES)
 
 
 def fits(config: triton.Config, K: int, group: int | None = None) -> bool:
@@ -43,8 +52,8 @@ def fits(config: triton.Config, K: int, group: int | None = None) -> bool:
     return K % bk == 0 and (group is None or group % bk == 0)
 
 
-def configs_for(K: int, group: int | None = None) -> list[triton.Config]:
-    return [c for c in CONFIGS if fits(c, K, group)]
+def configs_for(K: int, group: int | None = None, more: bool = False) -> list[triton.Config]:
+    return [c for c in CONFIGS + (MORE_CONFIGS if more else ()) if fits(c, K, group)]
 
 
 def available() -> bool:
