@@ -141,8 +141,9 @@ def _w8a8_layer(layer):
 
 
 def _wgmma_name(choice) -> str:
-    c, pairs = choice
-    return "{BLOCK_N}x{BLOCK_M}x{BLOCK_K}".format(**c.kwargs) + f" w{c.num_warps} s{c.num_stages}" + (" pairs" if pairs else "")
+    c = choice
+    return "{BLOCK_N}x{BLOCK_M}x{BLOCK_K}".format(**c.kwargs) + f" w{c.num_warps} s{c.num_stages}" + (
+        " pairs" if c.kwargs.get("PAIRS") else "")
 
 
 _wgmma_chosen: dict = {}  # (int4, float weight, N, K, M) -> the state of the first copy that timed the configs
@@ -159,20 +160,18 @@ def _wgmma_layer(layer):
     state = {}
 
     def on(config):
-        config, pairs = config
         if floating:
             return lambda x: wg.float_wgmma_mm(x, layer.weight, config)
         if int4:
             return lambda x: wg.int4_wgmma_mm(x, layer.weight, layer.scales, layer.mins, layer.group_size, config)
-        return lambda x: wg.int8_wgmma_mm(x, layer.weight, layer.scales, config, pairs=pairs)
+        return lambda x: wg.int8_wgmma_mm(x, layer.weight, layer.scales, config)
 
     def call(x):
         M = x.shape[0]
         if M not in state and (int4, floating, N, K, M) in _wgmma_chosen:  # another copy of this layer timed them
             state.update(_wgmma_chosen[int4, floating, N, K, M])
         if M not in state:
-            configs = [(c, pairs) for c in wg.configs_for(K, layer.group_size if int4 else None, more=True)
-                       for pairs in ((False, True) if not (int4 or floating) else (False,))]  # int8: both forms
+            configs = wg.configs_for(K, layer.group_size if int4 else None, more=True, pairs=not (int4 or floating))
             calls, kept = [], []
             for c in configs:
                 try:

@@ -5,37 +5,31 @@
 #                                   matmuls (256, 512 and 2,048 rows: fp16 cuBLAS, the same tiles on the
 #                                   fp16 weight, dequantize-then-cuBLAS, the 128-row tiles, the wgmma
 #                                   kernels), then the 1B's layers at 512 rows
-#   bench/wgmma_gpu.sh OUT pairs    install; the wgmma and shipped-table GPU tests; the 8B's race of fp16
-#                                   and the wgmma kernels alone (int8 in both forms)
 #   bench/wgmma_gpu.sh OUT serve    install; the launcher's GPU tests; the 8B's race again; the step
 #                                   profile's prompt steps replayed from CUDA graphs (256, 512, 2,048
 #                                   tokens; fp16, int8, int4) and batch-1 decode, 8B, T4 profile, all in
 #                                   one process; its prompt rows merged into a copy of the shipped tables
-# Run from the repo root with .devwheels carried.  race ends by 420 s, serve by ~520 s.
+#   bench/wgmma_gpu.sh OUT all      install; the race of fp16 and the wgmma kernels alone (their more
+#                                   configs, int8 in both forms); then serve's tests, profile and rows
+# Run from the repo root with .devwheels carried.  race ends by 420 s, serve by ~520 s, all by ~460 s.
 set -uo pipefail
 out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
 export PYTHONPATH=$site PYTHONUNBUFFERED=1
 source "$repo/bench/gpu_lib.sh"  # install_site, log, left, gpu_tests, step_profile
 install_site; (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) > "$out/bench.txt"
 log "installed"
-race() {  # UNTIL_S SHAPE LAYERS BATCHES NAME
+race() {  # UNTIL_S SHAPE LAYERS BATCHES NAME ($KINDS: the kinds, default below)
   (cd /tmp && QUANTSERVE_HOME=/tmp/qs-race timeout $(left "$1") python3 -m quantserve.bench.kernel_race --shapes "$2" \
       --layers "$3" --batches "$4" \
       --kinds "${KINDS:-fp16,fp16-wgmma,int8-dense,int8-tiles,int8-wgmma,int4-dense,int4-wgmma}" --out "$out/race-$5.json") \
       > "$out/race-$5.log" 2>&1 || log "race $5: rc=$?"
   grep -E "M=|copy bandwidth|rror" "$out/race-$5.log" >> "$out/bench.txt"; log "race $5 done"
 }
-if [ "$phase" = race ]; then
-  gpu_tests $(left 120) "wgmma" "$repo/tests/serve/test_gpu_kernels.py"
-  race 330 8b qkv,o,gate_up,down 256,512,2048 8b
-  race 420 1b qkv,o,gate_up,down 512 1b
-elif [ "$phase" = serve ]; then
-  gpu_tests $(left 150) "wgmma or launcher or prompt_tile or shipped_table or dense" "$repo/tests/serve/test_gpu_kernels.py"
-  race 230 8b qkv,o,gate_up,down 256,512,2048 8b
-  step_profile $(left 500) prompts --quants none,int8,int4 --kernel triton --steps 8 --prompt-len 512 \
+serve_profile() {  # UNTIL_S: the 8B's prompt steps from CUDA graphs and batch-1 decode (fp16, int8, int4);
+  # then the prompt rows it tuned (the wgmma kernels among the candidates) merged into a copy of the
+  # shipped tables: the rows a table for this GPU would take
+  step_profile $(left "$1") prompts --quants none,int8,int4 --kernel triton --steps 8 --prompt-len 512 \
       --graph-prompts 256,512,2048 --save-choices "$out/choices.json"
-  # the 8B's prompt rows the step profile tuned (with the wgmma kernels among them), merged into a copy
-  # of the shipped tables: the rows a table for this GPU would take
   cp -r "$repo/server/fastcore/kernel_tables" "$out/tables"
   python3 - "$out/prompt-rows.json" "$out/choices.json" <<'PY'
 import json, sys
@@ -45,10 +39,20 @@ print(len(rows), "prompt rows")
 PY
   (cd /tmp && python3 -m quantserve.bench.kernel_table --gpu "$(python3 -c 'import torch; print(torch.cuda.get_device_name())')" \
       --out "$out/tables" "$out/prompt-rows.json") >> "$out/bench.txt" 2>&1 || log "kernel_table: rc=$?"
-elif [ "$phase" = pairs ]; then  # int8's two forms (PAIRS) against fp16, and the GPU tests they need
-  gpu_tests $(left 150) "wgmma or shipped_table" "$repo/tests/serve/test_gpu_kernels.py"
-  KINDS=fp16,int8-wgmma,int4-wgmma race 300 8b qkv,o,gate_up,down 256,512,2048 8b
+}
+if [ "$phase" = race ]; then
+  gpu_tests $(left 120) "wgmma" "$repo/tests/serve/test_gpu_kernels.py"
+  race 330 8b qkv,o,gate_up,down 256,512,2048 8b
+  race 420 1b qkv,o,gate_up,down 512 1b
+elif [ "$phase" = serve ]; then
+  gpu_tests $(left 150) "wgmma or launcher or prompt_tile or shipped_table or dense" "$repo/tests/serve/test_gpu_kernels.py"
+  race 230 8b qkv,o,gate_up,down 256,512,2048 8b
+  serve_profile 500
+elif [ "$phase" = all ]; then
+  KINDS=fp16,fp16-wgmma,int8-wgmma,int4-wgmma race 110 8b qkv,o,gate_up,down 256,512,2048 8b
+  gpu_tests $(left 220) "wgmma or launcher or prompt_tile or shipped_table or dense" "$repo/tests/serve/test_gpu_kernels.py"
+  serve_profile 460
 else
-  echo "wgmma_gpu.sh: unknown phase '$phase' (race, serve or pairs)" >&2; exit 2
+  echo "wgmma_gpu.sh: unknown phase '$phase' (race, serve or all)" >&2; exit 2
 fi
 cat "$out/bench.txt"

@@ -52,8 +52,15 @@ def fits(config: triton.Config, K: int, group: int | None = None) -> bool:
     return K % bk == 0 and (group is None or group % bk == 0)
 
 
-def configs_for(K: int, group: int | None = None, more: bool = False) -> list[triton.Config]:
-    return [c for c in CONFIGS + (MORE_CONFIGS if more else ()) if fits(c, K, group)]
+def configs_for(K: int, group: int | None = None, more: bool = False, pairs: bool = False) -> list[triton.Config]:
+    """The configs for K columns (int4: in groups of `group`; more: MORE_CONFIGS too; pairs: int8's,
+    each also with its weight read as int16 pairs, PAIRS)."""
+    kept = [c for c in CONFIGS + (MORE_CONFIGS if more else ()) if fits(c, K, group)]
+    return kept + ([_with_pairs(c) for c in kept] if pairs else [])
+
+
+def _with_pairs(c: triton.Config) -> triton.Config:
+    return triton.Config({**c.kwargs, "PAIRS": True}, num_warps=c.num_warps, num_stages=c.num_stages)
 
 
 def available() -> bool:
@@ -103,7 +110,7 @@ def _int8_wgmma_kernel(x_desc, w_desc, s_ptr, out_ptr, M, N, K, stride_om,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        BIT_DEQUANT: tl.constexpr = True, PAIRS: tl.constexpr = False):
     # PAIRS: w_desc is the int8 weight seen as int16 [N, K/2], two columns a value, split into the
-    # even and odd columns and interleaved back (as int4's nibbles are).
+    # even and odd columns and interleaved back (as int4's nibbles are): a config's choice.
     pid_n, pid_m = _tile(tl.program_id(0), M, BLOCK_M)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
@@ -160,20 +167,17 @@ def _launch(kernel, x: torch.Tensor, w: torch.Tensor, args: tuple, N: int, confi
 
 
 def int8_wgmma_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, config: triton.Config,
-                  warmup: bool = False, bit_dequant: bool = True, pairs: bool | None = None) -> torch.Tensor:
-    """x [M, K] @ (weight int8 [N, K] * scales [N]).T on one config (`warmup`: compile it, no launch).
-    Where x cannot take this path (`usable`), dequantize-then-cuBLAS computes the same."""
+                  warmup: bool = False, bit_dequant: bool = True) -> torch.Tensor:
+    """x [M, K] @ (weight int8 [N, K] * scales [N]).T on one config (`warmup`: compile it, no launch;
+    config PAIRS: the weight read as int16 pairs).  Where x cannot take this path (`usable`),
+    dequantize-then-cuBLAS computes the same."""
     if not usable(x):
         return None if warmup else torch.mm(x, dequantize_int8(weight, scales, x.dtype).t())
-    pairs = PAIRS if pairs is None else pairs
-    if pairs and weight.dtype == torch.int8:
+    if config.kwargs.get("PAIRS"):
         return _launch(_int8_wgmma_kernel, x, weight.view(torch.int16), (scales,), weight.shape[0], config,
-                       config.kwargs["BLOCK_K"] // 2, warmup, {"PAIRS": True})
+                       config.kwargs["BLOCK_K"] // 2, warmup, {})
     return _launch(_int8_wgmma_kernel, x, weight, (scales,), weight.shape[0], config, config.kwargs["BLOCK_K"], warmup,
                    {"BIT_DEQUANT": bit_dequant})
-
-
-PAIRS = False  # int8's weight read as int16 pairs (its kernel's PAIRS)
 
 
 def float_wgmma_mm(x: torch.Tensor, weight: torch.Tensor, config: triton.Config) -> torch.Tensor:

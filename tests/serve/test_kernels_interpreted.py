@@ -349,10 +349,11 @@ def test_the_wgmma_prompt_kernels_compute_the_layer(weights):
     q8, q4 = _layers(7)
     x = torch.randn(70, K, device=DEVICE, dtype=DTYPE)
     x[:, ::97] *= 30
-    config = triton.Config({"BLOCK_N": 64, "BLOCK_M": 64, "BLOCK_K": 64}, num_warps=4, num_stages=2)
+    pairs = {"PAIRS": True} if weights == "int8-pairs" else {}  # int8's weight read as int16 pairs
+    config = triton.Config({"BLOCK_N": 64, "BLOCK_M": 64, "BLOCK_K": 64, **pairs}, num_warps=4, num_stages=2)
     assert wg.usable(x)
     if weights.startswith("int8"):
-        y = wg.int8_wgmma_mm(x, q8.weight, q8.scales, config, pairs=weights == "int8-pairs")
+        y = wg.int8_wgmma_mm(x, q8.weight, q8.scales, config)
         ref = x.float() @ (q8.weight.float() * q8.scales.float()[:, None]).t()
     else:
         y = wg.int4_wgmma_mm(x, q4.weight, q4.scales, q4.mins, q4.group_size, config)
