@@ -143,7 +143,7 @@ def _w8a8_layer(layer):
 def _wgmma_name(choice) -> str:
     c = choice
     return "{BLOCK_N}x{BLOCK_M}x{BLOCK_K}".format(**c.kwargs) + f" w{c.num_warps} s{c.num_stages}" + (
-        " pairs" if c.kwargs.get("PAIRS") else "")
+        " pairs" if c.kwargs.get("PAIRS") else "") + (" tail" if c.kwargs.get("TAIL") else "")
 
 
 _wgmma_chosen: dict = {}  # (int4, float weight, N, K, M) -> the state of the first copy that timed the configs

@@ -33,17 +33,19 @@ from quantserve.server.fastcore.triton_dequant import (dequantize_int4, dequanti
 # The ones that won some layer of the 8B / 1B at 256-2,048 rows on an H100 (bench/RESULTS.md,
 # 2026-12-07); 256 x 128 tiles, and 128 x 128 x 64, never did.
 _SHAPES = ((128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 128, 8, 3), (64, 256, 64, 4, 4))
+# ... and these with TAIL (_parts: a last partial wave of tiles in tiles half as wide)
+_TAIL_SHAPES = ((128, 256, 64, 8, 3), (128, 256, 64, 8, 4))
 # more that bench/kernel_race.py times beside them (not the launcher: each is a compile at start-up)
 _MORE_SHAPES = ((128, 128, 64, 8, 4), (64, 256, 128, 4, 3), (64, 128, 64, 4, 4), (128, 256, 64, 8, 5),
                 (64, 256, 64, 4, 5), (128, 128, 64, 4, 4), (64, 256, 64, 8, 4))
 
 
-def _configs(shapes) -> tuple:
-    return tuple(triton.Config({"BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
-                 for bn, bm, bk, warps, stages in shapes)
+def _configs(shapes, **flags) -> tuple:
+    return tuple(triton.Config({"BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": bk, **flags}, num_warps=warps,
+                               num_stages=stages) for bn, bm, bk, warps, stages in shapes)
 
 
-CONFIGS, MORE_CONFIGS = _configs(_SHAPES), _configs(_MORE_SHAPES)
+CONFIGS, MORE_CONFIGS = _configs(_SHAPES) + _configs(_TAIL_SHAPES, TAIL=True), _configs(_MORE_SHAPES)
 
 
 def fits(config: triton.Config, K: int, group: int | None = None) -> bool:
@@ -81,9 +83,10 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
-def _tile(tile, M, BLOCK_M: tl.constexpr):
+def _tile(tile, M, N0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(first output row, first prompt row) of this program's tile: row tiles first, outputs from N0."""
     m_tiles = tl.cdiv(M, BLOCK_M)
-    return tile // m_tiles, tile % m_tiles  # (weight tile, row tile): row tiles first
+    return N0 + tile // m_tiles * BLOCK_N, tile % m_tiles * BLOCK_M
 
 
 @triton.jit
@@ -105,65 +108,90 @@ def _as_float(w, BIT_DEQUANT: tl.constexpr):
     return out
 
 
-@triton.jit(do_not_specialize=["M"])
-def _int8_wgmma_kernel(x_desc, w_desc, s_ptr, out_ptr, M, N, K, stride_om,
+@triton.jit(do_not_specialize=["M", "N0"])
+def _int8_wgmma_kernel(x_desc, w_desc, s_ptr, out_ptr, M, N, N0, K, stride_om,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        BIT_DEQUANT: tl.constexpr = True, PAIRS: tl.constexpr = False):
     # PAIRS: w_desc is the int8 weight seen as int16 [N, K/2], two columns a value, split into the
     # even and odd columns and interleaved back (as int4's nibbles are): a config's choice.
-    pid_n, pid_m = _tile(tl.program_id(0), M, BLOCK_M)
+    n0, m0 = _tile(tl.program_id(0), M, N0, BLOCK_M, BLOCK_N)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
-        x = x_desc.load([pid_m * BLOCK_M, k])  # [BM, BK]
+        x = x_desc.load([m0, k])  # [BM, BK]
         if PAIRS:
-            even, odd = int8_pairs_to_fp16(w_desc.load([pid_n * BLOCK_N, k // 2]))  # [BN, BK / 2] each
+            even, odd = int8_pairs_to_fp16(w_desc.load([n0, k // 2]))  # [BN, BK / 2] each
             w = tl.interleave(even, odd)
         else:
-            w = _as_float(w_desc.load([pid_n * BLOCK_N, k]), BIT_DEQUANT)  # int8 [BN, BK]
+            w = _as_float(w_desc.load([n0, k]), BIT_DEQUANT)  # int8 [BN, BK]
         acc = tl.dot(w.to(x.dtype), x.T, acc)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = n0 + tl.arange(0, BLOCK_N)
+    rm = m0 + tl.arange(0, BLOCK_M)
     scale = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)  # one per output: applied once
     _store(out_ptr, acc * scale[:, None], rn, rm, M, N, stride_om)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _int4_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, M, N, K, stride_om, GROUP: tl.constexpr,
+@triton.jit(do_not_specialize=["M", "N0"])
+def _int4_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, M, N, N0, K, stride_om, GROUP: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        BIT_DEQUANT: tl.constexpr = True):
     # w_desc: uint8 [N, K/2], column 2j in the high nibble of byte j, 2j + 1 in the low one.  A K tile
     # lies inside one group, so each row has one scale and one offset per step: the tile becomes
     # q * s + z in fp16 (one FMA a weight, paid once per BLOCK_M rows) before wgmma.
-    pid_n, pid_m = _tile(tl.program_id(0), M, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0, m0 = _tile(tl.program_id(0), M, N0, BLOCK_M, BLOCK_N)
+    rn = n0 + tl.arange(0, BLOCK_N)
     groups = K // GROUP
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
-        packed = w_desc.load([pid_n * BLOCK_N, k // 2])  # [BN, BK / 2]
-        x = x_desc.load([pid_m * BLOCK_M, k])
+        packed = w_desc.load([n0, k // 2])  # [BN, BK / 2]
+        x = x_desc.load([m0, k])
         s = tl.load(s_ptr + rn * groups + k // GROUP, mask=rn < N, other=0.0).to(x.dtype)
         z = tl.load(z_ptr + rn * groups + k // GROUP, mask=rn < N, other=0.0).to(x.dtype)
         hi, lo = nibbles_to_fp16(packed, BIT_DEQUANT)
         w = tl.interleave(hi, lo).to(x.dtype) * s[:, None] + z[:, None]
         acc = tl.dot(w, x.T, acc)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rm = m0 + tl.arange(0, BLOCK_M)
     _store(out_ptr, acc, rn, rm, M, N, stride_om)
 
 
 def _launch(kernel, x: torch.Tensor, w: torch.Tensor, args: tuple, N: int, config: triton.Config, w_block_k: int,
             warmup: bool, extra: dict):
+    """One launch of `kernel` over every tile, or with TAIL two (_parts)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     M, K = x.shape
-    bm, bn, bk = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]
     out = torch.empty((M, N), device=x.device, dtype=x.dtype)
-    call = (TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, w_block_k]), *args,
-            out, M, N, K, out.stride(0))
-    options = {**config.kwargs, **extra, "num_warps": config.num_warps, "num_stages": config.num_stages}
-    if warmup:  # compile only (triton_dequant.compiling_ahead runs it on a thread)
-        return kernel.warmup(*call, grid=(1,), **options)
-    kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](*call, **options)
-    return out
+    meta = {k: v for k, v in config.kwargs.items() if k != "TAIL"}
+    for n0, bn, warps in _parts(M, N, config, _multiprocessors(x)):
+        bm, bk = meta["BLOCK_M"], meta["BLOCK_K"]
+        call = (TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, w_block_k]),
+                *args, out, M, N, n0, K, out.stride(0))
+        options = {**meta, "BLOCK_N": bn, **extra, "num_warps": warps, "num_stages": config.num_stages}
+        if warmup:  # compile only (triton_dequant.compiling_ahead runs it on a thread)
+            kernel.warmup(*call, grid=(1,), **options)
+        else:
+            kernel[(triton.cdiv(M, bm) * triton.cdiv(N - n0, bn),)](*call, **options)
+    return None if warmup else out
+
+
+def _parts(M: int, N: int, config: triton.Config, multiprocessors: int) -> list[tuple[int, int, int]]:
+    """(first output row, BLOCK_N, warps) of each launch.  With TAIL, the tiles that fill whole waves
+    of the GPU (one tile per multiprocessor at a time: these tiles take all of one's shared memory)
+    are one launch, and the outputs left, a last partial wave, a second one in tiles half as wide,
+    so that wave takes half as long: the 8B's gate_up at 512 rows is 448 tiles of 128 x 256 on 132
+    multiprocessors, 3.4 waves that ran as 4."""
+    bm, bn, warps = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps
+    if not config.kwargs.get("TAIL"):
+        return [(0, bn, warps)]
+    m_tiles, n_tiles = triton.cdiv(M, bm), triton.cdiv(N, bn)
+    head = m_tiles * n_tiles // multiprocessors * multiprocessors // m_tiles  # weight tiles in whole waves
+    if head == 0 or head >= n_tiles:
+        return [(0, bn, warps)]
+    return [(0, bn, warps), (head * bn, bn // 2, max(4, warps // 2))]
+
+
+def _multiprocessors(x: torch.Tensor) -> int:
+    # the interpreter (CPU tests) pretends to 4, so that a small layer already splits
+    return torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
 
 
 def int8_wgmma_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, config: triton.Config,
@@ -196,4 +224,6 @@ def int4_wgmma_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, m
                    config.kwargs["BLOCK_K"] // 2, warmup, {"GROUP": group, "BIT_DEQUANT": bit_dequant})
 
 
-int8_wgmma_mm.jit_kernel, int4_wgmma_mm.jit_kernel = _int8_wgmma_kernel, _int4_wgmma_kernel  # their parameters (kernel_choices)
+# what a kept choice's config may set (kernel_choices): the kernel's parameters and the launch's own
+int8_wgmma_mm.jit_kernel, int4_wgmma_mm.jit_kernel = _int8_wgmma_kernel, _int4_wgmma_kernel
+int8_wgmma_mm.launch_options = int4_wgmma_mm.launch_options = {"TAIL"}
