@@ -5,9 +5,9 @@ The prompt path elsewhere (triton_mm.py) either writes an fp16 copy of each weig
 cuBLAS, or runs 128-row tiles whose operands are plain pointer loads.  Here both operands arrive by
 TMA (tensor descriptors) into a ring of shared-memory stages, so the loads run ahead of the math;
 the weight tile is read from shared memory into registers, converted (int8: 1152 + w as fp16 bits,
-four bytes at a time; int4: Marlin's nibble trick, then q * s + z per group) and fed to wgmma from registers.  The kernel
-computes y.T = W @ x.T, so the weight is the first operand, the one wgmma takes from registers; x,
-the second, stays in shared memory as TMA wrote it.
+four bytes at a time; int4: Marlin's nibble trick, then q * s + z per group) and fed to wgmma from
+registers.  The kernel computes y.T = W @ x.T, so the weight is the first operand, the one wgmma
+takes from registers; x, the second, stays in shared memory as TMA wrote it.
 
 Tiles walk their row tiles first: the programs that share a weight tile run side by side and read it
 from HBM once.  Rows past M are zeros from TMA (no masks in the K loop); the store masks them.
@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from quantserve.server.fastcore.triton_dequant import (dequantize_int4, dequantize_int8, int8_pairs_to_fp16, int8s_to_fp16,
-                                                       nibbles_to_fp16)
+from quantserve.server.fastcore.triton_dequant import (dequantize_int4, dequantize_int8, int8_pairs_to_fp16,
+                                                       int8s_to_fp16, nibbles_to_fp16)
 
 
 # Candidates timed per shape (a few: each is one Triton compile at start-up): BLOCK_N weight rows
