@@ -316,7 +316,7 @@ def _agreeing(choices: list[tuple], M: int, N: int, K: int, x: torch.Tensor, arg
     """The choices whose output on this call's input agrees with the first's (the tiled kernel,
     plain `tl.dot`) to 1 % of its largest value: the bit tricks in inline PTX are only tested on the
     GPUs they ran on, and a variant that computes something else on another GPU must not win on
-    speed.  One that disagrees is left out, and said so on stderr.  Only the first 64 rows are
+    speed.  One that disagrees, or fails to compile or run here, is left out, and said so on stderr.  Only the first 64 rows are
     compared: enough to catch a wrong kernel, and a prompt's outputs are hundreds of MB each (at
     warm-up, under a 15 GiB cap)."""
     def rows(c):
@@ -328,13 +328,23 @@ def _agreeing(choices: list[tuple], M: int, N: int, K: int, x: torch.Tensor, arg
     bound = 1e-2 * ref.abs().max().item() + 1e-3
     keep = choices[:1]
     for c in choices[1:]:
-        err = (rows(c) - ref).abs().max().item()
+        try:
+            err = (rows(c) - ref).abs().max().item()
+        except Exception as e:  # noqa: BLE001  (Triton's compile and launch errors have no common base)
+            print(f"warning: weight kernel {_kernel_name(c[0])} {_config_text(c)} for {M}x{N}x{K} failed "
+                  f"({type(e).__name__}: {str(e)[:200]}); not used", file=sys.stderr)
+            continue
         if err <= bound:  # NaN compares False: left out too
             keep.append(c)
         else:
-            print(f"warning: weight kernel {_kernel_name(c[0])} {c[3]} for {M}x{N}x{K} differs from the tiled "
-                  f"kernel by {err:.3g} (bound {bound:.3g}); not used", file=sys.stderr)
+            print(f"warning: weight kernel {_kernel_name(c[0])} {_config_text(c)} for {M}x{N}x{K} differs from "
+                  f"the tiled kernel by {err:.3g} (bound {bound:.3g}); not used", file=sys.stderr)
     return keep
+
+
+def _config_text(choice: tuple) -> str:
+    config = choice[1]
+    return f"{config.kwargs if config is not None else 'dense'} {choice[3]}"
 
 
 def _launch(kernel, M: int, N: int, x: torch.Tensor, args: tuple, gemv=None, dense=None, prompt=None,

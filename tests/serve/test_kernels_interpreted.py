@@ -395,3 +395,20 @@ def test_a_prompt_choice_says_whether_the_wgmma_kernels_were_among_its_candidate
         triton_mm._chosen.update(saved)
         triton_mm._with_wgmma.clear()
         triton_mm._with_wgmma.update(saved_with)
+
+
+def test_a_candidate_that_fails_to_run_is_left_out_not_raised(capsys):
+    """A candidate that raises (a kernel this Triton cannot compile or launch) is left out of the
+    timing with a warning, the others kept: a new candidate is never a new way for a layer to fail."""
+    from quantserve.server.fastcore import triton_mm
+
+    q8, _ = _layers(8)
+    x = torch.randn(70, K, device=DEVICE, dtype=DTYPE)
+    args = (x, q8.weight, q8.scales)
+
+    def broken(*_):
+        raise RuntimeError("PassManager::run failed")
+
+    dense = (triton_mm._int8_dense, None, 0, {})
+    assert triton_mm._agreeing([dense, (broken, None, 0, {}), dense], 70, N, K, x, args, {}) == [dense, dense]
+    assert "broken" in capsys.readouterr().err
