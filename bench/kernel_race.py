@@ -22,7 +22,7 @@ cores through cuBLASLt (`torch._int_mm`; a T4 has them too, while Triton's `tl.d
 cores below sm_80): what a prompt could cost without an fp16 copy of the weight, and, in its
 error column, what rounding the activations costs.  int8-wgmma / int4-wgmma (prompts, sm_90+):
 triton_wgmma.py's TMA-fed kernels alone, at the fastest of their configs (and of MORE_CONFIGS,
-which the launcher does not time; int8 in both forms, PAIRS or not) for the shape; fp16-wgmma
+which the launcher does not time) for the shape; fp16-wgmma
 the same tiles on the fp16 weight, nothing converted (what the conversion costs).  Every row also records the error against the
 fp32 product of the same integers dequantized.
 """
@@ -140,10 +140,8 @@ def _w8a8_layer(layer):
     return call
 
 
-def _wgmma_name(choice) -> str:
-    c = choice
-    return "{BLOCK_N}x{BLOCK_M}x{BLOCK_K}".format(**c.kwargs) + f" w{c.num_warps} s{c.num_stages}" + (
-        " pairs" if c.kwargs.get("PAIRS") else "") + (" tail" if c.kwargs.get("TAIL") else "")
+def _wgmma_name(c) -> str:
+    return "{BLOCK_N}x{BLOCK_M}x{BLOCK_K}".format(**c.kwargs) + f" w{c.num_warps} s{c.num_stages}"
 
 
 _wgmma_chosen: dict = {}  # (int4, float weight, N, K, M) -> the state of the first copy that timed the configs
@@ -171,7 +169,7 @@ def _wgmma_layer(layer):
         if M not in state and (int4, floating, N, K, M) in _wgmma_chosen:  # another copy of this layer timed them
             state.update(_wgmma_chosen[int4, floating, N, K, M])
         if M not in state:
-            configs = wg.configs_for(K, layer.group_size if int4 else None, more=True, pairs=not (int4 or floating))
+            configs = wg.configs_for(K, layer.group_size if int4 else None, more=True)
             calls, kept = [], []
             for c in configs:
                 try:

@@ -52,9 +52,8 @@ def _kernels() -> dict:
            triton_gemv.int8_gemv_kernel.fn, triton_gemv.int4_gemv_kernel.fn, int4_rows_kernel.fn,
            wgmma.int8_wgmma_mm, wgmma.int4_wgmma_mm)
     # a JITFunction's own Python function has the signature; the wgmma launchers', their kernel's
-    # and their own launch options
-    return {triton_mm._kernel_name(fn): (fn, set(inspect.signature(_python(getattr(fn, "jit_kernel", fn))).parameters)
-                                         | getattr(fn, "launch_options", set())) for fn in fns}
+    return {triton_mm._kernel_name(fn): (fn, set(inspect.signature(_python(getattr(fn, "jit_kernel", fn))).parameters))
+            for fn in fns}
 
 
 def _python(fn):

@@ -80,44 +80,26 @@ def int8_to(w, dtype: tl.constexpr, BIT_DEQUANT: tl.constexpr):
     return out
 
 
-def _bytes_to_fp16_asm(first: str, second: str) -> tl.constexpr:
-    """PTX for four int8 bytes in $2 -> two words of two fp16 each ($0, $1), the bytes each word takes
-    picked by a prmt selector: xor 0x80 makes each byte 128 + w, prmt puts it under 0x64 (the fp16
-    1024 + 128 + w), sub.f16x2 takes 1152 off exactly.  Five instructions for four weights."""
-    return tl.constexpr(f"""{{
-            .reg .b32 u, a, b, k1152;
-            mov.b32 k1152, 0x64806480;
-            xor.b32 u, $2, 0x80808080;
-            prmt.b32 a, u, 0x64646464, {first};
-            prmt.b32 b, u, 0x64646464, {second};
-            sub.f16x2 $0, a, k1152;
-            sub.f16x2 $1, b, k1152;
-            }}""")
-
-
-_QUAD_ASM = _bytes_to_fp16_asm("0x5140", "0x7362")  # bytes 0, 1 | 2, 3: four columns in order
-_PAIRS_ASM = _bytes_to_fp16_asm("0x5240", "0x5341")  # bytes 0, 2 | 1, 3: two values' even | odd columns
-
-
-@triton.jit
-def int8s_to_fp16(w):
-    """int8 tile -> fp16, four at a time in PTX (the prompt tiles' form of int8_to, _QUAD_ASM), where
-    int8_to's int16 arithmetic unpacks each byte alone.  In the interpreter: int8_to."""
-    if PTX:
-        return tl.inline_asm_elementwise(asm=_QUAD_ASM, constraints="=r,=r,r", args=[w], dtype=tl.float16,
-                                         is_pure=True, pack=4)
-    else:
-        return int8_to(w, tl.float16, True)
-
-
 @triton.jit
 def int8_pairs_to_fp16(w):
     """int16 tile, each value two int8 columns (2j in the low byte, 2j + 1 in the high one) -> the
-    even and the odd columns as two fp16 tiles of its shape (int4's nibbles_to_fp16 for bytes;
-    _PAIRS_ASM).  In the interpreter: shifts."""
+    even and the odd columns as two fp16 tiles of its shape (int4's nibbles_to_fp16 for bytes).
+
+    In PTX, four bytes at a time: xor 0x80 makes each byte 128 + w, prmt puts it under 0x64 (the
+    fp16 1024 + 128 + w; bytes 0, 2 for the even columns, 1, 3 for the odd), sub.f16x2 takes 1152
+    off exactly.  Five instructions for four weights.  In the interpreter: shifts."""
     if PTX:
-        return tl.inline_asm_elementwise(asm=_PAIRS_ASM, constraints="=r,=r,r", args=[w],
-                                         dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 u, e, o, k1152;
+            mov.b32 k1152, 0x64806480;
+            xor.b32 u, $2, 0x80808080;
+            prmt.b32 e, u, 0x64646464, 0x5240;
+            prmt.b32 o, u, 0x64646464, 0x5341;
+            sub.f16x2 $0, e, k1152;
+            sub.f16x2 $1, o, k1152;
+            }""",
+            constraints="=r,=r,r", args=[w], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
     else:
         v = w.to(tl.int32)
         return ((v << 24) >> 24).to(tl.float16), (v >> 8).to(tl.float16)

@@ -369,8 +369,7 @@ def _launch(kernel, M: int, N: int, x: torch.Tensor, args: tuple, gemv=None, den
                 choices.append(_tune(prompt, PROMPT_BLOCK_M, M, N, K, x, args, extra))
             if wgmma.usable(x):  # sm_90: TMA-fed tiles, the weight dequantized as wgmma's first operand
                 fn = wgmma.int4_wgmma_mm if "GROUP" in extra else wgmma.int8_wgmma_mm
-                configs = wgmma.configs_for(K, extra.get("GROUP"), pairs="GROUP" not in extra)
-                choices += [(fn, c, c.kwargs["BLOCK_M"], {}) for c in configs]
+                choices += [(fn, c, c.kwargs["BLOCK_M"], {}) for c in wgmma.configs_for(K, extra.get("GROUP"))]
                 _with_wgmma.add(key)
         else:
             choices = [_tune(kernel, _block_m(M), M, N, K, x, args, extra, bucket)]

@@ -126,32 +126,12 @@ def test_every_wgmma_prompt_config():
         x = torch.randn(M, K, device="cuda", dtype=torch.float16)
         x[:, ::97] *= 30
         assert wg.usable(x)
-        for config in wg.configs_for(K, pairs=True):
-            check(wg.int8_wgmma_mm(x, q8.weight, q8.scales, config), reference(q8, x), f"int8 M={M} {config}")
         for config in wg.CONFIGS:
+            check(wg.int8_wgmma_mm(x, q8.weight, q8.scales, config), reference(q8, x), f"int8 M={M} {config}")
             for q in (q4, q4_64):
                 if wg.fits(config, K, q.group_size):
                     check(wg.int4_wgmma_mm(x, q.weight, q.scales, q.mins, q.group_size, config), reference(q, x),
                           f"int4 g{q.group_size} M={M} {config}")
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-                    reason="the TMA-fed wgmma prompt kernels need sm_90 (an H100 or later)")
-def test_the_wgmma_kernels_last_partial_wave_in_narrower_tiles():
-    """TAIL configs over more tiles than one wave: the whole waves in one launch, the outputs left
-    (not whole tiles either) in a second of tiles half as wide, every output written once."""
-    from quantserve.server.fastcore import triton_wgmma as wg
-
-    N, K, M = 9000, 1024, 300
-    q8, q4 = layers(N, K, seed=6)
-    x = torch.randn(M, K, device="cuda", dtype=torch.float16)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for config in [c for c in wg.CONFIGS if c.kwargs.get("TAIL")]:
-        parts = wg._parts(M, N, config, sms)
-        assert len(parts) == 2 and parts[1][1] == config.kwargs["BLOCK_N"] // 2, parts
-        check(wg.int8_wgmma_mm(x, q8.weight, q8.scales, config), reference(q8, x), f"int8 {config}")
-        check(wg.int4_wgmma_mm(x, q4.weight, q4.scales, q4.mins, q4.group_size, config), reference(q4, x),
-              f"int4 {config}")
 
 
 def test_every_tile_config_at_decode_batches():
