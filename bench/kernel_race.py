@@ -22,8 +22,9 @@ cores through cuBLASLt (`torch._int_mm`; a T4 has them too, while Triton's `tl.d
 cores below sm_80): what a prompt could cost without an fp16 copy of the weight, and, in its
 error column, what rounding the activations costs.  int8-wgmma / int4-wgmma (prompts, sm_90+):
 triton_wgmma.py's TMA-fed kernels alone, at the fastest of their configs (and of MORE_CONFIGS,
-which the launcher does not time) for the shape; fp16-wgmma
-the same tiles on the fp16 weight, nothing converted (what the conversion costs).  Every row also records the error against the
+which the launcher does not time) for the shape, every config's time in the row's choice;
+fp16-wgmma the same tiles on the fp16 weight, nothing converted (what the tiles cost before any
+dequantization).  Every row also records the error against the
 fp32 product of the same integers dequantized.
 """
 
@@ -180,8 +181,7 @@ def _wgmma_layer(layer):
                     state.setdefault("errors", []).append(f"{c}: {e!r}"[:300])
             times = graph_times(calls)
             state[M] = kept[min(range(len(kept)), key=times.__getitem__)]
-            state["times"] = {_wgmma_name(c): round(t * 1e3, 1)
-                              for c, t in zip(kept, times)}
+            state["times"] = {_wgmma_name(c): round(t * 1e3, 1) for c, t in zip(kept, times)}
             _wgmma_chosen[int4, floating, N, K, M] = dict(state)
         state["config"] = state[M]
         return on(state[M])(x)

@@ -316,9 +316,9 @@ def _agreeing(choices: list[tuple], M: int, N: int, K: int, x: torch.Tensor, arg
     """The choices whose output on this call's input agrees with the first's (the tiled kernel,
     plain `tl.dot`) to 1 % of its largest value: the bit tricks in inline PTX are only tested on the
     GPUs they ran on, and a variant that computes something else on another GPU must not win on
-    speed.  One that disagrees, or fails to compile or run here, is left out, and said so on stderr.  Only the first 64 rows are
-    compared: enough to catch a wrong kernel, and a prompt's outputs are hundreds of MB each (at
-    warm-up, under a 15 GiB cap)."""
+    speed.  One that disagrees, or fails to compile or run here, is left out, and said so on
+    stderr.  Only the first 64 rows are compared: enough to catch a wrong kernel, and a prompt's
+    outputs are hundreds of MB each (at warm-up, under a 15 GiB cap)."""
     def rows(c):
         return run_choice(*c[:3], M, N, K, x, args, {**extra, **c[3]})[:64].float()
 

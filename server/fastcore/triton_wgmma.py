@@ -34,7 +34,7 @@ from quantserve.server.fastcore.triton_dequant import (dequantize_int4, dequanti
 _SHAPES = ((128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 128, 8, 3), (64, 256, 64, 4, 4),
            (64, 256, 128, 4, 3))
 # more that bench/kernel_race.py times beside them (not the launcher: each is a compile at start-up);
-# none of these won a layer there
+# none of these won an int8 or int4 layer there
 _MORE_SHAPES = ((128, 128, 64, 8, 4), (64, 128, 64, 4, 4), (128, 256, 64, 8, 5), (64, 256, 64, 4, 5),
                 (128, 128, 64, 4, 4), (64, 256, 64, 8, 4))
 
