@@ -18,6 +18,7 @@ sm_90.  `usable(x)` says whether a call may take this path; the launcher times i
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
@@ -59,20 +60,23 @@ def configs_for(K: int, group: int | None = None, more: bool = False) -> list[tr
 
 
 def available() -> bool:
-    """Whether this process's GPU runs these kernels (sm_90 or later)."""
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+    """Whether this process's GPU and Triton run these kernels (sm_90 or later; tensor descriptors)."""
+    return TENSOR_DESCRIPTORS and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 
 
 def usable(x: torch.Tensor) -> bool:
     """Whether x may take this path: x row-major with 16-byte rows and base (TMA's rules), fp16 or
-    bf16, on a CUDA GPU of sm_90 or later (or in Triton's interpreter, which emulates TMA)."""
-    gpu = (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0)) or INTERPRETED
+    bf16, on a CUDA GPU of sm_90 or later (or in Triton's interpreter, which emulates TMA), with a
+    Triton that has tensor descriptors."""
+    gpu = TENSOR_DESCRIPTORS and ((x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0)) or INTERPRETED)
     dtypes = (torch.float16, torch.bfloat16) + ((torch.float32,) if INTERPRETED else ())
     return (gpu and x.dim() == 2 and x.dtype in dtypes and x.stride(1) == 1
             and (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0)
 
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# host-side tensor descriptors (TMA) came with Triton 3.3: an older Triton leaves this path out
+TENSOR_DESCRIPTORS = importlib.util.find_spec("triton.tools.tensor_descriptor") is not None
 
 
 @triton.jit

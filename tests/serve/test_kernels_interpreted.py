@@ -406,3 +406,22 @@ def test_a_candidate_that_fails_to_run_is_left_out_not_raised(capsys):
     dense = (triton_mm._int8_dense, None, 0, {})
     assert triton_mm._agreeing([dense, (broken, None, 0, {}), dense], 70, N, K, x, args, {}) == [dense, dense]
     assert "broken" in capsys.readouterr().err
+
+
+def test_a_candidate_whose_compile_raises_is_left_out_from_warm_up_to_choice(monkeypatch, capsys):
+    """A wgmma candidate that raises already when compiled ahead (here: as a Triton without tensor
+    descriptors would) is skipped there and left out at its first real call: the launcher keeps the
+    others' fastest."""
+    from quantserve.server.fastcore import triton_mm, triton_wgmma
+
+    def without_descriptors(*_, **__):
+        raise ImportError("cannot import name 'TensorDescriptor'")
+
+    monkeypatch.setattr(triton_wgmma, "int8_wgmma_mm", without_descriptors)
+    monkeypatch.setattr(triton_mm, "quick_bench", lambda call: 1.0)  # Triton's do_bench times on a CUDA GPU only
+    q8, _ = _layers(9)
+    x = torch.randn(70, K, device=DEVICE, dtype=DTYPE)
+    dense = (triton_mm._int8_dense, None, 0, {})
+    candidate = (without_descriptors, triton_wgmma.CONFIGS[0], 256, {})
+    assert triton_mm._fastest([dense, candidate], 70, N, K, x, (x, q8.weight, q8.scales), {}) == dense
+    assert "TensorDescriptor" in capsys.readouterr().err
