@@ -12,8 +12,6 @@
 #   bench/wgmma_gpu.sh OUT all      install; the wgmma and table GPU tests; serve's profile and rows;
 #                                   with time left, the race of gate_up at 512 rows (fp16, the wgmma
 #                                   kernels' every config, int8 in both forms)
-#   bench/wgmma_gpu.sh OUT last     install; the wgmma GPU tests; the 8B's 512-token prompt steps (fp16,
-#                                   int8, int4) from CUDA graphs, by ~170 s
 # Run from the repo root with .devwheels carried.  race ends by 420 s, serve by ~520 s, all by ~280 s.
 set -uo pipefail
 out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
@@ -55,11 +53,7 @@ elif [ "$phase" = all ]; then
   gpu_tests $(left 100) "wgmma or shipped_table" "$repo/tests/serve/test_gpu_kernels.py"
   serve_profile 270
   [ "$SECONDS" -lt 250 ] && KINDS=fp16,int8-wgmma,int4-wgmma race 280 8b gate_up 512 8b
-elif [ "$phase" = last ]; then  # the least device time: the wgmma GPU tests, the 512-token prompt steps
-  gpu_tests $(left 60) "wgmma" "$repo/tests/serve/test_gpu_kernels.py"
-  step_profile $(left 170) prompts --quants none,int8,int4 --kernel triton --steps 4 --prompt-len 0 \
-      --graph-prompts 512 --save-choices "$out/choices.json"
 else
-  echo "wgmma_gpu.sh: unknown phase '$phase' (race, serve, all or last)" >&2; exit 2
+  echo "wgmma_gpu.sh: unknown phase '$phase' (race, serve or all)" >&2; exit 2
 fi
 cat "$out/bench.txt"

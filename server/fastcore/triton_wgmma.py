@@ -61,14 +61,18 @@ def configs_for(K: int, group: int | None = None, more: bool = False) -> list[tr
 
 def available() -> bool:
     """Whether this process's GPU and Triton run these kernels (sm_90 or later; tensor descriptors)."""
-    return TENSOR_DESCRIPTORS and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+    return torch.cuda.is_available() and _runs_on(torch.cuda.current_device())
+
+
+def _runs_on(device) -> bool:
+    return TENSOR_DESCRIPTORS and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def usable(x: torch.Tensor) -> bool:
     """Whether x may take this path: x row-major with 16-byte rows and base (TMA's rules), fp16 or
     bf16, on a CUDA GPU of sm_90 or later (or in Triton's interpreter, which emulates TMA), with a
     Triton that has tensor descriptors."""
-    gpu = TENSOR_DESCRIPTORS and ((x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0)) or INTERPRETED)
+    gpu = (x.is_cuda and _runs_on(x.device)) or (INTERPRETED and TENSOR_DESCRIPTORS)
     dtypes = (torch.float16, torch.bfloat16) + ((torch.float32,) if INTERPRETED else ())
     return (gpu and x.dim() == 2 and x.dtype in dtypes and x.stride(1) == 1
             and (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0)
