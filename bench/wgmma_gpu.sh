@@ -56,4 +56,6 @@ elif [ "$phase" = all ]; then
 else
   echo "wgmma_gpu.sh: unknown phase '$phase' (race, serve or all)" >&2; exit 2
 fi
+# at most 8 files come back from the machine: the logs' lines that matter are in bench.txt already
+rm -f "$out"/profile-*.log "$out"/race-*.log "$out/prompt-rows.json"
 cat "$out/bench.txt"
