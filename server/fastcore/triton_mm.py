@@ -36,7 +36,8 @@ from quantserve.server.fastcore.triton_dequant import (AUTOTUNE_OPTIONS, compili
 from quantserve.server.fastcore.kernel_timing import graph_times, quick_bench
 from quantserve.server.fastcore import dependent_launch, triton_dp4a as dp4a, triton_splits as splits
 from quantserve.server.fastcore import triton_wgmma as wgmma
-from quantserve.server.fastcore.triton_gemv import fits as gemv_fits, int4_gemv_kernel, int8_gemv_kernel
+from quantserve.server.fastcore.triton_gemv import (GROUPED_SCALES, fits as gemv_fits, int4_gemv_kernel,
+                                                    int8_gemv_kernel)
 from quantserve.server.fastcore.triton_rows import block_m as rows_block_m, fits as rows_fit, int4_rows_kernel
 from quantserve.server.fastcore.triton_splits import store_tile
 
@@ -357,10 +358,10 @@ def _launch(kernel, M: int, N: int, x: torch.Tensor, args: tuple, gemv=None, den
 
     The first call for a shape tunes: each autotuner picks its best config, then the kinds'
     winners are timed against each other (at batch 1: tiled, matrix-vector with and without the
-    bit-pattern dequantization, int4's packed fp16 products, x rounded to int8 for dp4a; at 2-16
-    rows: tiled and the few-rows kernel; for M > 64: tiled on 64 rows, 128-row tiles,
-    dequantize-then-cuBLAS, the wgmma kernels' configs) and the fastest is kept.  Later calls
-    launch the choice directly."""
+    bit-pattern dequantization, int4's packed fp16 products, x rounded to int8 for dp4a, int4's
+    scales then loaded per word or per group; at 2-16 rows: tiled and the few-rows kernel; for
+    M > 64: tiled on 64 rows, 128-row tiles, dequantize-then-cuBLAS, the wgmma kernels' configs)
+    and the fastest is kept.  Later calls launch the choice directly."""
     K = x.shape[1]
     bucket = _m_bucket(M, fine=rows is not None)
     key = (kernel.fn.__name__, bucket, M == 1, N, K, x.dtype, extra.get("GROUP"))  # batch 1 has its own choice
@@ -384,8 +385,11 @@ def _launch(kernel, M: int, N: int, x: torch.Tensor, args: tuple, gemv=None, den
                 if gemv is int4_gemv_kernel:  # products in packed fp16 (triton_gemv._nibble_dot)
                     choices.append((fn, config, 1, {"BIT_DEQUANT": True, "HALF_DOT": True}))
                 if dp4a.enabled():  # x rounded to int8, integer products (triton_dp4a.py)
-                    choices += [(fn, c, 1, {"BIT_DEQUANT": True, dp4a.FLAG: True})
-                                for c in dp4a.configs_to_time(gemv, config)]
+                    configs = dp4a.configs_to_time(gemv, config)
+                    choices += [(fn, c, 1, {"BIT_DEQUANT": True, dp4a.FLAG: True}) for c in configs]
+                    if gemv is int4_gemv_kernel and GROUPED_SCALES:  # a group's scale loaded once a thread
+                        choices += [(fn, c, 1, {"BIT_DEQUANT": True, dp4a.FLAG: True, "GROUPED": True})
+                                    for c in configs if c.kwargs["BLOCK_K"] % extra["GROUP"] == 0]
         _chosen[key] = _fastest(choices, M, N, K, x, args, extra)
     fn, config, block_m, flags = _chosen[key]
     return run_choice(fn, config, block_m, M, N, K, x, args, {**extra, **flags})
