@@ -13,8 +13,7 @@ as in the decode step's own graph.  Kinds (as in bench/kernels.py): fp16 (cuBLAS
 matrix-vector kernels of the file given by --old, at their autotuner's best config, split-K buffer
 and cast included), int8-gemv / int4-gemv / int4-halfdot (batch 1: this tree's matrix-vector
 kernel alone at its autotuner's config, with the bit-pattern dequantization; int4-halfdot with
-its products in packed fp16; int8-dp4a / int4-dp4a with x rounded to int8 and dp4a products, triton_dp4a.py; int4-grouped the same
-with each group's scale and zero point loaded once a thread), int8-gemlite / int4-gemlite, int8-dense / int4-dense and int8-tiles / int4-tiles (prompts
+its products in packed fp16; int8-dp4a / int4-dp4a with x rounded to int8 and dp4a products, triton_dp4a.py), int8-gemlite / int4-gemlite, int8-dense / int4-dense and int8-tiles / int4-tiles (prompts
 only: the dequantize-then-cuBLAS path alone, the 128-row tiles alone; int8-coltiles / int4-coltiles
 the same tiles with the output tiles first in the launch grid, as before ROWS_FIRST), int4-tiled (decode batches: the tiled `tl.dot`
 kernel alone) and int4-rows (2-16 rows: triton_rows.py's kernel alone).  int8-w8a8 (prompts only; not a
@@ -42,9 +41,9 @@ from quantserve.bench.decode_device import copy_bandwidth
 from quantserve.bench.kernels import SHAPES
 
 KINDS = ("fp16", "fp16-wgmma", "int8", "int8-old", "int8-gemv", "int8-dp4a", "int8-gemlite", "int8-dense", "int8-tiles", "int8-coltiles", "int8-w8a8", "int8-wgmma", "int4",
-         "int4-old", "int4-gemv", "int4-halfdot", "int4-dp4a", "int4-grouped", "int4-gemlite", "int4-dense", "int4-tiles", "int4-coltiles", "int4-wgmma", "int4-tiled",
+         "int4-old", "int4-gemv", "int4-halfdot", "int4-dp4a", "int4-gemlite", "int4-dense", "int4-tiles", "int4-coltiles", "int4-wgmma", "int4-tiled",
          "int4-rows")
-BATCH1_ONLY = ("-old", "-gemv", "-halfdot", "-dp4a", "-grouped", "-gemlite")  # kinds timed at M = 1 only
+BATCH1_ONLY = ("-old", "-gemv", "-halfdot", "-dp4a", "-gemlite")  # kinds timed at M = 1 only
 DECODE_ONLY = ("-tiled",)  # M <= 64 only
 FEW_ROWS_ONLY = ("-rows",)  # 2 <= M <= 16 only
 
@@ -98,9 +97,7 @@ def build(kind: str, w, old):
           "w8a8": lambda: _w8a8_layer(layer), "wgmma": lambda: _wgmma_layer(layer), "gemv": lambda: _alone(layer, "gemv", {"BIT_DEQUANT": True}),
           "tiled": lambda: _alone(layer, "tiled"), "rows": lambda: _alone(layer, "rows"),
           "halfdot": lambda: _alone(layer, "gemv", {"BIT_DEQUANT": True, "HALF_DOT": True}),
-          "dp4a": lambda: _alone(layer, "gemv", {"BIT_DEQUANT": True, "DOT4": True}),
-          "grouped": lambda: _alone(layer, "gemv", {"BIT_DEQUANT": True, "DOT4": True, "GROUPED": True}),
-          }.get(library, lambda: layer)()
+          "dp4a": lambda: _alone(layer, "gemv", {"BIT_DEQUANT": True, "DOT4": True})}.get(library, lambda: layer)()
     return fn, linear_weight_bytes(layer), layer
 
 
@@ -272,7 +269,7 @@ def describe_choice(kind: str, fn, N: int, K: int, M: int) -> str | None:
     if kind.endswith("-wgmma"):
         c = fn.state.get("config")
         return f"wgmma {_wgmma_name(c)} of {fn.state.get('times')} {fn.state.get('errors', '')}" if c is not None else None
-    if kind.endswith(("-old", "-tiles", "-coltiles", "-gemv", "-halfdot", "-dp4a", "-grouped", "-tiled", "-rows")):
+    if kind.endswith(("-old", "-tiles", "-coltiles", "-gemv", "-halfdot", "-dp4a", "-tiled", "-rows")):
         c = fn.state.get("config")
         return f"{kind.split('-')[1]} {c.kwargs} w{c.num_warps} s{c.num_stages}" if c is not None else None
     return None

@@ -170,7 +170,7 @@ def _ours(arch: str = "sm_75") -> dict[str, tuple]:
 
 def _batch1(kind: str, form: dict, **const) -> tuple:
     """(ASTSource, options) of the int8 / int4 batch-1 matrix-vector kernel in a fused form (its
-    flags: NORM, NORM_WEIGHT, GATED, RESIDUAL, DOT4, HALF_DOT, GROUPED) at the config the 8B shape's layers
+    flags: NORM, NORM_WEIGHT, GATED, RESIDUAL, DOT4, HALF_DOT) at the config the 8B shape's layers
     take (int8: 16 rows x 512 columns, int4: 16 x 1024, 4 warps), `const` set on top (e.g. PDL)."""
     from quantserve.server.fastcore import triton_gemv
 
@@ -179,8 +179,7 @@ def _batch1(kind: str, form: dict, **const) -> tuple:
     const = {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": block_k, "SPLIT_K": 1, "BIT_DEQUANT": True,
              "AHEAD": triton_gemv.LOAD_AHEAD,
              **{flag: form.get(flag, False) for flag in ("NORM", "NORM_WEIGHT", "GATED", "RESIDUAL", "DOT4")},
-             **({"GROUP": 128, "HALF_DOT": form.get("HALF_DOT", False), "GROUPED": form.get("GROUPED", False)}
-                if kind == "int4" else {}), **const}
+             **({"GROUP": 128, "HALF_DOT": form.get("HALF_DOT", False)} if kind == "int4" else {}), **const}
     # every other constexpr at its default (a compile for a signature must name them all)
     const.update({p.name: p.default for p in fn.params if p.is_constexpr and p.has_default and p.name not in const
                   and not p.name.endswith("_ptr")})
@@ -203,11 +202,9 @@ def _gemv_forms() -> dict[str, tuple]:
              "packed fp16, norm": {"HALF_DOT": True, **norm}, "int8 x, dp4a": {"DOT4": True},
              "int8 x, dp4a, norm": {"DOT4": True, **norm}, "int8 x, dp4a, folded norm": {"DOT4": True, **folded},
              "int8 x, dp4a, folded norm + gate": {"DOT4": True, **folded, "GATED": True},
-             "int8 x, dp4a, gate": {"DOT4": True, "GATED": True}, "int8 x, dp4a, residual": {"DOT4": True, "RESIDUAL": True},
-             "int8 x, dp4a, by groups": {"DOT4": True, "GROUPED": True},
-             "int8 x, dp4a, by groups, folded norm + gate": {"DOT4": True, **folded, "GATED": True, "GROUPED": True}}
+             "int8 x, dp4a, gate": {"DOT4": True, "GATED": True}, "int8 x, dp4a, residual": {"DOT4": True, "RESIDUAL": True}}
     return {f"ours {kind} batch-1, {name}": _batch1(kind, form) for kind in ("int8", "int4")
-            for name, form in forms.items() if not (kind == "int8" and (form.get("HALF_DOT") or form.get("GROUPED")))}
+            for name, form in forms.items() if not (kind == "int8" and form.get("HALF_DOT"))}
 
 
 def dependent_launch_order(arch: str = "sm_90") -> dict[str, dict]:

@@ -65,7 +65,7 @@ def load_choices(*paths) -> int:
     kernel, shape and dtype), the first file's winning where two name one shape; returns how many
     were taken.  A missing or unreadable file is skipped, and so is a row this version cannot run
     as written (a kernel it lacks, a config or flag its kernel does not take), that rounds x to
-    int8 where QUANTSERVE_INT8_ACTIVATIONS=0 (int4 by groups where QUANTSERVE_INT4_GROUPED=0), a batch-1 row chosen with the other loop (its
+    int8 where QUANTSERVE_INT8_ACTIVATIONS=0, a batch-1 row chosen with the other loop (its
     "ahead", absent before 2026-12-06, other than triton_gemv.LOAD_AHEAD), or a prompt row whose
     "wgmma" (absent before 2026-12-07) differs from whether this GPU runs those kernels: those
     shapes are tuned again."""
@@ -84,8 +84,8 @@ def load_choices(*paths) -> int:
                                            num_stages=int(cfg["num_stages"]))
                     if not set(config.kwargs) | set(flags) <= parameters:
                         continue  # written for another version of the kernel
-                if (flags.get(dp4a.FLAG) and not dp4a.enabled()) or (flags.get("GROUPED") and not triton_gemv.GROUPED_SCALES):
-                    continue  # a form turned off here: tuned again without it
+                if flags.get(dp4a.FLAG) and not dp4a.enabled():
+                    continue  # x rounded to int8, turned off here: tuned again without it
                 name, bucket, batch1, n, k, dtype, group = row["key"]
                 if batch1 and bool(row.get("ahead", False)) != triton_gemv.LOAD_AHEAD:
                     continue  # chosen among batch-1 kernels of the other loop (_rows): tuned again

@@ -168,10 +168,9 @@ def activation(x_ptr, norm_ptr, cols, NORM_WEIGHT: tl.constexpr):
 
 @triton.jit
 def word_products(words, x_ptr, norm_ptr, cols, NORM_WEIGHT: tl.constexpr):
-    """int4 words ([columns, rows] int32, one a row; or [groups, columns, rows]) against x's 8
-    columns from `cols` (the words' shape without the rows), x rounded to int8 per word: (the
-    products scaled by x's rounding scale, the rounded columns' sum, the squares' sum before the
-    norm's weight)."""
+    """int4 words ([columns, rows] int32, one a row) against x's 8 columns from `cols` ([columns]),
+    x rounded to int8 per word: (the products scaled by x's rounding scale, the rounded columns'
+    sum, the squares' sum before the norm's weight)."""
     x0, q0 = activation(x_ptr, norm_ptr, cols, NORM_WEIGHT)
     x1, q1 = activation(x_ptr, norm_ptr, cols + 1, NORM_WEIGHT)
     x2, q2 = activation(x_ptr, norm_ptr, cols + 2, NORM_WEIGHT)
@@ -181,7 +180,6 @@ def word_products(words, x_ptr, norm_ptr, cols, NORM_WEIGHT: tl.constexpr):
     x6, q6 = activation(x_ptr, norm_ptr, cols + 6, NORM_WEIGHT)
     x7, q7 = activation(x_ptr, norm_ptr, cols + 7, NORM_WEIGHT)
     low, high, xs = quantize8_for_nibbles(x0, x1, x2, x3, x4, x5, x6, x7)
-    rows_axis: tl.constexpr = len(cols.shape)  # the words' last axis
-    part = dot_int4(words, tl.broadcast_to(tl.expand_dims(low, rows_axis), words.shape),
-                    tl.broadcast_to(tl.expand_dims(high, rows_axis), words.shape)) * tl.expand_dims(xs, rows_axis)
+    part = dot_int4(words, tl.broadcast_to(low[:, None], words.shape),
+                    tl.broadcast_to(high[:, None], words.shape)) * xs[:, None]
     return part, column_sum(low, high) * xs, ((q0 + q1) + (q2 + q3)) + ((q4 + q5) + (q6 + q7))

@@ -73,9 +73,6 @@ _INT4 = ((8, 1024, 4), (16, 1024, 4), (32, 1024, 4), (4, 1024, 4), (8, 2048, 8),
 # On an H100 (bench/RESULTS.md, 2026-12-06): the 8B's int4 decode at batch 1 1.098x as fast (ahead,
 # off, ahead in one call), int8 1.02x.  QUANTSERVE_GEMV_AHEAD=0 turns it off.
 LOAD_AHEAD = os.environ.get("QUANTSERVE_GEMV_AHEAD", "1") != "0"
-# int4's dp4a form with its tiles by group (_grouped_dot4_sums) among the launcher's batch-1
-# candidates; QUANTSERVE_INT4_GROUPED=0 leaves it out (and skips kept choices that use it)
-GROUPED_SCALES = os.environ.get("QUANTSERVE_INT4_GROUPED", "1") != "0"
 
 
 def _config(bn: int, bk: int, warps: int):
@@ -260,39 +257,6 @@ def _nibble_dot(words, x0, x1, x2, x3, x4, x5, x6, x7):
         return lo.to(tl.float32) + hi.to(tl.float32)
 
 
-@triton.jit
-def _grouped_dot4_sums(x_ptr, w_ptr, s_ptr, z_ptr, norm_ptr, rows, K, k0, k_len, GROUP: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, AHEAD: tl.constexpr,
-                       NORM_WEIGHT: tl.constexpr, PDL: tl.constexpr):
-    """The int4 kernel's K loop in the dp4a form with tiles [groups, words of a group, rows], so a
-    thread loads a group's scale and zero point once for its words of that group, where the
-    [words, rows] tiles load them once per word and row: two 2-byte loads beside each 4-byte word,
-    the kernel's largest stage (without them it took 0.70-0.76x the time on the 8B's large layers,
-    bench/RESULTS.md 2026-12-06).  Returns (this program's rows' sums, x's squares)."""
-    WG: tl.constexpr = GROUP // 8  # words a group
-    G: tl.constexpr = BLOCK_K // GROUP  # groups a K step
-    word = tl.arange(0, G)[:, None] * WG + tl.arange(0, WG)[None, :]  # [G, WG]: a step's words
-    w_ptrs = w_ptr.to(tl.pointer_type(tl.int32)) + word[:, :, None] + rows[None, None, :] * (K // 8)
-    # a group's (scale, zero point) offsets broadcast over its words: each thread loads them once
-    # for its words of a group (identical addresses, merged by the compiler), and the tile takes
-    # the scales' layout.  As a [G, 1, rows] tile broadcast after the load it was 298-300
-    # against 213 instructions a K step at 8 rows x 1,024 columns (sm_90 SASS, Triton 3.9).
-    sz_off = tl.broadcast_to(tl.arange(0, G)[:, None, None] + rows[None, None, :] * (K // GROUP), (G, WG, BLOCK_N))
-    acc = tl.zeros((G, WG, BLOCK_N), dtype=tl.float32)
-    sq = tl.zeros((G, WG), dtype=tl.float32)
-    ahead = first_words(w_ptrs, k0, 8, AHEAD)
-    wait_for_previous(PDL)
-    for k in range(k0, k0 + k_len, BLOCK_K):
-        k = tl.multiple_of(k, BLOCK_K)
-        words, ahead = step_words(w_ptrs, k, k0 + k_len, ahead, BLOCK_K, 8, AHEAD)  # [G, WG, rows] int32
-        part, x_sum, x_sq = word_products(words, x_ptr, norm_ptr, k + 8 * word, NORM_WEIGHT)
-        if NORM:
-            sq += x_sq
-        acc += part * tl.load(s_ptr + sz_off + k // GROUP).to(tl.float32)
-        acc += x_sum[:, :, None] * tl.load(z_ptr + sz_off + k // GROUP).to(tl.float32)
-    return tl.sum(tl.sum(acc, axis=0), axis=0), sq
-
-
 @triton.jit(do_not_specialize_on_alignment=["K"])
 def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, stride_xm, stride_om,
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -300,7 +264,7 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, st
                       eps=0.0, NORM: tl.constexpr = False, GATED: tl.constexpr = False,
                       RESIDUAL: tl.constexpr = False, HALF_DOT: tl.constexpr = False, DOT4: tl.constexpr = False,
                       AHEAD: tl.constexpr = LOAD_AHEAD, NORM_WEIGHT: tl.constexpr = False,
-                      PDL: tl.constexpr = False, GROUPED: tl.constexpr = False):
+                      PDL: tl.constexpr = False):
     # The packed bytes are read as int32 words of 8 columns, one word per thread and row: byte i
     # of a word holds columns 2i (high nibble) and 2i + 1 (low), so column j of the word sits at
     # bit 8 * (j // 2) + 4 * (1 - j % 2).  Column j of x for each word is a strided load of its
@@ -308,73 +272,69 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, M_BUCKET, st
     # (GROUP % 8 == 0), so its partial sum is scaled once.  Tiles are [words, rows] (K first):
     # then the scales' and the words' loads get the same register layout, and nothing in the loop
     # is exchanged through shared memory.
+    W: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
     rows = _rows(pid_n, N, BLOCK_N, GATED)
     k_len = K // SPLIT_K
     k0 = tl.multiple_of(tl.program_id(1) * k_len, BLOCK_K) if SPLIT_K > 1 else 0
-    if GROUPED:  # x rounded to int8, one scale and zero point a group (_grouped_dot4_sums)
-        y, sq = _grouped_dot4_sums(x_ptr, w_ptr, s_ptr, z_ptr, norm_ptr, rows, K, k0, k_len, GROUP, BLOCK_N, BLOCK_K,
-                                   NORM, AHEAD, NORM_WEIGHT, PDL)
-    else:
-        W: tl.constexpr = BLOCK_K // 8
-        rw = tl.arange(0, W)
-        w_ptrs = w_ptr.to(tl.pointer_type(tl.int32)) + rw[:, None] + rows[None, :] * (K // 8)
-        sz_off = (8 * rw[:, None]) // GROUP + rows[None, :] * (K // GROUP)
-        acc = tl.zeros((W, BLOCK_N), dtype=tl.float32)
-        sq = tl.zeros((W,), dtype=tl.float32)
-        ahead = first_words(w_ptrs, k0, 8, AHEAD)
-        wait_for_previous(PDL)
-        for k in range(k0, k0 + k_len, BLOCK_K):
-            k = tl.multiple_of(k, BLOCK_K)
-            words, ahead = step_words(w_ptrs, k, k0 + k_len, ahead, BLOCK_K, 8, AHEAD)  # [W, BN] int32
-            s = tl.load(s_ptr + sz_off + k // GROUP).to(tl.float32)
-            z = tl.load(z_ptr + sz_off + k // GROUP).to(tl.float32)
-            part = tl.zeros((W, BLOCK_N), dtype=tl.float32)
-            xsum = tl.zeros((W,), dtype=tl.float32)
-            if DOT4:  # x rounded to int8, the word's 8 products in two dp4a (triton_dp4a.py)
-                # the zero points' term from the rounded x too: the error is then sum w (x̂ - x) with w
-                # centred, not sum q s (x̂ - x) with q in [0, 15] (~half the error, bench/RESULTS.md)
-                part, x_sum, x_sq = word_products(words, x_ptr, norm_ptr, k + 8 * rw, NORM_WEIGHT)
-                xsum += x_sum
+    rw = tl.arange(0, W)
+    w_ptrs = w_ptr.to(tl.pointer_type(tl.int32)) + rw[:, None] + rows[None, :] * (K // 8)
+    sz_off = (8 * rw[:, None]) // GROUP + rows[None, :] * (K // GROUP)
+    acc = tl.zeros((W, BLOCK_N), dtype=tl.float32)
+    sq = tl.zeros((W,), dtype=tl.float32)
+    ahead = first_words(w_ptrs, k0, 8, AHEAD)
+    wait_for_previous(PDL)
+    for k in range(k0, k0 + k_len, BLOCK_K):
+        k = tl.multiple_of(k, BLOCK_K)
+        words, ahead = step_words(w_ptrs, k, k0 + k_len, ahead, BLOCK_K, 8, AHEAD)  # [W, BN] int32
+        s = tl.load(s_ptr + sz_off + k // GROUP).to(tl.float32)
+        z = tl.load(z_ptr + sz_off + k // GROUP).to(tl.float32)
+        part = tl.zeros((W, BLOCK_N), dtype=tl.float32)
+        xsum = tl.zeros((W,), dtype=tl.float32)
+        if DOT4:  # x rounded to int8, the word's 8 products in two dp4a (triton_dp4a.py)
+            # the zero points' term from the rounded x too: the error is then sum w (x̂ - x) with w
+            # centred, not sum q s (x̂ - x) with q in [0, 15] (~half the error, bench/RESULTS.md)
+            part, x_sum, x_sq = word_products(words, x_ptr, norm_ptr, k + 8 * rw, NORM_WEIGHT)
+            xsum += x_sum
+            if NORM:
+                sq += x_sq
+        elif HALF_DOT:  # the products in packed fp16 (_nibble_dot), x scaled down for them
+            a0, b0, s0, sq0 = _x_pair(x_ptr, norm_ptr, k, rw, 0, W, BLOCK_N, NORM_WEIGHT)
+            a1, b1, s1, sq1 = _x_pair(x_ptr, norm_ptr, k, rw, 1, W, BLOCK_N, NORM_WEIGHT)
+            a2, b2, s2, sq2 = _x_pair(x_ptr, norm_ptr, k, rw, 2, W, BLOCK_N, NORM_WEIGHT)
+            a3, b3, s3, sq3 = _x_pair(x_ptr, norm_ptr, k, rw, 3, W, BLOCK_N, NORM_WEIGHT)
+            # both terms in x's scaled units (the sum once per column, not per row): the scale
+            # comes off once, after the loop
+            part = _nibble_dot(words, a0, b0, a1, b1, a2, b2, a3, b3)
+            xsum += ((s0 + s1) + (s2 + s3)) * HALF_DOT_SCALE
+            if NORM:
+                sq += (sq0 + sq1) + (sq2 + sq3)
+        elif BIT_DEQUANT:
+            # two nibbles at once: (w >> 4p) & 0x000F000F | 0x64006400 holds 1024 + q of two
+            # columns as fp16 halves (Marlin's trick), widened to fp32 in one asm block;
+            # sum (1024 + q) x = sum q x + 1024 sum x in fp32 keeps ~14 bits of q x, and the
+            # 1024 sum x comes off with the offset below
+            for p in tl.static_range(4):
+                # the columns of bits 4p and 16 + 4p: 2 (p // 2) + 1 - p % 2 and 4 more
+                x_lo, sq_lo = _activation(x_ptr, norm_ptr, k + 8 * rw + (2 * (p // 2) + 1 - p % 2), NORM_WEIGHT)
+                x_hi, sq_hi = _activation(x_ptr, norm_ptr, k + 8 * rw + (2 * (p // 2) + 5 - p % 2), NORM_WEIGHT)
+                q_lo, q_hi = nibble_pair(words, 4 * p)
+                part += q_lo * x_lo[:, None]
+                part += q_hi * x_hi[:, None]
+                xsum += x_lo + x_hi
                 if NORM:
-                    sq += x_sq
-            elif HALF_DOT:  # the products in packed fp16 (_nibble_dot), x scaled down for them
-                a0, b0, s0, sq0 = _x_pair(x_ptr, norm_ptr, k, rw, 0, W, BLOCK_N, NORM_WEIGHT)
-                a1, b1, s1, sq1 = _x_pair(x_ptr, norm_ptr, k, rw, 1, W, BLOCK_N, NORM_WEIGHT)
-                a2, b2, s2, sq2 = _x_pair(x_ptr, norm_ptr, k, rw, 2, W, BLOCK_N, NORM_WEIGHT)
-                a3, b3, s3, sq3 = _x_pair(x_ptr, norm_ptr, k, rw, 3, W, BLOCK_N, NORM_WEIGHT)
-                # both terms in x's scaled units (the sum once per column, not per row): the scale
-                # comes off once, after the loop
-                part = _nibble_dot(words, a0, b0, a1, b1, a2, b2, a3, b3)
-                xsum += ((s0 + s1) + (s2 + s3)) * HALF_DOT_SCALE
+                    sq += sq_lo + sq_hi
+            z = z - 1024.0 * s
+        else:
+            for j in tl.static_range(8):
+                xj, sqj = _activation(x_ptr, norm_ptr, k + 8 * rw + j, NORM_WEIGHT)
+                part += ((words >> (8 * (j // 2) + 4 * (1 - j % 2))) & 0xF).to(tl.float32) * xj[:, None]
+                xsum += xj
                 if NORM:
-                    sq += (sq0 + sq1) + (sq2 + sq3)
-            elif BIT_DEQUANT:
-                # two nibbles at once: (w >> 4p) & 0x000F000F | 0x64006400 holds 1024 + q of two
-                # columns as fp16 halves (Marlin's trick), widened to fp32 in one asm block;
-                # sum (1024 + q) x = sum q x + 1024 sum x in fp32 keeps ~14 bits of q x, and the
-                # 1024 sum x comes off with the offset below
-                for p in tl.static_range(4):
-                    # the columns of bits 4p and 16 + 4p: 2 (p // 2) + 1 - p % 2 and 4 more
-                    x_lo, sq_lo = _activation(x_ptr, norm_ptr, k + 8 * rw + (2 * (p // 2) + 1 - p % 2), NORM_WEIGHT)
-                    x_hi, sq_hi = _activation(x_ptr, norm_ptr, k + 8 * rw + (2 * (p // 2) + 5 - p % 2), NORM_WEIGHT)
-                    q_lo, q_hi = nibble_pair(words, 4 * p)
-                    part += q_lo * x_lo[:, None]
-                    part += q_hi * x_hi[:, None]
-                    xsum += x_lo + x_hi
-                    if NORM:
-                        sq += sq_lo + sq_hi
-                z = z - 1024.0 * s
-            else:
-                for j in tl.static_range(8):
-                    xj, sqj = _activation(x_ptr, norm_ptr, k + 8 * rw + j, NORM_WEIGHT)
-                    part += ((words >> (8 * (j // 2) + 4 * (1 - j % 2))) & 0xF).to(tl.float32) * xj[:, None]
-                    xsum += xj
-                    if NORM:
-                        sq += sqj
-            acc += part * s  # two statements: two fused multiply-adds (one expression was FMUL, FFMA, FADD)
-            acc += xsum[:, None] * z
-        y = tl.sum(acc, axis=0)
+                    sq += sqj
+        acc += part * s  # two statements: two fused multiply-adds (one expression was FMUL, FFMA, FADD)
+        acc += xsum[:, None] * z
+    y = tl.sum(acc, axis=0)
     if HALF_DOT:
         y = y * (1.0 / HALF_DOT_SCALE)
     _finish_row(out_ptr, y, pid_n, N, K, sq, eps, res_ptr, BLOCK_N, NORM, GATED, RESIDUAL, SPLIT_K)

@@ -36,8 +36,7 @@ from quantserve.server.fastcore.triton_dequant import (AUTOTUNE_OPTIONS, compili
 from quantserve.server.fastcore.kernel_timing import graph_times, quick_bench
 from quantserve.server.fastcore import dependent_launch, triton_dp4a as dp4a, triton_splits as splits
 from quantserve.server.fastcore import triton_wgmma as wgmma
-from quantserve.server.fastcore.triton_gemv import (GROUPED_SCALES, fits as gemv_fits, int4_gemv_kernel,
-                                                    int8_gemv_kernel)
+from quantserve.server.fastcore.triton_gemv import fits as gemv_fits, int4_gemv_kernel, int8_gemv_kernel
 from quantserve.server.fastcore.triton_rows import block_m as rows_block_m, fits as rows_fit, int4_rows_kernel
 from quantserve.server.fastcore.triton_splits import store_tile
 
@@ -298,10 +297,12 @@ def _optional(tune) -> list[tuple]:
 def _fastest(choices: list[tuple], M: int, N: int, K: int, x: torch.Tensor, args: tuple, extra: dict) -> tuple:
     """The choice whose whole call (output allocation, and the adding of the splits where it splits
     K) takes least GPU time, timed with the L2 cache flushed between calls as a decode step sees it,
-    among those whose result agrees with the first choice's (_agreeing).  Decode-sized calls
-    (M <= 64) are timed inside a CUDA graph, as a decode step replays them: one call at a time, a
-    split-K call of several launches lost to a one-launch kernel 1.7x slower on the GPU
-    (kernel_timing.py).  Prompt-sized calls run for 100 µs or more, where launches cost little."""
+    among those whose result agrees with the first choice's (_agreeing).  Calls are timed inside a
+    CUDA graph, as the decode and prompt steps replay them.  One call at a time, the host's work
+    that outlasts the flush is counted as GPU time: a split-K call of several launches lost to a
+    one-launch kernel 1.7x slower on the GPU (kernel_timing.py), and at 512 rows the wgmma kernels,
+    which build their TMA descriptors on the host, lost int4's o layer to dequantize-then-cuBLAS,
+    1.27x their time in the race (bench/RESULTS.md, 2026-12-07)."""
     if len(choices) == 1:
         return choices[0]
     with compiling_ahead():  # the batch-1 kernels' variants (BIT_DEQUANT, HALF_DOT) are new compiles
@@ -312,7 +313,7 @@ def _fastest(choices: list[tuple], M: int, N: int, K: int, x: torch.Tensor, args
                 pass
     choices = _agreeing(choices, M, N, K, x, args, extra)  # runs each once: loaded before any capture
     calls = [lambda c=c: run_choice(*c[:3], M, N, K, x, args, {**extra, **c[3]}) for c in choices]
-    times = graph_times(calls) if M <= 64 and x.is_cuda else [quick_bench(call) for call in calls]
+    times = graph_times(calls) if x.is_cuda else [quick_bench(call) for call in calls]
     return choices[times.index(min(times))]
 
 
@@ -358,10 +359,10 @@ def _launch(kernel, M: int, N: int, x: torch.Tensor, args: tuple, gemv=None, den
 
     The first call for a shape tunes: each autotuner picks its best config, then the kinds'
     winners are timed against each other (at batch 1: tiled, matrix-vector with and without the
-    bit-pattern dequantization, int4's packed fp16 products, x rounded to int8 for dp4a, int4's
-    scales then loaded per word or per group; at 2-16 rows: tiled and the few-rows kernel; for
-    M > 64: tiled on 64 rows, 128-row tiles, dequantize-then-cuBLAS, the wgmma kernels' configs)
-    and the fastest is kept.  Later calls launch the choice directly."""
+    bit-pattern dequantization, int4's packed fp16 products, x rounded to int8 for dp4a; at 2-16
+    rows: tiled and the few-rows kernel; for M > 64: tiled on 64 rows, 128-row tiles,
+    dequantize-then-cuBLAS, the wgmma kernels' configs) and the fastest is kept.  Later calls
+    launch the choice directly."""
     K = x.shape[1]
     bucket = _m_bucket(M, fine=rows is not None)
     key = (kernel.fn.__name__, bucket, M == 1, N, K, x.dtype, extra.get("GROUP"))  # batch 1 has its own choice
@@ -385,11 +386,8 @@ def _launch(kernel, M: int, N: int, x: torch.Tensor, args: tuple, gemv=None, den
                 if gemv is int4_gemv_kernel:  # products in packed fp16 (triton_gemv._nibble_dot)
                     choices.append((fn, config, 1, {"BIT_DEQUANT": True, "HALF_DOT": True}))
                 if dp4a.enabled():  # x rounded to int8, integer products (triton_dp4a.py)
-                    configs = dp4a.configs_to_time(gemv, config)
-                    choices += [(fn, c, 1, {"BIT_DEQUANT": True, dp4a.FLAG: True}) for c in configs]
-                    if gemv is int4_gemv_kernel and GROUPED_SCALES:  # a group's scale loaded once a thread
-                        choices += [(fn, c, 1, {"BIT_DEQUANT": True, dp4a.FLAG: True, "GROUPED": True})
-                                    for c in configs if c.kwargs["BLOCK_K"] % extra["GROUP"] == 0]
+                    choices += [(fn, c, 1, {"BIT_DEQUANT": True, dp4a.FLAG: True})
+                                for c in dp4a.configs_to_time(gemv, config)]
         _chosen[key] = _fastest(choices, M, N, K, x, args, extra)
     fn, config, block_m, flags = _chosen[key]
     return run_choice(fn, config, block_m, M, N, K, x, args, {**extra, **flags})

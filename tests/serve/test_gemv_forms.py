@@ -83,7 +83,7 @@ def test_split_k_with_the_weights_loaded_ahead_or_not():
                (triton_gemv.int4_gemv_kernel.fn, (x, q4.weight, q4.scales, q4.mins), {"GROUP": q4.group_size}, q4, 1))
     for split in (1, 2, 4):
         for fn, args, extra, q, warps in kernels:
-            for form in ({}, {"DOT4": True}) + (({"DOT4": True, "GROUPED": True},) if "GROUP" in extra else ()):
+            for form in ({}, {"DOT4": True}):
                 config = triton.Config({"BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": split}, num_warps=warps, num_stages=1)
                 y = {ahead: triton_mm.run_choice(fn, config, 1, 1, N, K, x, args,
                                                  {**extra, **form, "BIT_DEQUANT": True, "AHEAD": ahead})
@@ -91,26 +91,3 @@ def test_split_k_with_the_weights_loaded_ahead_or_not():
                 what = f"split {split} {form} {fn}"
                 check(y[True], fused_reference(q, x, False, None, 0.0, False, None), what, bound(form), DTYPE)
                 assert torch.equal(y[True], y[False]), what
-
-
-@pytest.mark.parametrize("group", [64, 128])
-def test_int4_by_groups_gives_the_per_word_forms_sums(group):
-    """int4's dp4a form with its tiles by group (GROUPED: a group's scale and zero point loaded once
-    a thread) computes what the per-word form does, at groups of 64 (8 words) and 128 (16), at
-    configs whose K step holds one group and several."""
-    import triton
-
-    from quantserve.server.fastcore import triton_gemv, triton_mm
-    from quantserve.server.fastcore.quant import make_linear
-
-    torch.manual_seed(group)
-    q4 = make_linear(torch.randn(N, K, device=DEVICE, dtype=DTYPE) * 0.02, None, "int4", DTYPE, "torch", group)
-    x = (torch.randn(1, K, device=DEVICE) * 2 + 0.3).to(DTYPE)
-    args, ref = (x, q4.weight, q4.scales, q4.mins), fused_reference(q4, x, False, None, 0.0, False, None)
-    for block_k, warps in ((256, 1), (1024, 4)):
-        config = triton.Config({"BLOCK_N": 8, "BLOCK_K": block_k, "SPLIT_K": 1}, num_warps=warps, num_stages=1)
-        y = {grouped: triton_mm.run_choice(triton_gemv.int4_gemv_kernel.fn, config, 1, 1, N, K, x, args,
-                                           {"GROUP": group, "BIT_DEQUANT": True, "DOT4": True, "GROUPED": grouped})
-             for grouped in (True, False)}
-        check(y[True], ref, f"group {group} {config}", bound({"DOT4": True}), DTYPE)
-        assert (y[True].float() - y[False].float()).abs().max() <= 1e-3 * ref.abs().max(), (group, config)

@@ -24,7 +24,7 @@ def test_every_matrix_vector_config():
     at the first config; N not a multiple of any BLOCK_N (the clamped last rows)."""
     from quantserve.server.fastcore import triton_gemv, triton_mm
 
-    def configs(tuned, flags):  # every config of each form, one of each loading-ahead variant
+    def configs(tuned, flags):
         return tuned.configs[:1] if "AHEAD" in flags else tuned.configs
 
     N, K = 1000, 4096

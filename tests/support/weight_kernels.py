@@ -53,16 +53,13 @@ def check(y: torch.Tensor, ref: torch.Tensor, what: str, rel: float = 2e-3, dtyp
 # Triton's own conversion; int4's packed fp16 products (HALF_DOT: each product and each lane's sum
 # of 4 rounded to fp16, ~1e-3 of the output's scale in Triton's interpreter); x rounded to int8 for
 # dp4a (DOT4: |x - x̂| <= max|x| / 254 over a word's 4 or 8 columns, ~3-5e-3 of the output's scale);
-# each step's weights loaded a step ahead or not (AHEAD, whatever QUANTSERVE_GEMV_AHEAD makes the default);
-# int4's dp4a form with its tiles by group, a group's scale loaded once a thread (GROUPED)
+# each step's weights loaded a step ahead or not (AHEAD, whatever QUANTSERVE_GEMV_AHEAD makes the default)
 INT8_VARIANTS = ({"BIT_DEQUANT": True}, {"BIT_DEQUANT": False}, {"BIT_DEQUANT": True, "DOT4": True},
                  *({"BIT_DEQUANT": True, "AHEAD": a} for a in (True, False)),
                  *({"BIT_DEQUANT": True, "DOT4": True, "AHEAD": a} for a in (True, False)))
 INT4_VARIANTS = ({"BIT_DEQUANT": True}, {"BIT_DEQUANT": False}, {"BIT_DEQUANT": True, "HALF_DOT": True},
                  {"BIT_DEQUANT": True, "DOT4": True}, *({"BIT_DEQUANT": True, "AHEAD": a} for a in (True, False)),
-                 *({"BIT_DEQUANT": True, "DOT4": True, "AHEAD": a} for a in (True, False)),
-                 {"BIT_DEQUANT": True, "DOT4": True, "GROUPED": True},
-                 {"BIT_DEQUANT": True, "DOT4": True, "GROUPED": True, "AHEAD": False})
+                 *({"BIT_DEQUANT": True, "DOT4": True, "AHEAD": a} for a in (True, False)))
 
 
 def bound(flags: dict | None, outliers: bool = False) -> float:
