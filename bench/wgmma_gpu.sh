@@ -9,7 +9,7 @@
 #                                   profile's prompt steps replayed from CUDA graphs (256, 512, 2,048
 #                                   tokens; fp16, int8, int4) and batch-1 decode, 8B, T4 profile, all in
 #                                   one process; its prompt rows merged into a copy of the shipped tables
-#   bench/wgmma_gpu.sh OUT all      install; the wgmma and table GPU tests; serve's profile and rows;
+#   bench/wgmma_gpu.sh OUT all      install; the wgmma, launcher and table GPU tests; serve's profile and rows;
 #                                   with time left, the race of gate_up at 512 rows (fp16, the wgmma
 #                                   kernels' every config, int8 in both forms)
 # Run from the repo root with .devwheels carried.  race ends by 420 s, serve by ~520 s, all by ~280 s.
@@ -50,7 +50,7 @@ elif [ "$phase" = serve ]; then
   race 230 8b qkv,o,gate_up,down 256,512,2048 8b
   serve_profile 500
 elif [ "$phase" = all ]; then
-  gpu_tests $(left 100) "wgmma or shipped_table" "$repo/tests/serve/test_gpu_kernels.py"
+  gpu_tests $(left 130) "wgmma or shipped_table or launcher or candidates_are_timed" "$repo/tests/serve/test_gpu_kernels.py"
   serve_profile 270
   [ "$SECONDS" -lt 250 ] && KINDS=fp16,int8-wgmma,int4-wgmma race 280 8b gate_up 512 8b
 else
