@@ -11,9 +11,11 @@ Two timers, for two kinds of question:
   whose Python and launches take longer than the flush runs with gaps the events count: on an
   H200 the launcher kept the few-rows kernel for the 8B's o layer at 16 rows (27.6 µs as a decode
   step replays it) over the tiled one (16.6 µs), and more such choices at 8 and 16 rows during a
-  cold start, while compile threads held the GIL (bench/RESULTS.md, 2026-12-06).  A decode step replays its kernels from a CUDA graph, with no
-  launch gaps; so these candidates are timed the same way: `REPS` calls, each after the flush, in
-  one graph, less the same graph of flushes alone.
+  cold start, while compile threads held the GIL (bench/RESULTS.md, 2026-12-06).  Decode and
+  prompt steps replay their kernels from CUDA graphs, with no launch gaps; so every candidate is
+  timed the same way: `REPS` calls, each after the flush, in one graph, less the same graph of
+  flushes alone (prompt-sized ones too since 2026-12-07: the wgmma kernels' host-side TMA
+  descriptors had lost them a layer to a form 1.27x slower).
 """
 
 from __future__ import annotations
