@@ -86,13 +86,16 @@ def test_bench_kernel_table_writes_a_table_from_compile_caches(tmp_path, capsys)
 def _kernel_parameters() -> dict[str, set[str]]:
     """The Triton kernels' parameter names, read from their source: without importing Triton, which
     the test extra installs on Linux x86-64 only (kernel_choices.load_choices checks the same on a GPU,
-    and tests/serve/test_kernels_interpreted.py in Triton's interpreter)."""
+    and tests/serve/test_kernels_interpreted.py in Triton's interpreter).  The sm_90 prompt kernels
+    are named in a table by their launchers (triton_wgmma's int8_wgmma_mm for _int8_wgmma_kernel)."""
     out = {}
-    for name in ("triton_mm.py", "triton_gemv.py", "triton_rows.py"):
+    for name in ("triton_mm.py", "triton_gemv.py", "triton_rows.py", "triton_wgmma.py"):
         tree = ast.parse((REPO / "server/fastcore" / name).read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel"):
                 out[node.name] = {a.arg for a in node.args.args}
+    for name in [n for n in out if n.endswith("_wgmma_kernel")]:
+        out[name.lstrip("_").replace("_kernel", "_mm")] = out[name]
     return out
 
 
@@ -128,6 +131,7 @@ def test_the_kernels_parameters_are_read_from_their_source():
     assert {"_int8_kernel", "_int4_kernel", "_int8_gemv_kernel", "_int4_gemv_kernel", "_int4_rows_kernel"} <= set(params)
     assert {"BLOCK_N", "BLOCK_K", "SPLIT_K", "BIT_DEQUANT", "HALF_DOT"} <= params["_int4_gemv_kernel"]
     assert "K_FIRST" in params["_int4_rows_kernel"]
+    assert {"BLOCK_N", "BLOCK_M", "BLOCK_K", "GROUP"} <= params["int4_wgmma_mm"]
 
 
 def test_a_table_check_finds_rows_this_version_cannot_run():
@@ -136,7 +140,10 @@ def test_a_table_check_finds_rows_this_version_cannot_run():
                                 config={"kwargs": {"BLOCK_N": 8, "BLOCK_K": 1024, "SPLIT_K": 1, "K_FIRST": True},
                                         "num_warps": 4, "num_stages": 1}, block_m=8, flags={}),
                           _row(key=["_int8_kernel", 512, False, 6144, 4096, "float16", None], kernel="_int8_dense",
-                               config=None, block_m=0, flags={})]}
+                               config=None, block_m=0, flags={}),
+                          _row(key=["_int4_kernel", 512, False, 6144, 4096, "float16", 128], kernel="int4_wgmma_mm",
+                               config={"kwargs": {"BLOCK_N": 64, "BLOCK_M": 256, "BLOCK_K": 128}, "num_warps": 4,
+                                       "num_stages": 3}, block_m=256, flags={}, wgmma=True)]}
     assert table_problems(good, params) == []
     stale = {"rows": [_row(flags={"BIT_DEQUANT": True, "OLD_FLAG": 1}), _row(kernel="_gone_kernel"),
                       _row(ahead=False)]}
