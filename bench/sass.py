@@ -181,8 +181,7 @@ def _batch1(kind: str, form: dict, **const) -> tuple:
              **{flag: form.get(flag, False) for flag in ("NORM", "NORM_WEIGHT", "GATED", "RESIDUAL", "DOT4")},
              **({"GROUP": 128, "HALF_DOT": form.get("HALF_DOT", False)} if kind == "int4" else {}), **const}
     # every other constexpr at its default (a compile for a signature must name them all)
-    const.update({p.name: p.default for p in fn.params if p.is_constexpr and p.has_default and p.name not in const
-                  and not p.name.endswith("_ptr")})
+    const.update({p.name: p.default for p in fn.params if p.is_constexpr and p.has_default and p.name not in const})
     full = dict(sig, eps="fp32", **{n: "constexpr" for n in const})
     for ptr, flag in (("norm_ptr", "NORM_WEIGHT"), ("res_ptr", "RESIDUAL")):
         full[ptr] = "*fp16" if form.get(flag) else "constexpr"
