@@ -48,13 +48,28 @@ def enabled() -> bool:
     return os.environ.get("QUANTSERVE_INT8_ACTIVATIONS", "1") != "0"
 
 
-def configs_to_time(gemv, config) -> list:
-    """The configs the launcher times this form at: the float forms' choice and, where the kernel's
-    list has it, the same with twice the rows (a thread rounds its x once a step for all its rows,
-    so more rows spread that cost; the float forms' timing does not see it)."""
+# (rows, columns, warps) of each kernel's configs that the shipped tables' dp4a rows keep (H100, H200):
+# timed for this form whatever the float forms chose (triton_mm._launch)
+PROVEN = {"_int8_gemv_kernel": ((8, 512, 4), (8, 1024, 8), (4, 512, 4)),
+          "_int4_gemv_kernel": ((4, 1024, 4), (8, 1024, 4))}
+
+
+def configs_to_time(gemv, config, K: int) -> list:
+    """The configs the launcher times this form at: the float forms' choice; where the kernel's list
+    has it, the same with twice the rows (a thread rounds its x once a step for all its rows, so
+    more rows spread that cost; the float forms' timing does not see it); and the PROVEN ones that
+    fit K.  Only the first two, once: the float forms' autotuner then chose 16 rows x 512 columns on
+    2 warps for the 8B's int4 down layer in one of two fresh starts on an H100, this form was timed
+    there only, lost, and the step ran at 296-299 tok/s against 357 with every layer in this form at
+    4 rows x 1,024 columns (bench/RESULTS.md, 2026-12-07)."""
+    def shape(c):
+        return c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps
+
     wider = [c for c in gemv.configs if c.num_warps == config.num_warps
              and c.kwargs == {**config.kwargs, "BLOCK_N": 2 * config.kwargs["BLOCK_N"]}]
-    return [config] + wider[:1]
+    proven = [c for c in gemv.configs if shape(c) in PROVEN.get(gemv.fn.__name__, ()) and K % c.kwargs["BLOCK_K"] == 0]
+    out = [config] + wider[:1]
+    return out + [c for c in proven if shape(c) not in {shape(o) for o in out}]
 
 
 ROUNDER = tl.constexpr(12582912.0)  # 1.5 * 2^23 (bits 0x4B400000): float + it rounds to an integer

@@ -387,7 +387,7 @@ def _launch(kernel, M: int, N: int, x: torch.Tensor, args: tuple, gemv=None, den
                     choices.append((fn, config, 1, {"BIT_DEQUANT": True, "HALF_DOT": True}))
                 if dp4a.enabled():  # x rounded to int8, integer products (triton_dp4a.py)
                     choices += [(fn, c, 1, {"BIT_DEQUANT": True, dp4a.FLAG: True})
-                                for c in dp4a.configs_to_time(gemv, config)]
+                                for c in dp4a.configs_to_time(gemv, config, K)]
         _chosen[key] = _fastest(choices, M, N, K, x, args, extra)
     fn, config, block_m, flags = _chosen[key]
     return run_choice(fn, config, block_m, M, N, K, x, args, {**extra, **flags})

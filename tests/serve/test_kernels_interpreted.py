@@ -201,18 +201,33 @@ def test_a_batch1_choice_made_with_the_other_loop_is_tuned_again(tmp_path, monke
         triton_mm._chosen.update(saved)
 
 
-def test_the_dp4a_form_is_timed_at_the_float_forms_config_and_twice_its_rows():
+def test_the_dp4a_form_is_timed_at_the_float_forms_config_twice_its_rows_and_the_proven_configs():
     from quantserve.server.fastcore import triton_dp4a, triton_gemv
 
+    def shape(c):
+        return c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps
+
     for gemv in (triton_gemv.int8_gemv_kernel, triton_gemv.int4_gemv_kernel):
-        for config in gemv.configs:
-            got = triton_dp4a.configs_to_time(gemv, config)
-            assert got[0] is config and len(got) <= 2
-            for wider in got[1:]:
-                assert wider in gemv.configs and wider.num_warps == config.num_warps
-                assert wider.kwargs == {**config.kwargs, "BLOCK_N": 2 * config.kwargs["BLOCK_N"]}
-    widened = triton_dp4a.configs_to_time(triton_gemv.int4_gemv_kernel, triton_gemv._config(16, 1024, 4))
-    assert [c.kwargs["BLOCK_N"] for c in widened] == [16, 32]
+        proven = triton_dp4a.PROVEN[gemv.fn.__name__]
+        assert set(proven) <= {shape(c) for c in gemv.configs}  # each names one of the kernel's configs
+        for K in (4096, 14336, 1536):
+            for config in [c for c in gemv.configs if K % c.kwargs["BLOCK_K"] == 0]:  # the autotuner's own pruning
+                got = triton_dp4a.configs_to_time(gemv, config, K)
+                assert got[0] is config and all(c in gemv.configs for c in got)
+                assert len({shape(c) for c in got}) == len(got)  # none timed twice
+                wider = [c for c in got[1:] if shape(c) not in proven]
+                assert len(wider) <= 1
+                for c in wider:
+                    assert c.num_warps == config.num_warps
+                    assert c.kwargs == {**config.kwargs, "BLOCK_N": 2 * config.kwargs["BLOCK_N"]}
+                # every proven config that covers K in whole blocks is among them
+                assert {p for p in proven if K % p[1] == 0} <= {shape(c) for c in got}
+                assert all(K % c.kwargs["BLOCK_K"] == 0 for c in got)
+    widened = triton_dp4a.configs_to_time(triton_gemv.int4_gemv_kernel, triton_gemv._config(16, 1024, 4), 4096)
+    assert [shape(c) for c in widened] == [(16, 1024, 4), (32, 1024, 4), (8, 1024, 4), (4, 1024, 4)]
+    # the float forms' choice of the 2026-12-07 start that ran the 8B's down layer 1.2x slower
+    down = triton_dp4a.configs_to_time(triton_gemv.int4_gemv_kernel, triton_gemv._config(16, 512, 2), 14336)
+    assert [shape(c) for c in down] == [(16, 512, 2), (8, 1024, 4), (4, 1024, 4)]
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
@@ -349,16 +364,19 @@ def test_the_wgmma_prompt_kernels_compute_the_layer(weights):
     q8, q4 = _layers(7)
     x = torch.randn(70, K, device=DEVICE, dtype=DTYPE)
     x[:, ::97] *= 30
-    config = triton.Config({"BLOCK_N": 64, "BLOCK_M": 64, "BLOCK_K": 64}, num_warps=4, num_stages=2)
     assert wg.usable(x)
-    if weights == "int8":
-        y = wg.int8_wgmma_mm(x, q8.weight, q8.scales, config)
-        ref = x.float() @ (q8.weight.float() * q8.scales.float()[:, None]).t()
-    else:
-        y = wg.int4_wgmma_mm(x, q4.weight, q4.scales, q4.mins, q4.group_size, config)
-        ref = x.float() @ q4.dequantize(torch.float32).t()
-    assert y.shape == (70, N) and y.dtype == DTYPE
-    _close(y, ref, f"{weights} wgmma")
+    # one program a tile, and persistent: 5 tiles of 16 rows on 4 programs (the interpreter's
+    # multiprocessors), so one program walks two
+    for tile in ({"BLOCK_M": 64}, {"BLOCK_M": 16, "PERSISTENT": True}):
+        config = triton.Config({"BLOCK_N": 64, "BLOCK_K": 64, **tile}, num_warps=4, num_stages=2)
+        if weights == "int8":
+            y = wg.int8_wgmma_mm(x, q8.weight, q8.scales, config)
+            ref = x.float() @ (q8.weight.float() * q8.scales.float()[:, None]).t()
+        else:
+            y = wg.int4_wgmma_mm(x, q4.weight, q4.scales, q4.mins, q4.group_size, config)
+            ref = x.float() @ q4.dequantize(torch.float32).t()
+        assert y.shape == (70, N) and y.dtype == DTYPE
+        _close(y, ref, f"{weights} wgmma {tile}")
 
 
 def test_a_prompt_choice_says_whether_the_wgmma_kernels_were_among_its_candidates(tmp_path):
