@@ -12,12 +12,10 @@
 #   bench/wgmma_gpu.sh OUT all      install; the wgmma, launcher and table GPU tests; serve's profile and rows;
 #                                   with time left, the race of gate_up at 512 rows (fp16, the wgmma
 #                                   kernels' every config, int8 in both forms)
-#   bench/wgmma_gpu.sh OUT persist  install; the wgmma (persistent configs among them), launcher and batch-1
-#                                   GPU tests; serve's profile and rows; two fresh-cache int4 decodes at
-#                                   batch 1 (do the start-up choices agree); with time left, the race of
-#                                   the 8B's four layers at 512 rows over every wgmma config
+#   bench/wgmma_gpu.sh OUT choices  install; serve's profile and rows; three fresh-cache int4 decodes at
+#                                   batch 1 (do the start-up choices agree, and at what speed)
 # Run from the repo root with .devwheels carried.  race ends by 420 s, serve by ~520 s, all by ~280 s,
-# persist by 585 s.
+# choices by ~480 s.
 set -uo pipefail
 out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
 export PYTHONPATH=$site PYTHONUNBUFFERED=1
@@ -58,17 +56,14 @@ elif [ "$phase" = all ]; then
   gpu_tests $(left 130) "wgmma or shipped_table or launcher or candidates_are_timed" "$repo/tests/serve/test_gpu_kernels.py"
   serve_profile 270
   [ "$SECONDS" -lt 250 ] && KINDS=fp16,int8-wgmma,int4-wgmma race 280 8b gate_up 512 8b
-elif [ "$phase" = persist ]; then
-  gpu_tests $(left 170) "wgmma or shipped_table or launcher or candidates_are_timed or matrix_vector" \
-      "$repo/tests/serve/test_gpu_kernels.py"
-  serve_profile 390
-  for i in 1 2; do  # each a fresh start that tunes batch 1 (no table); it prints the forms it kept
-    QUANTSERVE_HOME=/tmp/qs-b1-$i decode $(left $((390 + 60 * i))) int4-b1-$i --models 8b --quants int4 \
+elif [ "$phase" = choices ]; then
+  serve_profile 300
+  for i in 1 2 3; do  # each a fresh start that tunes batch 1 (no table); it prints the forms it kept
+    QUANTSERVE_HOME=/tmp/qs-b1-$i decode $(left $((300 + 60 * i))) int4-b1-$i --models 8b --quants int4 \
         --kernels triton --batches 1
   done
-  KINDS=fp16,int8-wgmma,int4-wgmma race 585 8b qkv,o,gate_up,down 512 8b
 else
-  echo "wgmma_gpu.sh: unknown phase '$phase' (race, serve, all or persist)" >&2; exit 2
+  echo "wgmma_gpu.sh: unknown phase '$phase' (race, serve, all or choices)" >&2; exit 2
 fi
 # at most 8 files come back from the machine: the logs' lines that matter are in bench.txt already
 rm -f "$out"/profile-*.log "$out"/race-*.log "$out/prompt-rows.json"

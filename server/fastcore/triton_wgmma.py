@@ -18,7 +18,6 @@ sm_90.  `usable(x)` says whether a call may take this path; the launcher times i
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 
@@ -34,21 +33,19 @@ from quantserve.server.fastcore.triton_dequant import (dequantize_int4, dequanti
 # (multiples of 64: one warpgroup's wgmma height), BLOCK_M prompt rows, BLOCK_K deep, warps, stages.
 # The ones that won some layer of the 8B at 256-2,048 rows on an H100 (bench/RESULTS.md, 2026-12-07).
 _SHAPES = ((128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 128, 8, 3), (64, 256, 64, 4, 4),
-           (64, 256, 128, 4, 3),
-           # persistent (one program per multiprocessor, the tiles' K loops flattened into one): the
-           # pipeline is filled once per program, not once per tile, and overlaps the tiles' stores
-           (64, 256, 128, 4, 3, True), (128, 256, 64, 8, 3, True), (64, 256, 64, 4, 4, True))
+           (64, 256, 128, 4, 3))
+# Not among them: persistent configs (one program per multiprocessor walking tiles, their K loops
+# flattened into one by tl.range(..., flatten=True)).  On an H200 they took 1.6-1.8x the time of the
+# same tiles one program a tile, on every 8B layer at 512 rows (bench/RESULTS.md, 2026-12-07).
 # more that bench/kernel_race.py times beside them (not the launcher: each is a compile at start-up);
 # none of these won an int8 or int4 layer there
 _MORE_SHAPES = ((128, 128, 64, 8, 4), (64, 128, 64, 4, 4), (128, 256, 64, 8, 5), (64, 256, 64, 4, 5),
-                (128, 128, 64, 4, 4), (64, 256, 64, 8, 4), (64, 128, 128, 4, 3), (64, 128, 128, 4, 4),
-                (64, 256, 128, 4, 2, True), (128, 128, 128, 8, 3, True), (64, 128, 128, 4, 3, True))
+                (128, 128, 64, 4, 4), (64, 256, 64, 8, 4))
 
 
 def _configs(shapes) -> tuple:
-    return tuple(triton.Config({"BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": bk, **({"PERSISTENT": True} if rest else {})},
-                               num_warps=warps, num_stages=stages)
-                 for bn, bm, bk, warps, stages, *rest in shapes)
+    return tuple(triton.Config({"BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
+                 for bn, bm, bk, warps, stages in shapes)
 
 
 CONFIGS, MORE_CONFIGS = _configs(_SHAPES), _configs(_MORE_SHAPES)
@@ -103,10 +100,15 @@ def _store(out_ptr, acc, rn, rm, M, N, stride_om):
     tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _int8_tile(x_desc, w_desc, s_ptr, n0, m0, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, PAIRS: tl.constexpr):
-    """y.T's tile at (n0, m0), the int8 weight's per-row scale applied: [BLOCK_N, BLOCK_M] fp32."""
+@triton.jit(do_not_specialize=["M"])
+def _int8_wgmma_kernel(x_desc, w_desc, s_ptr, out_ptr, M, N, K, stride_om,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIRS: tl.constexpr):
+    # PAIRS: w_desc is the int8 weight seen as int16 [N, K/2], two columns a value, split into the
+    # even and odd columns and interleaved back, as int4's nibbles are.  Read as int8 and converted
+    # four bytes at a time it took 1.1-1.2x longer on an H100 (bench/RESULTS.md, 2026-12-07): in the
+    # layout wgmma wants, a thread's four bytes are not one word, and Triton assembled each with prmt.
+    # Without PAIRS, w_desc is a float weight used as it is (kernel_race's fp16-wgmma baseline).
+    n0, m0 = _tile(tl.program_id(0), M, BLOCK_M, BLOCK_N)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         x = x_desc.load([m0, k])  # [BM, BK]
@@ -117,38 +119,18 @@ def _int8_tile(x_desc, w_desc, s_ptr, n0, m0, N, K, BLOCK_M: tl.constexpr, BLOCK
             w = w_desc.load([n0, k])
         acc = tl.dot(w.to(x.dtype), x.T, acc)
     rn = n0 + tl.arange(0, BLOCK_N)
+    rm = m0 + tl.arange(0, BLOCK_M)
     scale = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)  # one per output: applied once
-    return acc * scale[:, None]
+    _store(out_ptr, acc * scale[:, None], rn, rm, M, N, stride_om)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _int8_wgmma_kernel(x_desc, w_desc, s_ptr, out_ptr, M, N, K, stride_om,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIRS: tl.constexpr,
-                       PERSISTENT: tl.constexpr = False):
-    # PAIRS: w_desc is the int8 weight seen as int16 [N, K/2], two columns a value, split into the
-    # even and odd columns and interleaved back, as int4's nibbles are.  Read as int8 and converted
-    # four bytes at a time it took 1.1-1.2x longer on an H100 (bench/RESULTS.md, 2026-12-07): in the
-    # layout wgmma wants, a thread's four bytes are not one word, and Triton assembled each with prmt.
-    # Without PAIRS, w_desc is a float weight used as it is (kernel_race's fp16-wgmma baseline).
-    # PERSISTENT: one program per multiprocessor walks tiles `programs` apart, its K loops flattened
-    # into one, so the next tile's loads are in flight during this tile's store and the pipeline is
-    # filled once per program rather than once per tile.
-    if PERSISTENT:
-        tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
-            n0, m0 = _tile(tile, M, BLOCK_M, BLOCK_N)
-            acc = _int8_tile(x_desc, w_desc, s_ptr, n0, m0, N, K, BLOCK_M, BLOCK_N, BLOCK_K, PAIRS)
-            _store(out_ptr, acc, n0 + tl.arange(0, BLOCK_N), m0 + tl.arange(0, BLOCK_M), M, N, stride_om)
-    else:
-        n0, m0 = _tile(tl.program_id(0), M, BLOCK_M, BLOCK_N)
-        acc = _int8_tile(x_desc, w_desc, s_ptr, n0, m0, N, K, BLOCK_M, BLOCK_N, BLOCK_K, PAIRS)
-        _store(out_ptr, acc, n0 + tl.arange(0, BLOCK_N), m0 + tl.arange(0, BLOCK_M), M, N, stride_om)
-
-
-@triton.jit
-def _int4_tile(x_desc, w_desc, s_ptr, z_ptr, n0, m0, N, K, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y.T's tile at (n0, m0): [BLOCK_N, BLOCK_M] fp32."""
+def _int4_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, M, N, K, stride_om, GROUP: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # w_desc: uint8 [N, K/2], column 2j in the high nibble of byte j, 2j + 1 in the low one.  A K tile
+    # lies inside one group, so each row has one scale and one offset per step: the tile becomes
+    # q * s + z in fp16 (one FMA a weight, paid once per BLOCK_M rows) before wgmma.
+    n0, m0 = _tile(tl.program_id(0), M, BLOCK_M, BLOCK_N)
     rn = n0 + tl.arange(0, BLOCK_N)
     groups = K // GROUP
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -160,27 +142,8 @@ def _int4_tile(x_desc, w_desc, s_ptr, z_ptr, n0, m0, N, K, GROUP: tl.constexpr, 
         hi, lo = nibbles_to_fp16(packed, True)
         w = tl.interleave(hi, lo).to(x.dtype) * s[:, None] + z[:, None]
         acc = tl.dot(w, x.T, acc)
-    return acc
-
-
-@triton.jit(do_not_specialize=["M"])
-def _int4_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, M, N, K, stride_om, GROUP: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       PERSISTENT: tl.constexpr = False):
-    # w_desc: uint8 [N, K/2], column 2j in the high nibble of byte j, 2j + 1 in the low one.  A K tile
-    # lies inside one group, so each row has one scale and one offset per step: the tile becomes
-    # q * s + z in fp16 (one FMA a weight, paid once per BLOCK_M rows) before wgmma.  PERSISTENT:
-    # as in _int8_wgmma_kernel.
-    if PERSISTENT:
-        tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
-            n0, m0 = _tile(tile, M, BLOCK_M, BLOCK_N)
-            acc = _int4_tile(x_desc, w_desc, s_ptr, z_ptr, n0, m0, N, K, GROUP, BLOCK_M, BLOCK_N, BLOCK_K)
-            _store(out_ptr, acc, n0 + tl.arange(0, BLOCK_N), m0 + tl.arange(0, BLOCK_M), M, N, stride_om)
-    else:
-        n0, m0 = _tile(tl.program_id(0), M, BLOCK_M, BLOCK_N)
-        acc = _int4_tile(x_desc, w_desc, s_ptr, z_ptr, n0, m0, N, K, GROUP, BLOCK_M, BLOCK_N, BLOCK_K)
-        _store(out_ptr, acc, n0 + tl.arange(0, BLOCK_N), m0 + tl.arange(0, BLOCK_M), M, N, stride_om)
+    rm = m0 + tl.arange(0, BLOCK_M)
+    _store(out_ptr, acc, rn, rm, M, N, stride_om)
 
 
 def _launch(kernel, x: torch.Tensor, w: torch.Tensor, args: tuple, N: int, config: triton.Config, w_block_k: int,
@@ -195,15 +158,8 @@ def _launch(kernel, x: torch.Tensor, w: torch.Tensor, args: tuple, N: int, confi
     options = {**config.kwargs, **extra, "num_warps": config.num_warps, "num_stages": config.num_stages}
     if warmup:  # compile only (triton_dequant.compiling_ahead runs it on a thread)
         return kernel.warmup(*call, grid=(1,), **options)
-    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    kernel[(min(tiles, _multiprocessors(x.device)) if config.kwargs.get("PERSISTENT") else tiles,)](*call, **options)
+    kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](*call, **options)
     return out
-
-
-@functools.cache
-def _multiprocessors(device) -> int:
-    """A persistent config's programs: one per multiprocessor (the interpreter: 4)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def int8_wgmma_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, config: triton.Config,

@@ -132,17 +132,6 @@ def test_every_wgmma_prompt_config():
                 if wg.fits(config, K, q.group_size):
                     check(wg.int4_wgmma_mm(x, q.weight, q.scales, q.mins, q.group_size, config), reference(q, x),
                           f"int4 g{q.group_size} M={M} {config}")
-    # the persistent configs over more tiles than the GPU has multiprocessors (each program walks
-    # several: 165-325 tiles of 64 or 128 x 256), the last weight tile partial
-    N, K, M = 4160, 1024, 1100
-    q8, q4 = layers(N, K, seed=6)
-    x = torch.randn(M, K, device="cuda", dtype=torch.float16)
-    for config in [c for c in wg.CONFIGS + wg.MORE_CONFIGS if c.kwargs.get("PERSISTENT")]:
-        tiles = -(-M // config.kwargs["BLOCK_M"]) * -(-N // config.kwargs["BLOCK_N"])
-        assert tiles > torch.cuda.get_device_properties(0).multi_processor_count
-        check(wg.int8_wgmma_mm(x, q8.weight, q8.scales, config), reference(q8, x), f"int8 M={M} N={N} {config}")
-        check(wg.int4_wgmma_mm(x, q4.weight, q4.scales, q4.mins, q4.group_size, config), reference(q4, x),
-              f"int4 M={M} N={N} {config}")
 
 
 def test_every_tile_config_at_decode_batches():

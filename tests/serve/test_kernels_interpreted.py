@@ -364,19 +364,16 @@ def test_the_wgmma_prompt_kernels_compute_the_layer(weights):
     q8, q4 = _layers(7)
     x = torch.randn(70, K, device=DEVICE, dtype=DTYPE)
     x[:, ::97] *= 30
+    config = triton.Config({"BLOCK_N": 64, "BLOCK_M": 64, "BLOCK_K": 64}, num_warps=4, num_stages=2)
     assert wg.usable(x)
-    # one program a tile, and persistent: 5 tiles of 16 rows on 4 programs (the interpreter's
-    # multiprocessors), so one program walks two
-    for tile in ({"BLOCK_M": 64}, {"BLOCK_M": 16, "PERSISTENT": True}):
-        config = triton.Config({"BLOCK_N": 64, "BLOCK_K": 64, **tile}, num_warps=4, num_stages=2)
-        if weights == "int8":
-            y = wg.int8_wgmma_mm(x, q8.weight, q8.scales, config)
-            ref = x.float() @ (q8.weight.float() * q8.scales.float()[:, None]).t()
-        else:
-            y = wg.int4_wgmma_mm(x, q4.weight, q4.scales, q4.mins, q4.group_size, config)
-            ref = x.float() @ q4.dequantize(torch.float32).t()
-        assert y.shape == (70, N) and y.dtype == DTYPE
-        _close(y, ref, f"{weights} wgmma {tile}")
+    if weights == "int8":
+        y = wg.int8_wgmma_mm(x, q8.weight, q8.scales, config)
+        ref = x.float() @ (q8.weight.float() * q8.scales.float()[:, None]).t()
+    else:
+        y = wg.int4_wgmma_mm(x, q4.weight, q4.scales, q4.mins, q4.group_size, config)
+        ref = x.float() @ q4.dequantize(torch.float32).t()
+    assert y.shape == (70, N) and y.dtype == DTYPE
+    _close(y, ref, f"{weights} wgmma")
 
 
 def test_a_prompt_choice_says_whether_the_wgmma_kernels_were_among_its_candidates(tmp_path):
