@@ -12,10 +12,11 @@
 #   bench/wgmma_gpu.sh OUT all      install; the wgmma, launcher and table GPU tests; serve's profile and rows;
 #                                   with time left, the race of gate_up at 512 rows (fp16, the wgmma
 #                                   kernels' every config, int8 in both forms)
-#   bench/wgmma_gpu.sh OUT choices  install; serve's profile and rows; three fresh-cache int4 decodes at
-#                                   batch 1 (do the start-up choices agree, and at what speed)
+#   bench/wgmma_gpu.sh OUT choices  install; the wgmma GPU tests; serve's profile and rows; two fresh-cache
+#                                   int4 decodes at batch 1 (do the start-up choices agree, and at what
+#                                   speed); with time left, the 8B's four layers at 512 rows, every config
 # Run from the repo root with .devwheels carried.  race ends by 420 s, serve by ~520 s, all by ~280 s,
-# choices by ~480 s.
+# choices by 585 s.
 set -uo pipefail
 out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
 export PYTHONPATH=$site PYTHONUNBUFFERED=1
@@ -57,11 +58,13 @@ elif [ "$phase" = all ]; then
   serve_profile 270
   [ "$SECONDS" -lt 250 ] && KINDS=fp16,int8-wgmma,int4-wgmma race 280 8b gate_up 512 8b
 elif [ "$phase" = choices ]; then
-  serve_profile 300
-  for i in 1 2 3; do  # each a fresh start that tunes batch 1 (no table); it prints the forms it kept
-    QUANTSERVE_HOME=/tmp/qs-b1-$i decode $(left $((300 + 60 * i))) int4-b1-$i --models 8b --quants int4 \
+  gpu_tests $(left 110) "wgmma" "$repo/tests/serve/test_gpu_kernels.py"
+  serve_profile 330
+  for i in 1 2; do  # each a fresh start that tunes batch 1 (no table); it prints the forms it kept
+    QUANTSERVE_HOME=/tmp/qs-b1-$i decode $(left $((330 + 60 * i))) int4-b1-$i --models 8b --quants int4 \
         --kernels triton --batches 1
   done
+  KINDS=fp16,int8-wgmma,int4-wgmma race 585 8b qkv,o,gate_up,down 512 8b
 else
   echo "wgmma_gpu.sh: unknown phase '$phase' (race, serve, all or choices)" >&2; exit 2
 fi
