@@ -69,5 +69,5 @@ else
   echo "wgmma_gpu.sh: unknown phase '$phase' (race, serve, all or choices)" >&2; exit 2
 fi
 # at most 8 files come back from the machine: the logs' lines that matter are in bench.txt already
-rm -f "$out"/profile-*.log "$out"/race-*.log "$out/prompt-rows.json"
+rm -f "$out"/profile-*.log "$out"/race-*.log "$out"/decode-*.log "$out/tests.log" "$out/prompt-rows.json"
 cat "$out/bench.txt"
