@@ -15,6 +15,7 @@
 #   bench/wgmma_gpu.sh OUT choices  install; the wgmma GPU tests; serve's profile and rows; two fresh-cache
 #                                   int4 decodes at batch 1 (do the start-up choices agree, and at what
 #                                   speed); with time left, the 8B's four layers at 512 rows, every config
+#   bench/wgmma_gpu.sh OUT prompts  install; the wgmma GPU tests; serve's profile and rows
 # Run from the repo root with .devwheels carried.  race ends by 420 s, serve by ~520 s, all by ~280 s,
 # choices by 585 s.
 set -uo pipefail
@@ -65,8 +66,11 @@ elif [ "$phase" = choices ]; then
         --kernels triton --batches 1
   done
   KINDS=fp16,int8-wgmma,int4-wgmma race 585 8b qkv,o,gate_up,down 512 8b
+elif [ "$phase" = prompts ]; then
+  gpu_tests $(left 110) "wgmma" "$repo/tests/serve/test_gpu_kernels.py"
+  serve_profile 400
 else
-  echo "wgmma_gpu.sh: unknown phase '$phase' (race, serve, all or choices)" >&2; exit 2
+  echo "wgmma_gpu.sh: unknown phase '$phase' (race, serve, all, choices or prompts)" >&2; exit 2
 fi
 # at most 8 files come back from the machine: the logs' lines that matter are in bench.txt already
 rm -f "$out"/profile-*.log "$out"/race-*.log "$out"/decode-*.log "$out/tests.log" "$out/prompt-rows.json"
