@@ -58,10 +58,12 @@ def configs_to_time(gemv, config, K: int) -> list:
     """The configs the launcher times this form at: the float forms' choice; where the kernel's list
     has it, the same with twice the rows (a thread rounds its x once a step for all its rows, so
     more rows spread that cost; the float forms' timing does not see it); and the PROVEN ones that
-    fit K.  Only the first two, once: the float forms' autotuner then chose 16 rows x 512 columns on
-    2 warps for the 8B's int4 down layer in one of two fresh starts on an H100, this form was timed
-    there only, lost, and the step ran at 296-299 tok/s against 357 with every layer in this form at
-    4 rows x 1,024 columns (bench/RESULTS.md, 2026-12-07)."""
+    fit K.  Why the PROVEN ones: with only the first two, this form's speed hung on the float forms'
+    autotuner.  In one of two fresh starts on an H100 that autotuner chose 16 rows x 512 columns on 2
+    warps for the 8B's int4 down layer; this form, timed there only, lost to the float form, and the
+    step ran at 296-299 tok/s against 357 with every layer in this form at 4 rows x 1,024 columns.
+    Timed at its proven configs too, fresh starts kept it on every layer (358.6 and 357.4 tok/s;
+    bench/RESULTS.md, 2026-12-07)."""
     def shape(c):
         return c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps
 
