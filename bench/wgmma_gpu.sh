@@ -15,7 +15,7 @@
 #   bench/wgmma_gpu.sh OUT choices  install; the wgmma GPU tests; serve's profile and rows; two fresh-cache
 #                                   int4 decodes at batch 1 (do the start-up choices agree, and at what
 #                                   speed); with time left, the 8B's four layers at 512 rows, every config
-#   bench/wgmma_gpu.sh OUT prompts  install; the wgmma GPU tests; serve's profile and rows
+#   bench/wgmma_gpu.sh OUT prompts  install; the wgmma GPU tests; serve's profile and rows ($QUANTS: which)
 # Run from the repo root with .devwheels carried.  race ends by 420 s, serve by ~520 s, all by ~280 s,
 # choices by 585 s.
 set -uo pipefail
@@ -31,10 +31,10 @@ race() {  # UNTIL_S SHAPE LAYERS BATCHES NAME ($KINDS: the kinds, default below)
       > "$out/race-$5.log" 2>&1 || log "race $5: rc=$?"
   grep -E "M=|copy bandwidth|rror" "$out/race-$5.log" >> "$out/bench.txt"; log "race $5 done"
 }
-serve_profile() {  # UNTIL_S: the 8B's prompt steps from CUDA graphs and batch-1 decode (fp16, int8, int4);
+serve_profile() {  # UNTIL_S: the 8B's prompt steps from CUDA graphs and batch-1 decode ($QUANTS: fp16, int8, int4);
   # then the prompt rows it tuned (the wgmma kernels among the candidates) merged into a copy of the
   # shipped tables: the rows a table for this GPU would take
-  step_profile $(left "$1") prompts --quants none,int8,int4 --kernel triton --steps 8 --prompt-len 512 \
+  step_profile $(left "$1") prompts --quants "${QUANTS:-none,int8,int4}" --kernel triton --steps 8 --prompt-len 512 \
       --graph-prompts 256,512,2048 --save-choices "$out/choices.json"
   cp -r "$repo/server/fastcore/kernel_tables" "$out/tables"
   python3 - "$out/prompt-rows.json" "$out/choices.json" <<'PY'
