@@ -69,9 +69,10 @@ def configs_to_time(gemv, config, K: int) -> list:
 
     wider = [c for c in gemv.configs if c.num_warps == config.num_warps
              and c.kwargs == {**config.kwargs, "BLOCK_N": 2 * config.kwargs["BLOCK_N"]}]
-    proven = [c for c in gemv.configs if shape(c) in PROVEN.get(gemv.fn.__name__, ()) and K % c.kwargs["BLOCK_K"] == 0]
     out = [config] + wider[:1]
-    return out + [c for c in proven if shape(c) not in {shape(o) for o in out}]
+    taken = {shape(c) for c in out}
+    return out + [c for c in gemv.configs if shape(c) in PROVEN.get(gemv.fn.__name__, ()) and shape(c) not in taken
+                  and K % c.kwargs["BLOCK_K"] == 0]  # whole K blocks, as the autotuner prunes (triton_gemv._prune)
 
 
 ROUNDER = tl.constexpr(12582912.0)  # 1.5 * 2^23 (bits 0x4B400000): float + it rounds to an integer
