@@ -4,6 +4,7 @@ with the keys split and merged, and with one program a (sequence, KV head), at e
 context length, on the GPU.
 
     python -m quantserve.bench.attention_split [--shape 8b] [--batches 1,8,32] [--out FILE] [--plot PNG]
+    python -m quantserve.bench.attention_split --decode-tiles 64x4,64x8,128x8   # each tile (keys x warps)
     python -m quantserve.bench.attention_split --rows FILE --plot PNG     # a saved run's plot, no GPU
 
 Each case is recorded as a CUDA graph of one call per layer (32 of them, each over its own cache,
@@ -24,9 +25,11 @@ CONTEXTS = (64, 128, 192, 256, 384, 512, 768, 1024, 2048)
 LAYERS = 32
 
 
-def time_case(H: int, HKV: int, D: int, batch: int, context: int, short: int, replays: int = 20) -> float:
+def time_case(H: int, HKV: int, D: int, batch: int, context: int, short: int, replays: int = 20,
+              tile: str = "") -> float:
     """Microseconds a layer of the decode attention at `batch` sequences of `context` keys, with
-    $QUANTSERVE_ATTENTION_SHORT_CONTEXT = short (0: keys split; past the context: one program)."""
+    $QUANTSERVE_ATTENTION_SHORT_CONTEXT = short (0: keys split; past the context: one program) and
+    $QUANTSERVE_ATTENTION_DECODE_TILE = tile ("": the default)."""
     import torch
 
     from quantserve.server.fastcore.batch import build_batch
@@ -34,6 +37,7 @@ def time_case(H: int, HKV: int, D: int, batch: int, context: int, short: int, re
     from quantserve.server.fastcore.triton_paged_attention import decode_attention
 
     os.environ["QUANTSERVE_ATTENTION_SHORT_CONTEXT"] = str(short)
+    os.environ["QUANTSERVE_ATTENTION_DECODE_TILE"] = tile
     dev = torch.device("cuda")
     per_seq = -(-context // BLOCK)
     blocks = batch * per_seq
@@ -67,23 +71,28 @@ def time_case(H: int, HKV: int, D: int, batch: int, context: int, short: int, re
 
 
 def plot(rows: list[dict], out: str) -> str:
-    """Microseconds a layer against keys, split + merge and one program, a panel per batch size."""
+    """Microseconds a layer against keys, split + merge and one program (per decode tile), a panel
+    per batch size.  Rows without a tile (runs before --decode-tiles) are the kernel's 64 x 4."""
     from quantserve.bench.plot import _pyplot, _save
 
     plt = _pyplot()
     batches = sorted({r["batch"] for r in rows})
     fig, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 3.8), squeeze=False)
     for ax, batch in zip(axes[0], batches):
-        mine = sorted((r for r in rows if r["batch"] == batch), key=lambda r: r["context"])
-        keys = [r["context"] for r in mine]
-        ax.plot(keys, [r["split_us"] for r in mine], marker="o", label="keys split + merge")
-        ax.plot(keys, [r["one_program_us"] for r in mine], marker="o", label="one program a sequence")
+        tiles = list(dict.fromkeys(r.get("tile", "64x4") for r in rows))
+        for tile in tiles:
+            mine = sorted((r for r in rows if r["batch"] == batch and r.get("tile", "64x4") == tile),
+                          key=lambda r: r["context"])
+            keys = [r["context"] for r in mine]
+            label = f" ({tile})" if len(tiles) > 1 else ""
+            ax.plot(keys, [r["split_us"] for r in mine], marker="o", label="keys split + merge" + label)
+            ax.plot(keys, [r["one_program_us"] for r in mine], marker="o", label="one program a sequence" + label)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("keys a sequence holds")
         ax.set_ylabel("us a layer")
-        ax.set_title(f"{mine[0]['shape']} decode attention, batch {batch}")
+        ax.set_title(f"{rows[0]['shape']} decode attention, batch {batch}")
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=7)
     return _save(plt, fig, out)
 
 
@@ -92,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", choices=sorted(SHAPES), default="8b")
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
+    p.add_argument("--decode-tiles", default="",
+                   help="comma list of KEYSxWARPS to time each (default: the kernel's own, attention.DECODE_TILE)")
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--plot", help="draw the rows into this PNG")
     p.add_argument("--rows", help="a saved run's JSON (--out) to plot instead of measuring")
@@ -106,6 +117,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {o.rows}: not an attention_split run ({type(e).__name__}: {e})", file=sys.stderr)
             return 2
         return 0
+    from quantserve.server.fastcore.attention import DECODE_TILE, decode_tile
+
+    tiles = [t.strip() for t in o.decode_tiles.split(",") if t.strip()] or [""]
+    for tile in tiles:  # a bad tile is refused before any timing
+        os.environ["QUANTSERVE_ATTENTION_DECODE_TILE"] = tile
+        try:
+            decode_tile()
+        except ValueError as e:
+            p.error(str(e).replace("QUANTSERVE_ATTENTION_DECODE_TILE", "--decode-tiles"))
     import torch
 
     if not torch.cuda.is_available():
@@ -114,14 +134,16 @@ def main(argv: list[str] | None = None) -> int:
     H, HKV, D = SHAPES[o.shape]
     rows = []
     print(f"{o.shape} decode attention ({torch.cuda.get_device_name()}), us a layer: keys split + merge | one program")
-    for batch in [int(x) for x in o.batches.split(",")]:
-        for context in [int(x) for x in o.contexts.split(",")]:
-            split = time_case(H, HKV, D, batch, context, 0)
-            one = time_case(H, HKV, D, batch, context, 1 << 20)
-            rows.append({"shape": o.shape, "batch": batch, "context": context, "split_us": round(split, 2),
-                         "one_program_us": round(one, 2)})
-            print(f"  batch {batch:>3}  context {context:>5}: {split:7.2f} | {one:7.2f}  "
-                  f"{split / one:5.2f}x  {'one program' if one < split else 'split'}", flush=True)
+    for tile in tiles:
+        name = tile or "x".join(map(str, DECODE_TILE))
+        for batch in [int(x) for x in o.batches.split(",")]:
+            for context in [int(x) for x in o.contexts.split(",")]:
+                split = time_case(H, HKV, D, batch, context, 0, tile=tile)
+                one = time_case(H, HKV, D, batch, context, 1 << 20, tile=tile)
+                rows.append({"shape": o.shape, "tile": name, "batch": batch, "context": context,
+                             "split_us": round(split, 2), "one_program_us": round(one, 2)})
+                print(f"  tile {name:>6}  batch {batch:>3}  context {context:>5}: {split:7.2f} | {one:7.2f}  "
+                      f"{split / one:5.2f}x  {'one program' if one < split else 'split'}", flush=True)
     if o.out:
         with open(o.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -97,6 +97,26 @@ def short_context() -> int:
     return int(value)
 
 
+# (keys a step, warps) of a decode step's attention program: on an H100 at the 8B shape ... (set below
+# from bench.attention_split --decode-tiles)
+DECODE_TILE = (64, 4)
+
+
+def decode_tile() -> tuple[int, int]:
+    """$QUANTSERVE_ATTENTION_DECODE_TILE, "KEYSxWARPS" (default DECODE_TILE): the keys a decode
+    step's attention program takes a step (16-256, a power of two) and its warps (1-16, a power of
+    two); prompt tiles keep their own."""
+    value = os.environ.get("QUANTSERVE_ATTENTION_DECODE_TILE", "").strip()
+    if not value:
+        return DECODE_TILE
+    keys, _, warps = value.partition("x")
+    ok = keys.isascii() and keys.isdigit() and warps.isascii() and warps.isdigit()
+    if not ok or int(keys) not in (16, 32, 64, 128, 256) or int(warps) not in (1, 2, 4, 8, 16):
+        raise ValueError(f"QUANTSERVE_ATTENTION_DECODE_TILE={value!r}: use KEYSxWARPS, keys 16-256 and warps "
+                         "1-16, each a power of two (e.g. 64x4)")
+    return int(keys), int(warps)
+
+
 def use_attention(model, choice: str, device: torch.device) -> str:
     """Set every layer's attention: "triton" (triton_paged_attention.py), "torch" (attend_torch)
     or "auto" (triton on a CUDA GPU with Triton).  Returns the choice made."""

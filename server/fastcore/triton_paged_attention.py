@@ -32,13 +32,12 @@ import triton
 import triton.language as tl
 
 from quantserve.server.fastcore import dependent_launch
-from quantserve.server.fastcore.attention import short_context
+from quantserve.server.fastcore.attention import decode_tile, short_context
 from quantserve.server.fastcore.batch import prompt_tile
 from quantserve.server.fastcore.blocks import BLOCK
 from quantserve.server.fastcore.dependent_launch import wait_for_previous
 
-DECODE_TILE_N = 64  # keys per inner step, decode tiles (few query rows)
-PROMPT_TILE_N = 32  # keys per inner step, prompt tiles (BLOCK_Q x G query rows)
+PROMPT_TILE_N = 32  # keys per inner step, prompt tiles (BLOCK_Q x G query rows); decode: attention.decode_tile
 
 
 @triton.jit
@@ -166,35 +165,31 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, acc_ptr, m_p
 
 
 @triton.jit
-def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, tiles_ptr, pos_ptr, window,
-                  H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                  DP: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NSPLIT: tl.constexpr,
-                  WINDOW: tl.constexpr, PDL: tl.constexpr = False):
+def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, tiles_ptr, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
+                  GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr,
+                  NSPLIT: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+    """The NSPLIT chunks of keys of one (tile, KV head) merged by their log-sum-exp, CHUNK of them
+    held at once.  Every chunk is read, also those past the sequence's keys (the partial kernel
+    stores m = -1e30, l = 0, acc = 0 for them: weight 0), so no address waits for a load: reading
+    only the chunks that had keys put the tile's and its positions' loads, then each chunk's in
+    turn, on one chain (bench/RESULTS.md, 2026-12-07)."""
     wait_for_previous(PDL)
     tile, h = tl.program_id(0), tl.program_id(1)
-    q0 = tl.load(tiles_ptr + tile * 3 + 1)
-    nq = tl.load(tiles_ptr + tile * 3 + 2)
-    # only the chunks that had keys to see (the partial kernel's split of the same range)
-    hi = tl.load(pos_ptr + q0 + nq - 1) + 1
-    lo = 0
-    if WINDOW:
-        lo = tl.maximum(tl.load(pos_ptr + q0) - window + 1, 0)
-    per = tl.cdiv(tl.cdiv(hi - lo, NSPLIT), TILE_N) * TILE_N
-    active = tl.cdiv(hi - lo, per)
     r = tl.arange(0, BLOCK_M)
-    tok, g = r // GP, r % GP
     d = tl.arange(0, DP)
     base = (tile * HKV + h) * NSPLIT
-    m_all = tl.full((BLOCK_M,), -1.0e30, tl.float32)
-    for s in range(0, active):
-        m_all = tl.maximum(m_all, tl.load(m_ptr + (base + s) * BLOCK_M + r))
+    m_all = tl.max(tl.load(m_ptr + (base + tl.arange(0, NSPLIT))[:, None] * BLOCK_M + r[None, :]), 0)
     denom = tl.zeros((BLOCK_M,), tl.float32)
     out = tl.zeros((BLOCK_M, DP), tl.float32)
-    for s in range(0, active):
-        w = tl.exp(tl.load(m_ptr + (base + s) * BLOCK_M + r) - m_all)
-        denom += tl.load(l_ptr + (base + s) * BLOCK_M + r) * w
-        out += tl.load(acc_ptr + ((base + s) * BLOCK_M + r)[:, None] * DP + d[None, :]) * w[:, None]
+    for c in range(NSPLIT // CHUNK):  # one round but for the widest heads (_merge_shape)
+        at = (base + c * CHUNK + tl.arange(0, CHUNK))[:, None] * BLOCK_M + r[None, :]  # [CHUNK, BLOCK_M]
+        w = tl.exp(tl.load(m_ptr + at) - m_all[None, :])
+        denom += tl.sum(tl.load(l_ptr + at) * w, 0)
+        out += tl.sum(tl.load(acc_ptr + at[:, :, None] * DP + d[None, None, :]) * w[:, :, None], 0)
     out = out / tl.where(denom > 0, denom, 1.0)[:, None]
+    q0 = tl.load(tiles_ptr + tile * 3 + 1)
+    nq = tl.load(tiles_ptr + tile * 3 + 2)
+    tok, g = r // GP, r % GP
     row_ok = (tok < nq) & (g < G)
     t = q0 + tok
     tl.store(out_ptr + ((t.to(tl.int64) * H + h * G + g) * D)[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
@@ -213,6 +208,14 @@ def _splits(programs: int, sms: int, max_keys: int, short: int) -> int:
         return 1
     want = max(1, min(16, -(-2 * sms // max(programs, 1))))
     return 1 << (want - 1).bit_length()
+
+
+def _merge_shape(nsplit: int, block_m: int, dp: int) -> tuple[int, int]:
+    """(chunks of keys the merge holds at once, its warps): all of them where that is at most 32K
+    fp32 partial sums (the 8B shape's 16 chunks x 16 rows x 128: one round on 16 warps), else 16K a
+    round (wider heads: at 32K a round the rounds' loop spilled registers, sm_90), ~64 a thread."""
+    chunk = nsplit if nsplit * block_m * dp <= 1 << 15 else max(1, (1 << 14) // (block_m * dp))
+    return chunk, min(16, max(4, triton.next_power_of_2(chunk * block_m * dp // (32 * 64))))
 
 
 def _sms(device: torch.device) -> int:
@@ -237,7 +240,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_sca
     q = q.contiguous()
     out = torch.empty((T, H, D), device=q.device, dtype=q.dtype)
     nsplit = _splits(NT * HKV, _sms(q.device), max_keys, short_context()) if block_q == 1 else 1
-    tile_n = DECODE_TILE_N if block_q == 1 else PROMPT_TILE_N
+    tile_n, warps = decode_tile() if block_q == 1 else (PROMPT_TILE_N, 4 if block_m <= 64 else 8)
     if nsplit > 1:
         acc = torch.empty((NT * HKV * nsplit * block_m, DP), device=q.device, dtype=torch.float32)
         m = torch.empty((NT * HKV * nsplit * block_m,), device=q.device, dtype=torch.float32)
@@ -252,10 +255,11 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_sca
         softcap, window, cos.contiguous(), sin.contiguous(), q.stride(0), H=H, HKV=HKV, G=G, GP=GP, D=D, DP=DP,
         BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n, BS=BLOCK, NSPLIT=nsplit, INT8=int8, SOFTCAP=softcap > 0,
         WINDOW=window > 0, FP32=q.dtype == torch.float32, NEW_KV=rope is not None,
-        num_warps=4 if block_m <= 64 else 8, **dependent_launch.launch_options(_attention_kernel, q.device))
+        num_warps=warps, **dependent_launch.launch_options(_attention_kernel, q.device))
     if nsplit > 1:
-        _merge_kernel[(NT, HKV)](acc, m, l, out, tiles, pos, window, H=H, HKV=HKV, G=G, GP=GP, D=D, DP=DP,
-                                  BLOCK_M=block_m, TILE_N=tile_n, NSPLIT=nsplit, WINDOW=window > 0, num_warps=4,
+        chunk, warps = _merge_shape(nsplit, block_m, DP)
+        _merge_kernel[(NT, HKV)](acc, m, l, out, tiles, H=H, HKV=HKV, G=G, GP=GP, D=D, DP=DP, BLOCK_M=block_m,
+                                  NSPLIT=nsplit, CHUNK=chunk, num_warps=warps,
                                   **dependent_launch.launch_options(_merge_kernel, q.device))
     return out
 

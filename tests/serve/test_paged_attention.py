@@ -111,6 +111,18 @@ def test_decode_batches_with_split_keys_match_the_reference(H, HKV, D, short_con
     assert len(merges) == (0 if short_context else 1)
 
 
+def test_the_merge_of_wide_heads_takes_several_rounds(monkeypatch, merges):
+    """32 query heads a KV head of size 256: the merge holds its 16 chunks' partial sums in rounds
+    (_merge_shape), and still gives the reference's output."""
+    from quantserve.server.fastcore.triton_paged_attention import _merge_shape
+
+    assert _merge_shape(16, 16, 128) == (16, 16)  # the 8B shape: one round
+    assert _merge_shape(16, 32, 256)[0] == 2
+    monkeypatch.setenv("QUANTSERVE_ATTENTION_SHORT_CONTEXT", "0")
+    _check(32, 1, 256, DECODES, DECODE_LENGTHS)
+    assert len(merges) == 1
+
+
 def test_keys_split_past_the_short_context_until_the_programs_fill_the_gpu():
     from quantserve.server.fastcore.triton_paged_attention import _splits
 
@@ -238,6 +250,27 @@ def test_the_model_decodes_through_the_one_kernel_path_like_the_torch_path(defau
     for la, lb in zip(ours.model.layers, ref.model.layers):
         torch.testing.assert_close(la.attention.k_cache, lb.attention.k_cache, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(la.attention.v_cache, lb.attention.v_cache, atol=1e-5, rtol=1e-5)
+
+
+def test_the_decode_tile_is_keys_by_warps_and_a_bad_value_is_an_error(monkeypatch):
+    from quantserve.server.fastcore.attention import DECODE_TILE, decode_tile
+
+    monkeypatch.delenv("QUANTSERVE_ATTENTION_DECODE_TILE", raising=False)
+    assert decode_tile() == DECODE_TILE
+    monkeypatch.setenv("QUANTSERVE_ATTENTION_DECODE_TILE", "128x8")
+    assert decode_tile() == (128, 8)
+    for bad in ("128", "100x4", "64x3", "64x32", "x", "64x-4", "\u00b2x4"):
+        monkeypatch.setenv("QUANTSERVE_ATTENTION_DECODE_TILE", bad)
+        with pytest.raises(ValueError, match="KEYSxWARPS"):
+            decode_tile()
+
+
+@pytest.mark.parametrize("tile", ["128x8", "16x1"])
+def test_decode_steps_with_other_tiles_match_the_separate_steps(monkeypatch, tile):
+    monkeypatch.setenv("QUANTSERVE_ATTENTION_DECODE_TILE", tile)
+    for short in ("0", "1024"):
+        monkeypatch.setenv("QUANTSERVE_ATTENTION_SHORT_CONTEXT", short)
+        _check_decode(8, 2, 64)
 
 
 def test_the_one_kernel_decode_can_be_turned_off_and_a_bad_value_is_an_error(monkeypatch):

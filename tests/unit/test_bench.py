@@ -392,9 +392,17 @@ def test_attention_split_bench_refuses_a_cpu_in_one_line():
         "error: the attention kernel's timing needs a CUDA GPU"]
 
 
+def test_attention_split_refuses_a_bad_decode_tile_before_timing():
+    proc = subprocess.run([sys.executable, "-m", "quantserve.bench.attention_split", "--decode-tiles", "64x4,64x3"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(
+        "error: --decode-tiles='64x3': use KEYSxWARPS, keys 16-256 and warps 1-16, each a power of two (e.g. 64x4)")
+
+
 def test_attention_split_plots_a_saved_run_without_a_gpu(tmp_path):
     rows = [{"shape": "8b", "batch": b, "context": c, "split_us": 7.0 + c / 100, "one_program_us": 5.0 + c / 30}
             for b in (1, 32) for c in (64, 128, 256)]
+    rows += [{**r, "tile": "128x8", "one_program_us": r["one_program_us"] - 1} for r in rows]  # two tiles
     saved, png = tmp_path / "rows.json", tmp_path / "split.png"
     saved.write_text(json.dumps(rows))
     run = [sys.executable, "-m", "quantserve.bench.attention_split", "--rows"]
