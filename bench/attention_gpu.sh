@@ -50,11 +50,11 @@ PY
   cat /tmp/attention-picks.env >> "$out/bench.txt"
 elif [ "$phase" = 2 ]; then
   picks=$(tr '\n' ' ' < /tmp/attention-picks.env); log "picks: $picks"
-  (export $picks; QUANTSERVE_HOME=/tmp/qs-new decode $(left 150) 8b-b1-new --models 8b --quants int8,int4 \
+  (export $picks; QUANTSERVE_HOME=/tmp/qs-new decode $(left 160) 8b-b1-new --models 8b --quants int8,int4 \
       --kernels triton --batches 1)
-  site=/tmp/site-base:$site QUANTSERVE_HOME=/tmp/qs-base decode $(left 290) 8b-b1-base --models 8b \
+  site=/tmp/site-base:$site QUANTSERVE_HOME=/tmp/qs-base decode $(left 310) 8b-b1-base --models 8b \
       --quants int8,int4 --kernels triton --batches 1
-  (export $picks; QUANTSERVE_HOME=/tmp/qs-new decode $(left 360) 8b-b1-new-fp16 --models 8b --quants none \
+  (export $picks; QUANTSERVE_HOME=/tmp/qs-new decode $(left 380) 8b-b1-new-fp16 --models 8b --quants none \
       --kernels triton --batches 1)
   until [ -f /tmp/ggufs.done ] || [ "$SECONDS" -gt 450 ]; do sleep 2; done
   tail -n 4 /tmp/ggufs.log >> "$out/bench.txt"
