@@ -11,6 +11,9 @@
 #                                  give batch 1 and 8 the least time, into /tmp/attention-picks.env
 #   bench/attention_gpu.sh OUT 2   bench decode 8B at batch 1 (int8, int4; fp16) with those picks, the base
 #                                  the same in this call; llama-bench on Q8_0 / Q4_K_M once the GGUFs exist
+#   bench/attention_gpu.sh OUT one a single call (no llama.cpp): call 1's tests and timings ($CONTEXTS,
+#                                  $TILES shorter), then bench decode 8B batch 1 with the picks and the
+#                                  base, int4 then int8, alternating, while time is left (by 585 s)
 # Run from the repo root with .devwheels, .devllama and .devbase carried.  Call 1 ends by ~420 s.
 set -uo pipefail
 out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
@@ -19,11 +22,16 @@ source "$repo/bench/gpu_lib.sh"  # install_site, log, left, decode, llama_bench,
 split_bench() {  # UNTIL_S NAME SITE ARGS...: bench.attention_split with the package in SITE
   local until=$1 name=$2 where=$3; shift 3
   (cd /tmp && PYTHONPATH=$where timeout $(left "$until") python3 -m quantserve.bench.attention_split --shape 8b \
-      --batches 1,8,32 --out "$out/split-$name.json" "$@") > "$out/split-$name.log" 2>&1 || log "split $name: rc=$?"
+      --batches 1,8,32 --contexts "${CONTEXTS:-64,128,192,256,384,512,768,1024,2048}" --out "$out/split-$name.json" "$@") > "$out/split-$name.log" 2>&1 || log "split $name: rc=$?"
   grep -E "batch|rror" "$out/split-$name.log" >> "$out/bench.txt"; log "split $name done"
 }
-if [ "$phase" = 1 ]; then
-  start_with_llama  # .devwheels and the GGUF writer, the GPU named in bench.txt, llama.cpp and the GGUFs detached
+if [ "$phase" = 1 ] || [ "$phase" = one ]; then
+  if [ "$phase" = 1 ]; then
+    start_with_llama  # .devwheels and the GGUF writer, the GPU named in bench.txt, llama.cpp and the GGUFs detached
+  else
+    install_site; (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) > "$out/bench.txt"
+    export CONTEXTS=${CONTEXTS:-64,128,192,256,512,1024,2048} TILES=${TILES:-64x4,64x8,128x8}; log "installed"
+  fi
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site-base .devbase 2>&1 \
       | grep -v WARNING; log "base installed"
   gpu_tests $(left 150) "" "$repo/tests/serve/test_paged_attention.py"
@@ -48,6 +56,16 @@ for r in sorted((r for r in rows if r["tile"] == tile and r["batch"] == 1), key=
 print(f"QUANTSERVE_ATTENTION_DECODE_TILE={tile}\nQUANTSERVE_ATTENTION_SHORT_CONTEXT={short}")
 PY
   cat /tmp/attention-picks.env >> "$out/bench.txt"
+  if [ "$phase" = one ]; then
+    picks=$(tr '\n' ' ' < /tmp/attention-picks.env)
+    for q in int4 int8; do
+      [ "$SECONDS" -lt 445 ] || break
+      (export $picks; QUANTSERVE_HOME=/tmp/qs-new decode $(left $((SECONDS + 70))) 8b-b1-$q-new --models 8b \
+          --quants $q --kernels triton --batches 1)
+      site=/tmp/site-base:$site QUANTSERVE_HOME=/tmp/qs-base decode $(left $((SECONDS + 70))) 8b-b1-$q-base \
+          --models 8b --quants $q --kernels triton --batches 1
+    done
+  fi
 elif [ "$phase" = 2 ]; then
   picks=$(tr '\n' ' ' < /tmp/attention-picks.env); log "picks: $picks"
   (export $picks; QUANTSERVE_HOME=/tmp/qs-new decode $(left 160) 8b-b1-new --models 8b --quants int8,int4 \
