@@ -97,8 +97,18 @@ def short_context() -> int:
     return int(value)
 
 
-# (keys a step, warps) of a decode step's attention program: on an H100 at the 8B shape ... (set below
-# from bench.attention_split --decode-tiles)
+def merge_in_one_round() -> bool:
+    """$QUANTSERVE_ATTENTION_MERGE_ROUND: 1 merges split keys with every chunk's partial sums loaded
+    in one round (triton_paged_attention._merge_round_kernel), 0 (default, until measured on a GPU)
+    one chunk at a time (_merge_kernel)."""
+    value = os.environ.get("QUANTSERVE_ATTENTION_MERGE_ROUND", "0").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"QUANTSERVE_ATTENTION_MERGE_ROUND={value!r}: use 1 or 0")
+    return value == "1"
+
+
+# (keys a step, warps) of a decode step's attention program: the tile measured since 2026-12-06
+# (bench/RESULTS.md); bench.attention_split --decode-tiles times others (not yet on a GPU)
 DECODE_TILE = (64, 4)
 
 

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from quantserve.server.fastcore import dependent_launch
-from quantserve.server.fastcore.attention import decode_tile, short_context
+from quantserve.server.fastcore.attention import decode_tile, merge_in_one_round, short_context
 from quantserve.server.fastcore.batch import prompt_tile
 from quantserve.server.fastcore.blocks import BLOCK
 from quantserve.server.fastcore.dependent_launch import wait_for_previous
@@ -165,14 +165,53 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, acc_ptr, m_p
 
 
 @triton.jit
-def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, tiles_ptr, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
-                  GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr,
-                  NSPLIT: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, tiles_ptr, pos_ptr, window,
+                  H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                  DP: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NSPLIT: tl.constexpr,
+                  WINDOW: tl.constexpr, PDL: tl.constexpr = False):
+    """The chunks of keys of one (tile, KV head) that had keys to see, merged by their log-sum-exp,
+    one chunk at a time (each load waits for the positions' loads, and each chunk's for the last)."""
+    wait_for_previous(PDL)
+    tile, h = tl.program_id(0), tl.program_id(1)
+    q0 = tl.load(tiles_ptr + tile * 3 + 1)
+    nq = tl.load(tiles_ptr + tile * 3 + 2)
+    # only the chunks that had keys to see (the partial kernel's split of the same range)
+    hi = tl.load(pos_ptr + q0 + nq - 1) + 1
+    lo = 0
+    if WINDOW:
+        lo = tl.maximum(tl.load(pos_ptr + q0) - window + 1, 0)
+    per = tl.cdiv(tl.cdiv(hi - lo, NSPLIT), TILE_N) * TILE_N
+    active = tl.cdiv(hi - lo, per)
+    r = tl.arange(0, BLOCK_M)
+    tok, g = r // GP, r % GP
+    d = tl.arange(0, DP)
+    base = (tile * HKV + h) * NSPLIT
+    m_all = tl.full((BLOCK_M,), -1.0e30, tl.float32)
+    for s in range(0, active):
+        m_all = tl.maximum(m_all, tl.load(m_ptr + (base + s) * BLOCK_M + r))
+    denom = tl.zeros((BLOCK_M,), tl.float32)
+    out = tl.zeros((BLOCK_M, DP), tl.float32)
+    for s in range(0, active):
+        w = tl.exp(tl.load(m_ptr + (base + s) * BLOCK_M + r) - m_all)
+        denom += tl.load(l_ptr + (base + s) * BLOCK_M + r) * w
+        out += tl.load(acc_ptr + ((base + s) * BLOCK_M + r)[:, None] * DP + d[None, :]) * w[:, None]
+    out = out / tl.where(denom > 0, denom, 1.0)[:, None]
+    row_ok = (tok < nq) & (g < G)
+    t = q0 + tok
+    tl.store(out_ptr + ((t.to(tl.int64) * H + h * G + g) * D)[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (d < D)[None, :])
+
+
+@triton.jit
+def _merge_round_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, tiles_ptr, H: tl.constexpr, HKV: tl.constexpr,
+                        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr,
+                        NSPLIT: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
     """The NSPLIT chunks of keys of one (tile, KV head) merged by their log-sum-exp, CHUNK of them
     held at once.  Every chunk is read, also those past the sequence's keys (the partial kernel
     stores m = -1e30, l = 0, acc = 0 for them: weight 0), so no address waits for a load: reading
     only the chunks that had keys put the tile's and its positions' loads, then each chunk's in
-    turn, on one chain (bench/RESULTS.md, 2026-12-07)."""
+    turn, on one chain (_merge_kernel).  Opt-in until measured on a GPU (attention.merge_in_one_round:
+    bench/attention_gpu.sh times it against _merge_kernel)."""
     wait_for_previous(PDL)
     tile, h = tl.program_id(0), tl.program_id(1)
     r = tl.arange(0, BLOCK_M)
@@ -256,10 +295,14 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_sca
         BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n, BS=BLOCK, NSPLIT=nsplit, INT8=int8, SOFTCAP=softcap > 0,
         WINDOW=window > 0, FP32=q.dtype == torch.float32, NEW_KV=rope is not None,
         num_warps=warps, **dependent_launch.launch_options(_attention_kernel, q.device))
-    if nsplit > 1:
+    if nsplit > 1 and merge_in_one_round():
         chunk, warps = _merge_shape(nsplit, block_m, DP)
-        _merge_kernel[(NT, HKV)](acc, m, l, out, tiles, H=H, HKV=HKV, G=G, GP=GP, D=D, DP=DP, BLOCK_M=block_m,
-                                  NSPLIT=nsplit, CHUNK=chunk, num_warps=warps,
+        _merge_round_kernel[(NT, HKV)](acc, m, l, out, tiles, H=H, HKV=HKV, G=G, GP=GP, D=D, DP=DP, BLOCK_M=block_m,
+                                        NSPLIT=nsplit, CHUNK=chunk, num_warps=warps,
+                                        **dependent_launch.launch_options(_merge_round_kernel, q.device))
+    elif nsplit > 1:
+        _merge_kernel[(NT, HKV)](acc, m, l, out, tiles, pos, window, H=H, HKV=HKV, G=G, GP=GP, D=D, DP=DP,
+                                  BLOCK_M=block_m, TILE_N=tile_n, NSPLIT=nsplit, WINDOW=window > 0, num_warps=4,
                                   **dependent_launch.launch_options(_merge_kernel, q.device))
     return out
 

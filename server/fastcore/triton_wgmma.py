@@ -34,19 +34,21 @@ from quantserve.server.fastcore.triton_dequant import (dequantize_int4, dequanti
 # The ones that won some layer of the 8B at 256-2,048 rows on an H100 (bench/RESULTS.md, 2026-12-07).
 _SHAPES = ((128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 128, 8, 3), (64, 256, 64, 4, 4),
            (64, 256, 128, 4, 3),
-           # small enough for two programs a multiprocessor (107 / 57 KB of shared memory), so one's
-           # conversions and stores can overlap the other's wgmma: 64 x 256 x 64 won int4's qkv at 512
-           # rows on an H100, 64 x 128 x 64 int8's (50.5 against 56.3 us; bench/RESULTS.md, 2026-12-07
-           # evening)
-           (64, 256, 64, 4, 3), (64, 128, 64, 4, 3))
+           # small enough for two programs a multiprocessor (107 KB of shared memory, 165 registers a
+           # thread in the sm_90 build), so one's conversions and stores can overlap the other's
+           # wgmma: it won int4's qkv at 512 rows on an H100 (bench/RESULTS.md, 2026-12-07 evening)
+           (64, 256, 64, 4, 3))
 # Not among them: persistent configs (one program per multiprocessor walking tiles, their K loops
 # flattened into one by tl.range(..., flatten=True)).  On an H200 they took 1.6-1.8x the time of the
 # same tiles one program a tile, on every 8B layer at 512 rows (bench/RESULTS.md, 2026-12-07).
 
-# more that bench/kernel_race.py times beside them (not the launcher: each is a compile at start-up);
-# none won a layer in the races of 2026-12-07
+# more that bench/kernel_race.py times beside them (not the launcher: each is a compile at start-up).
+# None won a layer there but 64 x 128 x 64 on 3 stages (57 KB of shared memory), int8's
+# qkv at 512 rows in the race of 2026-12-07 evening (50.5 against 56.3 us); it joins the launcher's
+# configs once its GPU test (test_every_wgmma_prompt_config, which runs these too) has passed
 _MORE_SHAPES = ((128, 128, 64, 8, 4), (64, 128, 64, 4, 4), (128, 256, 64, 8, 5), (64, 256, 64, 4, 5),
-                (128, 128, 64, 4, 4), (64, 256, 64, 8, 4), (64, 256, 64, 4, 2), (64, 128, 128, 4, 2))
+                (128, 128, 64, 4, 4), (64, 256, 64, 8, 4), (64, 256, 64, 4, 2), (64, 128, 128, 4, 2),
+                (64, 128, 64, 4, 3))
 
 
 def _configs(shapes) -> tuple:

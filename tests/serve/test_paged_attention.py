@@ -89,19 +89,23 @@ def short_context(request, monkeypatch):
     return int(request.param)
 
 
-@pytest.fixture
-def merges(monkeypatch):
-    """The launches of the merge kernel of split keys (it still runs)."""
+@pytest.fixture(params=["0", "1"], ids=["merge-in-turn", "merge-in-one-round"])
+def merges(request, monkeypatch):
+    """The launches of the merge of split keys (it still runs), in either form
+    ($QUANTSERVE_ATTENTION_MERGE_ROUND)."""
     from quantserve.server.fastcore import triton_paged_attention
 
-    kernel, calls = triton_paged_attention._merge_kernel, []
+    monkeypatch.setenv("QUANTSERVE_ATTENTION_MERGE_ROUND", request.param)
+    calls = []
+    for name in ("_merge_kernel", "_merge_round_kernel"):
+        kernel = getattr(triton_paged_attention, name)
 
-    class Counted:
-        def __getitem__(self, grid):
-            calls.append(grid)
-            return kernel[grid]
+        class Counted:
+            def __getitem__(self, grid, kernel=kernel, name=name):
+                calls.append(name)
+                return kernel[grid]
 
-    monkeypatch.setattr(triton_paged_attention, "_merge_kernel", Counted())
+        monkeypatch.setattr(triton_paged_attention, name, Counted())
     return calls
 
 
@@ -109,8 +113,11 @@ def merges(monkeypatch):
 def test_decode_batches_with_split_keys_match_the_reference(H, HKV, D, short_context, merges):
     _check(H, HKV, D, DECODES, DECODE_LENGTHS)
     assert len(merges) == (0 if short_context else 1)
+    form = "_merge_round_kernel" if os.environ["QUANTSERVE_ATTENTION_MERGE_ROUND"] == "1" else "_merge_kernel"
+    assert set(merges) <= {form}
 
 
+@pytest.mark.parametrize("merges", ["1"], indirect=True)
 def test_the_merge_of_wide_heads_takes_several_rounds(monkeypatch, merges):
     """32 query heads a KV head of size 256: the merge holds its 16 chunks' partial sums in rounds
     (_merge_shape), and still gives the reference's output."""
@@ -120,7 +127,7 @@ def test_the_merge_of_wide_heads_takes_several_rounds(monkeypatch, merges):
     assert _merge_shape(16, 32, 256)[0] == 2
     monkeypatch.setenv("QUANTSERVE_ATTENTION_SHORT_CONTEXT", "0")
     _check(32, 1, 256, DECODES, DECODE_LENGTHS)
-    assert len(merges) == 1
+    assert merges == ["_merge_round_kernel"]
 
 
 def test_keys_split_past_the_short_context_until_the_programs_fill_the_gpu():
@@ -250,6 +257,18 @@ def test_the_model_decodes_through_the_one_kernel_path_like_the_torch_path(defau
     for la, lb in zip(ours.model.layers, ref.model.layers):
         torch.testing.assert_close(la.attention.k_cache, lb.attention.k_cache, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(la.attention.v_cache, lb.attention.v_cache, atol=1e-5, rtol=1e-5)
+
+
+def test_the_merge_form_is_a_switch_and_a_bad_value_is_an_error(monkeypatch):
+    from quantserve.server.fastcore.attention import merge_in_one_round
+
+    monkeypatch.delenv("QUANTSERVE_ATTENTION_MERGE_ROUND", raising=False)
+    assert not merge_in_one_round()
+    monkeypatch.setenv("QUANTSERVE_ATTENTION_MERGE_ROUND", "1")
+    assert merge_in_one_round()
+    monkeypatch.setenv("QUANTSERVE_ATTENTION_MERGE_ROUND", "yes")
+    with pytest.raises(ValueError, match="use 1 or 0"):
+        merge_in_one_round()
 
 
 def test_the_decode_tile_is_keys_by_warps_and_a_bad_value_is_an_error(monkeypatch):
