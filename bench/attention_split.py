@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     p.add_argument("--decode-tiles", default="",
-                   help="comma list of KEYSxWARPS to time each (default: the kernel's own, attention.DECODE_TILE)")
+                   help="comma list of KEYSxWARPS to time each (default: the kernel's own for the GPU)")
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--plot", help="draw the rows into this PNG")
     p.add_argument("--rows", help="a saved run's JSON (--out) to plot instead of measuring")
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {o.rows}: not an attention_split run ({type(e).__name__}: {e})", file=sys.stderr)
             return 2
         return 0
-    from quantserve.server.fastcore.attention import DECODE_TILE, decode_tile
+    from quantserve.server.fastcore.attention import decode_tile
 
     tiles = [t.strip() for t in o.decode_tiles.split(",") if t.strip()] or [""]
     for tile in tiles:  # a bad tile is refused before any timing
@@ -131,11 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("error: the attention kernel's timing needs a CUDA GPU", file=sys.stderr)
         return 2
+    from quantserve.server.fastcore.triton_paged_attention import _program_shape, _tensor_core_dot
+
     H, HKV, D = SHAPES[o.shape]
     rows = []
     print(f"{o.shape} decode attention ({torch.cuda.get_device_name()}), us a layer: keys split + merge | one program")
     for tile in tiles:
-        name = tile or "x".join(map(str, DECODE_TILE))
+        os.environ["QUANTSERVE_ATTENTION_DECODE_TILE"] = tile
+        mma = _tensor_core_dot(torch.device("cuda"))
+        name = "x".join(map(str, _program_shape(mma, 1, 16, D)[:2]))  # the tile, or the GPU's default
         for batch in [int(x) for x in o.batches.split(",")]:
             for context in [int(x) for x in o.contexts.split(",")]:
                 split = time_case(H, HKV, D, batch, context, 0, tile=tile)

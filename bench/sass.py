@@ -230,6 +230,55 @@ def dependent_launch_order(arch: str = "sm_90") -> dict[str, dict]:
     return out
 
 
+# (name, query heads, KV heads, head size): the attention shapes `--attention` compiles
+ATTENTION_SHAPES = (("llama-3.1-8b", 32, 8, 128), ("llama-3.2-1b", 32, 8, 64), ("gemma-2-9b", 16, 8, 256),
+                    ("gemma-3-1b", 4, 1, 256))
+
+
+def resources(compiled) -> dict[str, int]:
+    """A compiled Triton kernel's registers and local memory (spills) a thread (`cuobjdump
+    -res-usage`) and its shared memory a program (Triton's own, dynamic)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([cuobjdump(), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    line = next(line for line in usage.splitlines() if "REG:" in line)
+    return {"registers": int(re.search(r"REG:(\d+)", line).group(1)),
+            "local_bytes": int(re.search(r"STACK:(\d+)", line).group(1)), "shared_bytes": compiled.metadata.shared}
+
+
+def attention_resources(arch: str) -> list[dict]:
+    """The paged-attention kernel (server/fastcore/triton_paged_attention.py) compiled for `arch` at
+    the program shape its launcher takes there (_program_shape), for decode and prompt tiles, fp16
+    and int8 caches, on ATTENTION_SHAPES: what each program needs of a multiprocessor."""
+    from quantserve.server.fastcore import triton_paged_attention as tpa
+    from quantserve.server.fastcore.batch import prompt_tile
+
+    fn = tpa._attention_kernel
+    mma = int(arch.removeprefix("sm_")) >= 80
+    rows = []
+    for name, heads, kv_heads, head in ATTENTION_SHAPES:
+        G = heads // kv_heads
+        GP = 1 << (G - 1).bit_length()
+        for block_q, int8 in ((1, False), (1, True), (prompt_tile(G), False), (prompt_tile(G), True)):
+            block_m = max(16, block_q * GP)
+            keys, warps, block_rows = tpa._program_shape(mma, block_q, block_m, head)
+            const = dict(H=heads, HKV=kv_heads, G=G, GP=GP, D=head, DP=head, BLOCK_Q=block_q, BLOCK_M=block_rows,
+                         TILE_N=keys, BS=16, NSPLIT=1, INT8=int8, SOFTCAP=True, WINDOW=True, FP32=False,
+                         NEW_KV=block_q == 1 and not int8, ROW_PARTS=block_m // block_rows, PDL=False)
+            cache = "*i8" if int8 else "*fp16"
+            sig = {"q_ptr": "*fp16", "k_ptr": cache, "v_ptr": cache, "ks_ptr": "*fp16", "vs_ptr": "*fp16",
+                   "out_ptr": "*fp16", "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "table_ptr": "*i32",
+                   "slot_ptr": "*i32", "pos_ptr": "*i32", "tiles_ptr": "*i32", "s_table": "i32", "scale": "fp32",
+                   "softcap": "fp32", "window": "i32", "cos_ptr": "*fp16", "sin_ptr": "*fp16", "qkv_stride": "i32",
+                   **{k: "constexpr" for k in const}}
+            src = as_launched(fn, {n: sig[n] for n in fn.arg_names}, const)
+            rows.append({"arch": arch, "shape": name, "tile": "decode" if block_q == 1 else "prompt",
+                         "cache": "int8" if int8 else "fp16", "keys": keys, "warps": warps, "rows": block_rows,
+                         **resources(_compiled(src, arch, {"num_warps": warps}))})
+    return rows
+
+
 def _gemlite_gemv(N: int = 6144, K: int = 4096) -> tuple:
     """GemLite's batch-1 4-bit kernel (GEMV_REVSPLITK) as its forward launches it for our int4 layer."""
     import triton.language as tl
@@ -303,7 +352,13 @@ def main(argv=None) -> int:
     ap.add_argument("--loop", action="store_true", help="count the longest loop's body (one K step) only")
     ap.add_argument("--dependent-launch", action="store_true", help="instead: the batch-1 kernels as dependent "
                     "launches for sm_90, where their wait stands (JSON)")
+    ap.add_argument("--attention", action="store_true", help="instead: the paged-attention kernel at each --arch's "
+                    "program shapes, its registers, spills and shared memory (JSON)")
     args = ap.parse_args(argv)
+    if args.attention:
+        print(json.dumps([row for arch in args.arch.split(",") if arch.strip()
+                          for row in attention_resources(arch.strip())], indent=1))
+        return 0
     if args.dependent_launch:
         print(json.dumps(dependent_launch_order(), indent=1))
         return 0

@@ -107,18 +107,13 @@ def merge_in_one_round() -> bool:
     return value == "1"
 
 
-# (keys a step, warps) of a decode step's attention program: the tile measured since 2026-12-06
-# (bench/RESULTS.md); bench.attention_split --decode-tiles times others (not yet on a GPU)
-DECODE_TILE = (64, 4)
-
-
-def decode_tile() -> tuple[int, int]:
-    """$QUANTSERVE_ATTENTION_DECODE_TILE, "KEYSxWARPS" (default DECODE_TILE): the keys a decode
-    step's attention program takes a step (16-256, a power of two) and its warps (1-16, a power of
-    two); prompt tiles keep their own."""
+def decode_tile() -> tuple[int, int] | None:
+    """$QUANTSERVE_ATTENTION_DECODE_TILE, "KEYSxWARPS": the keys a decode step's attention program
+    takes a step (16-256, a power of two) and its warps (1-16, a power of two).  Unset: None, the
+    kernel's own for the GPU (triton_paged_attention._program_shape); prompt tiles keep theirs."""
     value = os.environ.get("QUANTSERVE_ATTENTION_DECODE_TILE", "").strip()
     if not value:
-        return DECODE_TILE
+        return None
     keys, _, warps = value.partition("x")
     ok = keys.isascii() and keys.isdigit() and warps.isascii() and warps.isdigit()
     if not ok or int(keys) not in (16, 32, 64, 128, 256) or int(warps) not in (1, 2, 4, 8, 16):

@@ -37,7 +37,12 @@ from quantserve.server.fastcore.batch import prompt_tile
 from quantserve.server.fastcore.blocks import BLOCK
 from quantserve.server.fastcore.dependent_launch import wait_for_previous
 
-PROMPT_TILE_N = 32  # keys per inner step, prompt tiles (BLOCK_Q x G query rows); decode: attention.decode_tile
+# (keys a step, warps) of a program where Triton's tl.dot is tensor-core MMA (sm_80+): the decode tile
+# measured since 2026-12-06 (bench/RESULTS.md; bench.attention_split --decode-tiles times others),
+# the prompt tile (BLOCK_Q x G query rows; 8 warps past 64 rows).  Where tl.dot is FMAs (sm_75, a
+# T4): _program_shape
+DECODE_TILE = (64, 4)
+PROMPT_TILE_N = 32
 
 
 @triton.jit
@@ -62,7 +67,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, acc_ptr, m_p
                       D: tl.constexpr, DP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
                       TILE_N: tl.constexpr, BS: tl.constexpr, NSPLIT: tl.constexpr, INT8: tl.constexpr,
                       SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, FP32: tl.constexpr, NEW_KV: tl.constexpr,
-                      PDL: tl.constexpr = False):
+                      ROW_PARTS: tl.constexpr = 1, PDL: tl.constexpr = False):
     wait_for_previous(PDL)  # everything it reads may come from the kernel before (dependent_launch.py)
     tile, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq = tl.load(tiles_ptr + tile * 3)
@@ -70,6 +75,9 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, acc_ptr, m_p
     nq = tl.load(tiles_ptr + tile * 3 + 2)
     row = tl.load(slot_ptr + seq).to(tl.int64)
     r = tl.arange(0, BLOCK_M)
+    if ROW_PARTS > 1:  # a prompt tile's rows over ROW_PARTS programs (_program_shape); prompts split no keys
+        r += split * BLOCK_M
+        split = 0
     tok, g = r // GP, r % GP
     row_ok = (tok < nq) & (g < G)
     t = q0 + tok  # each row's token in the flat batch
@@ -257,6 +265,34 @@ def _merge_shape(nsplit: int, block_m: int, dp: int) -> tuple[int, int]:
     return chunk, min(16, max(4, triton.next_power_of_2(chunk * block_m * dp // (32 * 64))))
 
 
+def _tensor_core_dot(device: torch.device) -> bool:
+    """Whether Triton's tl.dot is tensor-core MMA on this GPU (sm_80+; in the interpreter, as on
+    those).  On sm_75 (a T4) Triton 3.6 makes it FMAs: no HMMA in the SASS."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def _program_shape(mma: bool, block_q: int, block_m: int, dp: int) -> tuple[int, int, int]:
+    """(keys a step, warps, query rows) of one attention program, for tiles of block_q tokens
+    (block_m = block_q x G rounded rows) and heads of dp (a power of two), where tl.dot is
+    tensor-core MMA (`mma`, _tensor_core_dot) or FMAs.
+
+    Where tl.dot is FMAs (sm_75, a T4) the tensor-core tiles do not fit: compiled for sm_75 by
+    Triton 3.6 (`cuobjdump -res-usage`, bench/RESULTS.md 2026-12-07), the decode tile of 64 keys on
+    4 warps took 255 registers and 2.4 KB of local memory a thread at the 8B shape (head 128), the
+    prompt tile (64 rows, 32 keys, 4 warps) 5 KB; at a head of 256 (Gemma) they need 80 and 96 KB
+    of shared memory, past a T4's 64 KB, so they would not launch.  There: decodes 32 keys on 8
+    warps (16 on 4 at a head of 256), prompts 16 keys on 8 warps, at a head of 256 in programs of
+    32 rows (two a 64-row tile); none of them spills, all within 48 KB (`python -m
+    quantserve.bench.sass --attention` shows it).  $QUANTSERVE_ATTENTION_DECODE_TILE
+    (attention.decode_tile) sets the decode tile on any GPU."""
+    if block_q == 1:
+        keys, warps = decode_tile() or (DECODE_TILE if mma else (32, 8) if dp <= 128 else (16, 4))
+        return keys, warps, block_m
+    if mma:
+        return PROMPT_TILE_N, 4 if block_m <= 64 else 8, block_m
+    return 16, 8, min(block_m, 64 if dp <= 128 else 32)
+
+
 def _sms(device: torch.device) -> int:
     """Multiprocessors the launcher plans for: the GPU's, or in Triton's interpreter (tests on a
     CPU) an H100's 132, so the interpreter takes the decisions the kernels are tuned on."""
@@ -279,7 +315,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_sca
     q = q.contiguous()
     out = torch.empty((T, H, D), device=q.device, dtype=q.dtype)
     nsplit = _splits(NT * HKV, _sms(q.device), max_keys, short_context()) if block_q == 1 else 1
-    tile_n, warps = decode_tile() if block_q == 1 else (PROMPT_TILE_N, 4 if block_m <= 64 else 8)
+    tile_n, warps, rows = _program_shape(_tensor_core_dot(q.device), block_q, block_m, DP)
     if nsplit > 1:
         acc = torch.empty((NT * HKV * nsplit * block_m, DP), device=q.device, dtype=torch.float32)
         m = torch.empty((NT * HKV * nsplit * block_m,), device=q.device, dtype=torch.float32)
@@ -289,11 +325,12 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_sca
     int8 = k_scale is not None
     ks, vs = (k_scale, v_scale) if int8 else (k_cache, v_cache)  # placeholders, never read
     cos, sin = rope if rope is not None else (q, q)  # placeholders, never read
-    _attention_kernel[(NT, HKV, nsplit)](
+    parts = block_m // rows  # > 1 only for prompts (nsplit 1): program_id(2) picks the rows
+    _attention_kernel[(NT, HKV, nsplit * parts)](
         q, k_cache, v_cache, ks, vs, out, acc, m, l, table, seq_slot, pos, tiles, table.stride(0), scale,
         softcap, window, cos.contiguous(), sin.contiguous(), q.stride(0), H=H, HKV=HKV, G=G, GP=GP, D=D, DP=DP,
-        BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n, BS=BLOCK, NSPLIT=nsplit, INT8=int8, SOFTCAP=softcap > 0,
-        WINDOW=window > 0, FP32=q.dtype == torch.float32, NEW_KV=rope is not None,
+        BLOCK_Q=block_q, BLOCK_M=rows, TILE_N=tile_n, BS=BLOCK, NSPLIT=nsplit, INT8=int8, SOFTCAP=softcap > 0,
+        WINDOW=window > 0, FP32=q.dtype == torch.float32, NEW_KV=rope is not None, ROW_PARTS=parts,
         num_warps=warps, **dependent_launch.launch_options(_attention_kernel, q.device))
     if nsplit > 1 and merge_in_one_round():
         chunk, warps = _merge_shape(nsplit, block_m, DP)

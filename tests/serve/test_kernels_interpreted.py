@@ -352,6 +352,30 @@ def test_the_batch1_kernels_as_dependent_launches_load_their_first_weights_befor
 
 
 
+def test_the_attention_kernel_fits_a_t4_without_spills():
+    """Compiled for sm_75 (a T4; Triton cross-compiles on a CPU, bench/sass.py) at the program
+    shapes its launcher takes there, the paged-attention kernel fits a T4's 64 KB of shared memory
+    and spills (almost) nothing, for the 8B, 1B and Gemma (head 256) shapes, decode and prompt
+    tiles, fp16 and int8 caches.  The tensor-core shapes did not: 2.4-5 KB of local memory a thread
+    at the 8B shape, and 80-96 KB of shared memory at a head of 256 (no launch at all)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this Triton has no bundled ptxas to compile for sm_75")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
+    run = subprocess.run([sys.executable, "-m", "quantserve.bench.sass", "--attention", "--arch", "sm_75"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(run.stdout)
+    assert len(rows) == 16 and {r["shape"] for r in rows} >= {"llama-3.1-8b", "gemma-2-9b"}
+    for r in rows:
+        assert r["shared_bytes"] <= 64 * 1024 and r["local_bytes"] <= 64, r
+
+
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_the_wgmma_prompt_kernels_compute_the_layer(weights):
     """triton_wgmma.py's kernels (sm_90 prompts: TMA tiles, the weight dequantized as the first

@@ -130,6 +130,29 @@ def test_the_merge_of_wide_heads_takes_several_rounds(monkeypatch, merges):
     assert merges == ["_merge_round_kernel"]
 
 
+@pytest.fixture
+def fma_dot(monkeypatch):
+    """The program shapes of a GPU whose tl.dot is FMAs (sm_75, a T4: _program_shape)."""
+    from quantserve.server.fastcore import triton_paged_attention
+
+    monkeypatch.setattr(triton_paged_attention, "_tensor_core_dot", lambda device: False)
+
+
+@pytest.mark.parametrize("H, HKV, D", [(8, 2, 64), (4, 2, 256)])
+def test_a_t4s_program_shapes_match_the_reference(H, HKV, D, fma_dot, monkeypatch):
+    """Prompt and decode tiles at a T4's program shapes: a head of 256 splits each prompt tile's
+    rows over two programs (ROW_PARTS), decodes take 16 or 32 keys a step."""
+    from quantserve.server.fastcore.triton_paged_attention import _program_shape
+
+    assert _program_shape(False, 16, 64, 128) == (16, 8, 64) and _program_shape(False, 32, 64, 256) == (16, 8, 32)
+    assert _program_shape(False, 1, 16, 128) == (32, 8, 16) and _program_shape(False, 1, 16, 256) == (16, 4, 16)
+    assert _program_shape(True, 16, 64, 256) == (32, 4, 64)  # tensor cores: one program a tile
+    _check(H, HKV, D, MIXED, MIXED_LENGTHS, softcap=5.0, window=24)
+    for short in ("0", "1024"):
+        monkeypatch.setenv("QUANTSERVE_ATTENTION_SHORT_CONTEXT", short)
+        _check_decode(H, HKV, D)
+
+
 def test_keys_split_past_the_short_context_until_the_programs_fill_the_gpu():
     from quantserve.server.fastcore.triton_paged_attention import _splits
 
@@ -272,10 +295,10 @@ def test_the_merge_form_is_a_switch_and_a_bad_value_is_an_error(monkeypatch):
 
 
 def test_the_decode_tile_is_keys_by_warps_and_a_bad_value_is_an_error(monkeypatch):
-    from quantserve.server.fastcore.attention import DECODE_TILE, decode_tile
+    from quantserve.server.fastcore.attention import decode_tile
 
     monkeypatch.delenv("QUANTSERVE_ATTENTION_DECODE_TILE", raising=False)
-    assert decode_tile() == DECODE_TILE
+    assert decode_tile() is None  # the kernel's own (_program_shape)
     monkeypatch.setenv("QUANTSERVE_ATTENTION_DECODE_TILE", "128x8")
     assert decode_tile() == (128, 8)
     for bad in ("128", "100x4", "64x3", "64x32", "x", "64x-4", "\u00b2x4"):
