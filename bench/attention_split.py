@@ -131,15 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("error: the attention kernel's timing needs a CUDA GPU", file=sys.stderr)
         return 2
-    from quantserve.server.fastcore.triton_paged_attention import _program_shape, _tensor_core_dot
+    from quantserve.server.fastcore.triton_dequant import TENSOR_CORE_DOT
+    from quantserve.server.fastcore.triton_paged_attention import _program_shape
 
     H, HKV, D = SHAPES[o.shape]
     rows = []
     print(f"{o.shape} decode attention ({torch.cuda.get_device_name()}), us a layer: keys split + merge | one program")
     for tile in tiles:
         os.environ["QUANTSERVE_ATTENTION_DECODE_TILE"] = tile
-        mma = _tensor_core_dot(torch.device("cuda"))
-        name = "x".join(map(str, _program_shape(mma, 1, 16, D)[:2]))  # the tile, or the GPU's default
+        name = "x".join(map(str, _program_shape(TENSOR_CORE_DOT, 1, 16, D)[:2]))  # the tile, or the GPU's default
         for batch in [int(x) for x in o.batches.split(",")]:
             for context in [int(x) for x in o.contexts.split(",")]:
                 split = time_case(H, HKV, D, batch, context, 0, tile=tile)

@@ -23,6 +23,7 @@ import functools
 import inspect
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -30,6 +31,11 @@ from quantserve.server.fastcore.kernel_timing import quick_bench
 
 # the interpreter (TRITON_INTERPRET=1, CPU checks) runs no PTX: the same arithmetic in Triton ops there
 PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+
+# Whether Triton's `tl.dot` runs on tensor cores on this GPU: it lowers to FMAs below sm_80 (a T4
+# is sm_75), so work moved onto `tl.dot` is free only from sm_80 on, and tiles sized for tensor
+# cores can spill there.  (The interpreter: as on sm_80+.)
+TENSOR_CORE_DOT = not torch.cuda.is_available() or torch.cuda.get_device_capability() >= (8, 0)
 
 
 # The autotuners' options, where this Triton has them: the quick timer, and the choices kept on

@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from quantserve.server.fastcore.triton_dequant import (AUTOTUNE_OPTIONS, compiling_ahead, dequantize_int4,
+from quantserve.server.fastcore.triton_dequant import (AUTOTUNE_OPTIONS, TENSOR_CORE_DOT, compiling_ahead,
+                                                       dequantize_int4,
                                                        dequantize_int8, int8_to, nibbles_to_fp16)
 from quantserve.server.fastcore.kernel_timing import graph_times, quick_bench
 from quantserve.server.fastcore import dependent_launch, triton_dp4a as dp4a, triton_splits as splits
@@ -71,11 +72,6 @@ def _prune(configs, named_args, **kwargs):
             continue
         keep.append(c)
     return keep
-
-
-# Whether Triton's `tl.dot` runs on tensor cores on this GPU: it lowers to FMAs below sm_80 (a T4
-# is sm_75), so work moved onto `tl.dot` is free only from sm_80 on.  (The interpreter: either.)
-TENSOR_CORE_DOT = not torch.cuda.is_available() or torch.cuda.get_device_capability() >= (8, 0)
 
 
 # ROWS_FIRST (a prompt's several row tiles): the grid's first axis walks the row tiles, so the

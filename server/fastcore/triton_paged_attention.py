@@ -36,6 +36,7 @@ from quantserve.server.fastcore.attention import decode_tile, merge_in_one_round
 from quantserve.server.fastcore.batch import prompt_tile
 from quantserve.server.fastcore.blocks import BLOCK
 from quantserve.server.fastcore.dependent_launch import wait_for_previous
+from quantserve.server.fastcore.triton_dequant import TENSOR_CORE_DOT
 
 # (keys a step, warps) of a program where Triton's tl.dot is tensor-core MMA (sm_80+): the decode tile
 # measured since 2026-12-06 (bench/RESULTS.md; bench.attention_split --decode-tiles times others),
@@ -265,16 +266,10 @@ def _merge_shape(nsplit: int, block_m: int, dp: int) -> tuple[int, int]:
     return chunk, min(16, max(4, triton.next_power_of_2(chunk * block_m * dp // (32 * 64))))
 
 
-def _tensor_core_dot(device: torch.device) -> bool:
-    """Whether Triton's tl.dot is tensor-core MMA on this GPU (sm_80+; in the interpreter, as on
-    those).  On sm_75 (a T4) Triton 3.6 makes it FMAs: no HMMA in the SASS."""
-    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 0)
-
-
 def _program_shape(mma: bool, block_q: int, block_m: int, dp: int) -> tuple[int, int, int]:
     """(keys a step, warps, query rows) of one attention program, for tiles of block_q tokens
     (block_m = block_q x G rounded rows) and heads of dp (a power of two), where tl.dot is
-    tensor-core MMA (`mma`, _tensor_core_dot) or FMAs.
+    tensor-core MMA (`mma`: triton_dequant.TENSOR_CORE_DOT) or FMAs.
 
     Where tl.dot is FMAs (sm_75, a T4) the tensor-core tiles do not fit: compiled for sm_75 by
     Triton 3.6 (`cuobjdump -res-usage`, bench/RESULTS.md 2026-12-07), the decode tile of 64 keys on
@@ -315,7 +310,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_sca
     q = q.contiguous()
     out = torch.empty((T, H, D), device=q.device, dtype=q.dtype)
     nsplit = _splits(NT * HKV, _sms(q.device), max_keys, short_context()) if block_q == 1 else 1
-    tile_n, warps, rows = _program_shape(_tensor_core_dot(q.device), block_q, block_m, DP)
+    tile_n, warps, rows = _program_shape(TENSOR_CORE_DOT, block_q, block_m, DP)
     if nsplit > 1:
         acc = torch.empty((NT * HKV * nsplit * block_m, DP), device=q.device, dtype=torch.float32)
         m = torch.empty((NT * HKV * nsplit * block_m,), device=q.device, dtype=torch.float32)

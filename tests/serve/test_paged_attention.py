@@ -135,7 +135,7 @@ def fma_dot(monkeypatch):
     """The program shapes of a GPU whose tl.dot is FMAs (sm_75, a T4: _program_shape)."""
     from quantserve.server.fastcore import triton_paged_attention
 
-    monkeypatch.setattr(triton_paged_attention, "_tensor_core_dot", lambda device: False)
+    monkeypatch.setattr(triton_paged_attention, "TENSOR_CORE_DOT", False)
 
 
 @pytest.mark.parametrize("H, HKV, D", [(8, 2, 64), (4, 2, 256)])
