@@ -46,7 +46,8 @@ if [ "$phase" = 1 ] || [ "$phase" = one ]; then
   if [ "$phase" = 1 ]; then
     start_with_llama  # .devwheels and the GGUF writer, the GPU named in bench.txt, llama.cpp and the GGUFs detached
   else
-    install_site; (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) > "$out/bench.txt"
+    install_site
+    (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) > "$out/bench.txt"
     export CONTEXTS=${CONTEXTS:-64,128,192,256,512,1024,2048} TILES=${TILES:-64x4,64x8,128x8}; log "installed"
   fi
   gpu_tests $(left 150) "" "$repo/tests/serve/test_paged_attention.py"

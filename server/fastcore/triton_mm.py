@@ -32,8 +32,7 @@ import triton
 import triton.language as tl
 
 from quantserve.server.fastcore.triton_dequant import (AUTOTUNE_OPTIONS, TENSOR_CORE_DOT, compiling_ahead,
-                                                       dequantize_int4,
-                                                       dequantize_int8, int8_to, nibbles_to_fp16)
+                                                       dequantize_int4, dequantize_int8, int8_to, nibbles_to_fp16)
 from quantserve.server.fastcore.kernel_timing import graph_times, quick_bench
 from quantserve.server.fastcore import dependent_launch, triton_dp4a as dp4a, triton_splits as splits
 from quantserve.server.fastcore import triton_wgmma as wgmma
