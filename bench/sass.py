@@ -279,6 +279,29 @@ def attention_resources(arch: str) -> list[dict]:
     return rows
 
 
+def t4_tile_resources(arch: str = "sm_75") -> list[dict]:
+    """The tiled int8 / int4 weight kernels (triton_mm.py, 16 rows: decode batches) compiled for
+    `arch` at every config of the list a GPU whose tl.dot is FMAs tunes among (triton_mm._configs(mma=
+    False)), their registers, spills and shared memory."""
+    from quantserve.server.fastcore import triton_mm
+
+    meta = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "SWAP", "BIT_DEQUANT")
+    rows = []
+    for weights, fn in (("int8", triton_mm._int8_kernel), ("int4", triton_mm._int4_kernel)):
+        extra = {"GROUP": 128, "Z_DOT": False} if weights == "int4" else {}
+        sig = {n: t for n, t in _signature(weights).items() if t != "constexpr"}
+        for config in triton_mm._configs(mma=False):
+            const = {"BLOCK_M": 16, "BIT_DEQUANT": True, **config.kwargs, **extra}
+            const.update({p.name: p.default for p in fn.params if p.is_constexpr and p.has_default
+                          and p.name not in const})
+            full = dict(sig, **{n: "constexpr" for n in (*meta, *const)})
+            src = as_launched(fn, {n: full[n] for n in fn.arg_names if n in full}, const)
+            compiled = _compiled(src, arch, {"num_warps": config.num_warps, "num_stages": config.num_stages})
+            rows.append({"arch": arch, "weights": weights, **config.kwargs, "warps": config.num_warps,
+                         **resources(compiled)})
+    return rows
+
+
 def _gemlite_gemv(N: int = 6144, K: int = 4096) -> tuple:
     """GemLite's batch-1 4-bit kernel (GEMV_REVSPLITK) as its forward launches it for our int4 layer."""
     import triton.language as tl
@@ -354,7 +377,13 @@ def main(argv=None) -> int:
                     "launches for sm_90, where their wait stands (JSON)")
     ap.add_argument("--attention", action="store_true", help="instead: the paged-attention kernel at each --arch's "
                     "program shapes, its registers, spills and shared memory (JSON)")
+    ap.add_argument("--t4-tiles", action="store_true", help="instead: the tiled weight kernels at the configs a GPU "
+                    "without tensor-core tl.dot tunes among, for each --arch (JSON)")
     args = ap.parse_args(argv)
+    if args.t4_tiles:
+        print(json.dumps([row for arch in args.arch.split(",") if arch.strip()
+                          for row in t4_tile_resources(arch.strip())], indent=1))
+        return 0
     if args.attention:
         print(json.dumps([row for arch in args.arch.split(",") if arch.strip()
                           for row in attention_resources(arch.strip())], indent=1))

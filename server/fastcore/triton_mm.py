@@ -48,8 +48,14 @@ from quantserve.server.fastcore.triton_splits import store_tile
 # bucket (int4's 2, 4, 8), a launch the tile height (16), and each would be a compile of its own.
 
 
-def _configs():
-    # Few configs on purpose: each one is a Triton compile (~1 s) per shape at start-up.
+def _configs(mma: bool | None = None):
+    # Few configs on purpose: each one is a Triton compile (~1 s) per shape at start-up.  mma: for a
+    # GPU whose tl.dot is tensor-core MMA (default: this one's, TENSOR_CORE_DOT).  Where it is FMAs
+    # (a T4) every one of these spilled 1.7-2.6 KB a thread (sm_75, Triton 3.6, 16 rows); the
+    # FMA list's configs spill nothing there (`python -m quantserve.bench.sass --t4-tiles`).
+    if not (TENSOR_CORE_DOT if mma is None else mma):
+        return [triton.Config({"BLOCK_N": bn, "BLOCK_K": 64, "SPLIT_K": split, "SWAP": swap}, num_warps=8,
+                              num_stages=1) for swap in (False, True) for bn in (32, 64) for split in (1, 4)]
     out = [triton.Config({"BLOCK_N": bn, "BLOCK_K": 128, "SPLIT_K": split, "SWAP": swap}, num_warps=4, num_stages=4)
            for swap in (False, True) for bn in (64, 128) for split in (1, 4)]
     out.append(triton.Config({"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 8}, num_warps=4, num_stages=4))
@@ -365,7 +371,7 @@ def _launch(kernel, M: int, N: int, x: torch.Tensor, args: tuple, gemv=None, den
         if M > 64 and dense is not None:
             _launch(kernel, 64, N, x[:64], (x[:64],) + args[1:], **extra)  # tunes the tiles on 64 rows
             choices = [_chosen[(kernel.fn.__name__, 64, False, N, K, x.dtype, extra.get("GROUP"))], (dense, None, 0, {})]
-            if prompt is not None:
+            if prompt is not None and TENSOR_CORE_DOT:  # on FMAs (a T4) 128-row tiles lose to cuBLAS, and spill
                 choices.append(_tune(prompt, PROMPT_BLOCK_M, M, N, K, x, args, extra))
             if wgmma.usable(x):  # sm_90: TMA-fed tiles, the weight dequantized as wgmma's first operand
                 fn = wgmma.int4_wgmma_mm if "GROUP" in extra else wgmma.int8_wgmma_mm

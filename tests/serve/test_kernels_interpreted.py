@@ -232,8 +232,8 @@ def test_the_dp4a_form_is_timed_at_the_float_forms_config_twice_its_rows_and_the
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_every_tiled_config(weights):
-    """The tiled `tl.dot` kernels (triton_mm.py) at each decode config and each 128-row prompt
-    config, both orientations (SWAP), split-K's partial sums; int4 with its offsets' term on
+    """The tiled `tl.dot` kernels (triton_mm.py) at each decode config (a T4's list too) and each
+    128-row prompt config, both orientations (SWAP), split-K's partial sums; int4 with its offsets' term on
     `tl.dot` and as a sum (Z_DOT, chosen by the GPU's tensor cores).  Rows of x not a whole tile.
     Over several row tiles (a prompt's), in both grid orders: row tiles first, as the launcher
     runs them, and output tiles first (triton_mm.tiled_grid)."""
@@ -253,7 +253,8 @@ def test_every_tiled_config(weights):
         x = torch.randn(M, k, device=DEVICE, dtype=DTYPE)
         ref = x.float() @ ref_w.t()
         rasters = [{}, {"ROWS_FIRST": False}] if M > block_m else [{}]
-        for config in kernel.configs:
+        fma = triton_mm._configs(mma=False) if kernel is tuned[0] else []  # a T4's list (tl.dot on FMAs)
+        for config in kernel.configs + fma:
             bk, split = config.kwargs["BLOCK_K"], config.kwargs["SPLIT_K"]
             if k % (bk * split) or (weights == "int4" and bk > 128):
                 continue
@@ -376,6 +377,28 @@ def test_the_attention_kernel_fits_a_t4_without_spills():
         assert r["shared_bytes"] <= 64 * 1024 and r["local_bytes"] <= 64, r
 
 
+def test_the_tiled_kernels_configs_for_a_t4_spill_nothing():
+    """Compiled for sm_75 (a T4, where tl.dot is FMAs), every config of the tiled weight kernels'
+    list for such a GPU (triton_mm._configs(mma=False)) keeps its registers: the tensor-core list
+    spilled 1.7-2.6 KB a thread there."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this Triton has no bundled ptxas to compile for sm_75")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
+    run = subprocess.run([sys.executable, "-m", "quantserve.bench.sass", "--t4-tiles", "--arch", "sm_75"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(run.stdout)
+    assert len(rows) == 16
+    for r in rows:
+        assert r["local_bytes"] <= 64 and r["shared_bytes"] <= 64 * 1024, r
+
+
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_the_wgmma_prompt_kernels_compute_the_layer(weights):
     """triton_wgmma.py's kernels (sm_90 prompts: TMA tiles, the weight dequantized as the first
@@ -428,6 +451,41 @@ def test_a_prompt_choice_says_whether_the_wgmma_kernels_were_among_its_candidate
         triton_mm._chosen.update(saved)
         triton_mm._with_wgmma.clear()
         triton_mm._with_wgmma.update(saved_with)
+
+
+def test_a_gpu_without_tensor_core_dots_times_no_128_row_prompt_tiles(monkeypatch):
+    """Where tl.dot is FMAs (a T4) the launcher leaves the 128-row prompt tiles out of a prompt's
+    candidates (they lose to dequantize-then-cuBLAS there and spilled 6.6-15 KB a thread on sm_75):
+    fewer compiles at start-up; with tensor cores they are among them.  (Timing needs a GPU: here
+    the tuning and the race are stood in for, the candidates recorded, the dense path run.)"""
+    from quantserve.server.fastcore import triton_mm
+
+    q8, _ = _layers(8)
+    x = torch.randn(70, K, device=DEVICE, dtype=DTYPE)
+    ref = x.float() @ (q8.weight.float() * q8.scales.float()[:, None]).t()
+    raced, dense = [], (triton_mm._int8_dense, None, 0, {})
+
+    def race(choices, *_):  # the dense path wins every race
+        raced.append(choices)
+        return dense
+
+    monkeypatch.setattr(triton_mm, "_tune", lambda kernel, block_m, *a, **kw: (kernel.fn, kernel.configs[0], block_m, {}))
+    monkeypatch.setattr(triton_mm, "_fastest", race)
+    saved = dict(triton_mm._chosen)
+    try:
+        for tensor_cores in (False, True):
+            monkeypatch.setattr(triton_mm, "TENSOR_CORE_DOT", tensor_cores)
+            triton_mm._chosen.clear()
+            raced.clear()
+            y = triton_mm._launch(triton_mm.int8_kernel, 70, N, x, (x, q8.weight, q8.scales),
+                                  dense=triton_mm._int8_dense, prompt=triton_mm.int8_prompt_kernel)
+            _close(y, ref, "int8 prompt, dense")
+            prompt = raced[-1]  # the prompt's race (the one before it: the tiles on 64 rows)
+            assert any(c[1] is None for c in prompt)  # dequantize-then-cuBLAS, always
+            assert any(c[0] is triton_mm.int8_prompt_kernel.fn for c in prompt) == tensor_cores
+    finally:
+        triton_mm._chosen.clear()
+        triton_mm._chosen.update(saved)
 
 
 def test_a_candidate_that_fails_to_run_is_left_out_not_raised(capsys):
