@@ -330,10 +330,9 @@ def test_dependent_launches_only_on_sm90_where_turned_on_and_for_the_kernels_tha
     assert options(waits[0], gpu) == {}
 
 
-def test_the_batch1_kernels_as_dependent_launches_load_their_first_weights_before_they_wait():
-    """Compiled for sm_90 (Triton cross-compiles on a CPU; bench/sass.py), the batch-1 kernels as
-    dependent launches load their first weight words before the wait and x only after it, let the
-    next kernel launch, and keep the K step's instruction count."""
+def _compiled_listing(*args: str, arch: str):
+    """`python -m quantserve.bench.sass ARGS` (Triton cross-compiling for `arch` on this CPU), its JSON;
+    skipped where this Triton bundles no ptxas."""
     import subprocess
     import sys
     from pathlib import Path
@@ -341,16 +340,22 @@ def test_the_batch1_kernels_as_dependent_launches_load_their_first_weights_befor
     import triton
 
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("this Triton has no bundled ptxas to compile for sm_90")
+        pytest.skip(f"this Triton has no bundled ptxas to compile for {arch}")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
-    run = subprocess.run([sys.executable, "-m", "quantserve.bench.sass", "--dependent-launch"], env=env,
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-m", "quantserve.bench.sass", *args], env=env, capture_output=True,
+                         text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
-    for kind, order in json.loads(run.stdout).items():
+    return json.loads(run.stdout)
+
+
+def test_the_batch1_kernels_as_dependent_launches_load_their_first_weights_before_they_wait():
+    """Compiled for sm_90 (Triton cross-compiles on a CPU; bench/sass.py), the batch-1 kernels as
+    dependent launches load their first weight words before the wait and x only after it, let the
+    next kernel launch, and keep the K step's instruction count."""
+    for kind, order in _compiled_listing("--dependent-launch", arch="sm_90").items():
         assert order["wait"] and order["launch_next"], (kind, order)
         assert order["weight_loads_before_wait"] >= 1 and order["x_loads_before_wait"] == 0, (kind, order)
         assert order["k_step"] == order["k_step_dependent"], (kind, order)
-
 
 
 def test_the_attention_kernel_fits_a_t4_without_spills():
@@ -359,19 +364,7 @@ def test_the_attention_kernel_fits_a_t4_without_spills():
     and spills (almost) nothing, for the 8B, 1B and Gemma (head 256) shapes, decode and prompt
     tiles, fp16 and int8 caches.  The tensor-core shapes did not: 2.4-5 KB of local memory a thread
     at the 8B shape, and 80-96 KB of shared memory at a head of 256 (no launch at all)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import triton
-
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("this Triton has no bundled ptxas to compile for sm_75")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
-    run = subprocess.run([sys.executable, "-m", "quantserve.bench.sass", "--attention", "--arch", "sm_75"], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    rows = json.loads(run.stdout)
+    rows = _compiled_listing("--attention", "--arch", "sm_75", arch="sm_75")
     assert len(rows) == 16 and {r["shape"] for r in rows} >= {"llama-3.1-8b", "gemma-2-9b"}
     for r in rows:
         assert r["shared_bytes"] <= 64 * 1024 and r["local_bytes"] <= 64, r
@@ -381,19 +374,7 @@ def test_the_tiled_kernels_configs_for_a_t4_spill_nothing():
     """Compiled for sm_75 (a T4, where tl.dot is FMAs), every config of the tiled weight kernels'
     list for such a GPU (triton_mm._configs(mma=False)) keeps its registers: the tensor-core list
     spilled 1.7-2.6 KB a thread there."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import triton
-
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("this Triton has no bundled ptxas to compile for sm_75")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
-    run = subprocess.run([sys.executable, "-m", "quantserve.bench.sass", "--t4-tiles", "--arch", "sm_75"], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    rows = json.loads(run.stdout)
+    rows = _compiled_listing("--t4-tiles", "--arch", "sm_75", arch="sm_75")
     assert len(rows) == 16
     for r in rows:
         assert r["local_bytes"] <= 64 and r["shared_bytes"] <= 64 * 1024, r
