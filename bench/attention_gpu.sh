@@ -14,6 +14,8 @@
 #   bench/attention_gpu.sh OUT one  a single call without llama.cpp: call 1's tests and timings (fewer
 #                                   contexts and tiles), then bench decode 8B batch 1 with the picks and
 #                                   by default, int4 then int8, while time is left (by ~585 s)
+#   bench/attention_gpu.sh OUT short  as "one" in ~420 s, for a call with less device time left: the
+#                                   attention GPU tests only, two tiles, four contexts, int4 only
 # Run from the repo root with .devwheels (and for call 1, .devllama) carried.
 set -uo pipefail
 out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
@@ -24,7 +26,10 @@ split_bench() {  # UNTIL_S NAME ARGS...: bench.attention_split on the 8B shape, 
   (cd /tmp && timeout $(left "$until") python3 -m quantserve.bench.attention_split --shape 8b --batches 1,8,32 \
       --contexts "${CONTEXTS:-64,128,192,256,384,512,768,1024,2048}" --out "$out/split-$name.json" "$@") \
       > "$out/split-$name.log" 2>&1 || log "split $name: rc=$?"
-  grep -E "batch|rror" "$out/split-$name.log" >> "$out/bench.txt"; log "split $name done"
+  grep -E "batch|rror" "$out/split-$name.log" >> "$out/bench.txt"; log "split $name done"; stash_logs
+}
+stash_logs() {  # at most 8 files come back from the machine, even from a call cut short: logs kept apart
+  mkdir -p /tmp/attention-logs; mv "$out"/*.log /tmp/attention-logs/ 2>/dev/null || true
 }
 picks() {  # the one-round merge, and the tile and short context with the least time at batch 1 and 8
   python3 - "$out/split-round.json" <<'PY'
@@ -42,7 +47,20 @@ print(f"QUANTSERVE_ATTENTION_MERGE_ROUND=1 QUANTSERVE_ATTENTION_DECODE_TILE={til
       f"QUANTSERVE_ATTENTION_SHORT_CONTEXT={short}")
 PY
 }
-if [ "$phase" = 1 ] || [ "$phase" = one ]; then
+if [ "$phase" = short ]; then
+  install_site
+  (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) > "$out/bench.txt"
+  log "installed"
+  gpu_tests $(left 100) "" "$repo/tests/serve/test_paged_attention.py"; stash_logs
+  CONTEXTS=64,256,1024,2048 split_bench 170 default
+  CONTEXTS=64,256,1024,2048 QUANTSERVE_ATTENTION_MERGE_ROUND=1 split_bench 260 round --decode-tiles 64x4,64x8 \
+      --plot "$out/split-round.png"
+  picks > /tmp/attention-picks.env; cat /tmp/attention-picks.env >> "$out/bench.txt"
+  (export $(cat /tmp/attention-picks.env); QUANTSERVE_HOME=/tmp/qs-new decode $(left 340) 8b-b1-int4-picks \
+      --models 8b --quants int4 --kernels triton --batches 1); stash_logs
+  QUANTSERVE_HOME=/tmp/qs-default decode $(left 420) 8b-b1-int4-default --models 8b --quants int4 --kernels triton \
+      --batches 1; stash_logs
+elif [ "$phase" = 1 ] || [ "$phase" = one ]; then
   if [ "$phase" = 1 ]; then
     start_with_llama  # .devwheels and the GGUF writer, the GPU named in bench.txt, llama.cpp and the GGUFs detached
   else
@@ -50,9 +68,9 @@ if [ "$phase" = 1 ] || [ "$phase" = one ]; then
     (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) > "$out/bench.txt"
     export CONTEXTS=${CONTEXTS:-64,128,192,256,512,1024,2048} TILES=${TILES:-64x4,64x8,128x8}; log "installed"
   fi
-  gpu_tests $(left 150) "" "$repo/tests/serve/test_paged_attention.py"
+  gpu_tests $(left 150) "" "$repo/tests/serve/test_paged_attention.py"; stash_logs
   gpu_tests $(left 230) "compiled_cuda_decode or every_wgmma_prompt_config" "$repo/tests/serve/test_fastcore.py" \
-      "$repo/tests/serve/test_gpu_kernels.py"
+      "$repo/tests/serve/test_gpu_kernels.py"; stash_logs
   split_bench 300 default
   QUANTSERVE_ATTENTION_MERGE_ROUND=1 split_bench 420 round --decode-tiles "${TILES:-64x4,64x8,128x8,32x4}" \
       --plot "$out/split-round.png"
@@ -81,7 +99,7 @@ elif [ "$phase" = 2 ]; then
   [ "$SECONDS" -gt 470 ] || (export $(cat /tmp/attention-picks.env); QUANTSERVE_HOME=/tmp/qs-new \
       decode $(left 585) 8b-b1-picks-2 --models 8b --quants int8,int4 --kernels triton --batches 1)
 else
-  echo "attention_gpu.sh: unknown phase '$phase' (1, 2 or one)" >&2; exit 2
+  echo "attention_gpu.sh: unknown phase '$phase' (1, 2, one or short)" >&2; exit 2
 fi
 # at most 8 files come back from the machine: the logs' lines that matter are in bench.txt already
 rm -f "$out"/split-*.log "$out"/decode-*.log "$out/tests.log"

@@ -111,14 +111,15 @@ class APIKeyMiddleware:
 
     def __init__(self, app, api_key: str, open_methods: tuple[str, ...] = ()):
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = b"bearer " + api_key.encode()
         self._open_methods = open_methods  # the gateway's OPTIONS: CORS preflights go on to a replica
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope.get("method") in self._open_methods:
             return await self.app(scope, receive, send)
         given = dict(scope.get("headers") or []).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self._expected):
+        # the scheme's name is case-insensitive (RFC 9110 11.1): "bearer KEY" is as good as "Bearer KEY"
+        if not hmac.compare_digest(given[:7].lower() + given[7:], self._expected):
             # never echo or log what was sent
             return await _send_error(send, 401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
                                      "invalid_api_key", [(b"www-authenticate", b"Bearer")])

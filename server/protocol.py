@@ -14,7 +14,7 @@ import functools
 import re
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from quantserve.server.sampling import SamplingParams
 
@@ -164,11 +164,12 @@ class _SamplingFields(_Request):
     ignore_eos: bool = False
     stop_token_ids: Optional[list[int]] = None
 
-    @model_validator(mode="after")
-    def _stream_options_need_stream(self):
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options: only allowed with stream true (as OpenAI's API)")
-        return self
+    @field_validator("stream_options")  # a field's validator, so that the error names the field
+    @classmethod
+    def _stream_options_need_stream(cls, options, info: ValidationInfo):
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("only allowed with stream true (as OpenAI's API)")
+        return options
 
     @field_validator("stop_token_ids")
     @classmethod
@@ -305,7 +306,7 @@ class TokenizeRequest(_Request):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None  # the served model when left out (as vLLM and llama-server take it)
     prompt: Optional[str] = None
-    messages: Optional[list[ChatMessage]] = None
+    messages: Optional[list[ChatMessage]] = Field(None, min_length=1)  # as a chat completion's
     add_special_tokens: bool = True
 
 

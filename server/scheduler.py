@@ -69,11 +69,13 @@ class Scheduler:
         """Queue one request's sequences (its choices or inputs) together, or none of them.  The
         queue is full when `max_queue` sequences wait as the request arrives; a request that finds
         room brings all its sequences in, so one with more choices than `max_queue` still runs on
-        an idle server (the API caps a request's sequences: serving.py)."""
+        an idle server (the API caps a request's sequences: serving.py).  What waits for a free slot
+        does not count: a burst of requests on an idle server fills the batch before the loop has
+        had a turn to admit them."""
         with self._cond:
             if self._closing:
                 raise EngineClosedError("the server is shutting down")
-            if len(self._waiting) >= self.max_queue:
+            if len(self._waiting) - len(self._free_slots) >= self.max_queue:
                 raise QueueFullError(f"the request queue is full ({self.max_queue} waiting, "
                                      f"{len(self._running)} running)")
             now = time.perf_counter()

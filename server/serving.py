@@ -129,9 +129,11 @@ def logit_bias(bias: dict[str, float] | None, vocab: int) -> dict[int, float]:
     for key, value in (bias or {}).items():
         if not (key.isascii() and key.isdigit()):  # int() would also take " 5 ", "+6", "0_7" and "٥"
             raise APIError(400, f"logit_bias keys are token ids, not {key[:40]!r}", param="logit_bias")
-        token = int(key)
+        digits = key.lstrip("0") or "0"  # int() refuses strings past 4,300 digits, leading zeros included
+        token = int(digits) if len(digits) <= len(str(vocab)) else vocab
         if not 0 <= token < vocab:
-            raise APIError(400, f"logit_bias token ids must be in [0, {vocab}) (got {token})", param="logit_bias")
+            shown = key if len(key) <= 20 else f"{key[:20]}... ({len(key)} digits)"
+            raise APIError(400, f"logit_bias token ids must be in [0, {vocab}) (got {shown})", param="logit_bias")
         if not -100 <= value <= 100:
             raise APIError(400, f"logit_bias values must be in [-100, 100] (got {value} for token {token})",
                            param="logit_bias")
@@ -370,8 +372,10 @@ async def until_disconnected(request, coro, poll_s: float = 0.25):
             if done:
                 return task.result()
             if await request.is_disconnected():
-                task.cancel()
                 raise APIError(499, "client disconnected", code="client_closed_request")
     finally:
         if not task.done():
             task.cancel()
+            # a cancelled asyncio.gather ends with CancelledError as its *exception*, which asyncio
+            # logs as "never retrieved" unless someone reads it
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())

@@ -22,6 +22,11 @@ from quantserve.server.serving import (ServerState, api_error_of, check_model, c
 from quantserve.server.unsupported import refuse_fields
 
 
+# The most tokens one request's inputs may hold in all, as OpenAI's embeddings API: a request of
+# 2,048 inputs of 511 tokens (~1M tokens) held the queue for minutes on a CPU.
+MAX_TOKENS = 300_000
+
+
 async def _inputs(state: ServerState, req: EmbeddingRequest) -> list[list[int]]:
     if req.input == "" or (isinstance(req.input, list) and "" in req.input):
         # OpenAI's rule too: an empty string has nothing to embed (it would be a lone BOS)
@@ -58,6 +63,10 @@ async def embed(state: ServerState, req: EmbeddingRequest, request) -> dict:
             raise APIError(400, f"input {i} is {len(ids)} tokens; the server's KV cache holds {pool} tokens "
                            "in all", param="input", code="context_length_exceeded")
     check_sequences(len(prompts), "inputs", "input")
+    total = sum(map(len, prompts))
+    if total > MAX_TOKENS:
+        raise APIError(400, f"the inputs hold {total} tokens in all; one request may hold at most {MAX_TOKENS}",
+                       param="input")
     pooling = engine.options.embedding_pooling
     try:
         streams = engine.submit([EngineRequest(ids, SamplingParams(max_tokens=0, embed=pooling)) for ids in prompts])

@@ -39,7 +39,7 @@ _REFUSED = {
     "top_logprobs": ((None, 0), "logprobs on /v1/responses are not supported (use /v1/chat/completions)"),
     "service_tier": ((None, "auto", "default"), "this server has one service tier"),
     "stream_options": ((None, {}, {"include_obfuscation": False}),
-                       "stream_options: only include_obfuscation false is served (no obfuscation padding)"),
+                       "only include_obfuscation false is served (no obfuscation padding)"),
 }
 _HINTS = {"user", "metadata", "safety_identifier", "prompt_cache_key"}
 # text's fields (value -> why refused otherwise); `format` is translated below
@@ -80,7 +80,8 @@ def to_chat(req: ResponsesRequest) -> tuple[ChatCompletionRequest, "Origins"]:
     except ValidationError as e:
         err = e.errors()[0]
         path = ".".join(str(x) for x in err["loc"])
-        raise origins.rename(APIError(400, f"{path}: {err['msg']}", param=path)) from None
+        message = err["msg"].removeprefix("Value error, ")  # pydantic's prefix to our own checks' messages
+        raise origins.rename(APIError(400, f"{path}: {message}", param=path)) from None
 
 
 class Origins:
@@ -283,8 +284,8 @@ async def respond(state: ServerState, req: ResponsesRequest, request) -> dict:
     choice = job.choices[0]
     message, finish = serving_chat.reply_message(choice.text, choice.finish_reason, plan)
     output = []
-    if message.content:
-        output.append(_message_item(new_id("msg"), message.content, "completed"))
+    if message.content or not message.tool_calls:  # a reply of no text is still a message (empty)
+        output.append(_message_item(new_id("msg"), message.content or "", _status(finish)))
     output += [_call_item(call) for call in message.tool_calls or []]
     return _response(new_id("resp"), req, state, _status(finish), output, job, finish)
 
@@ -342,8 +343,12 @@ async def stream(state: ServerState, req: ResponsesRequest, job, plan) -> AsyncI
                 yield event("response.output_text.delta", item_id=mid, output_index=0, content_index=0,
                             delta=piece, logprobs=[])
             if delta.finish_reason:
+                if not opened and not tool_deltas:  # no text and no call: an empty message, as respond() gives
+                    opened = True
+                    for e in open_message():
+                        yield e
                 if opened:
-                    item = _message_item(mid, text, "completed")
+                    item = _message_item(mid, text, _status(finish))  # cut by max_output_tokens: incomplete
                     yield event("response.output_text.done", item_id=mid, output_index=0, content_index=0,
                                 text=text, logprobs=[])
                     yield event("response.content_part.done", item_id=mid, output_index=0, content_index=0,

@@ -12,7 +12,8 @@ of HTTP: `GrammarError` carries the request field it is about, and the API layer
 
 Accepted spellings of a format (at most one per request):
 - OpenAI `response_format`: {"type": "text" | "json_object"} or {"type": "json_schema",
-  "json_schema": {"name", "schema", "strict", "description"}};
+  "json_schema": {"name", "schema", "strict", "description"}}; with strict true an object schema
+  that leaves `additionalProperties` out gets it false (only the listed properties, as OpenAI's);
 - vLLM `structured_outputs`: {"json": schema, "regex": str, "choice": [str], "grammar": str
   (Lark or GBNF), "json_object": true}, and its older top-level `guided_json`, `guided_regex`,
   `guided_choice`, `guided_grammar`.
@@ -20,6 +21,7 @@ Accepted spellings of a format (at most one per request):
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from collections import OrderedDict
@@ -100,7 +102,38 @@ def _from_response_format(fmt) -> OutputFormat | None:
     if not isinstance(spec.get("strict", False), (bool, type(None))):
         raise GrammarError("response_format.json_schema.strict must be true or false", param)
     schema = spec.get("schema", {})
+    if spec.get("strict") and isinstance(schema, dict):
+        schema = _closed(copy.deepcopy(schema))
     return _from_key("json", schema, param)
+
+
+# the keywords whose value is a schema, a list of schemas, or a map of names to schemas
+_SUBSCHEMA = ("items", "additionalItems", "additionalProperties", "unevaluatedProperties", "contains",
+              "propertyNames", "not", "if", "then", "else")
+_SUBSCHEMAS = ("anyOf", "allOf", "oneOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _closed(schema):
+    """OpenAI's strict mode: an object has only the properties its schema lists.  Every object
+    schema that leaves `additionalProperties` out gets it false (JSON Schema's default, true, let a
+    model add keys, and repeat them); one that sets it keeps its own.  Changes `schema` in place."""
+    if not isinstance(schema, dict):
+        return schema
+    types = schema.get("type")
+    is_object = "properties" in schema or types == "object" or (isinstance(types, list) and "object" in types)
+    if is_object and not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & set(schema):
+        schema["additionalProperties"] = False
+    for key in _SUBSCHEMA:
+        for sub in schema.get(key) if isinstance(schema.get(key), list) else [schema.get(key)]:
+            _closed(sub)
+    for key in _SUBSCHEMAS:
+        for sub in schema.get(key) if isinstance(schema.get(key), list) else []:
+            _closed(sub)
+    for key in _SCHEMA_MAPS:
+        for sub in (schema.get(key) or {}).values() if isinstance(schema.get(key), dict) else []:
+            _closed(sub)
+    return schema
 
 
 def _from_key(key: str, value, param: str) -> OutputFormat:

@@ -104,7 +104,8 @@ def refuse_unsupported(req, chat: bool) -> None:
 
 def refuse_message_fields(messages) -> None:
     """A 400 for the first chat message with a field this server would ignore, or that is
-    incomplete for its role."""
+    incomplete for its role, or a tool result that answers no call (as OpenAI's API refuses it)."""
+    calls: list = []  # the tool calls of the latest assistant message that made some
     for i, message in enumerate(messages):
         for name, value in (message.model_extra or {}).items():
             param = f"messages.{i}.{name}"
@@ -128,3 +129,11 @@ def refuse_message_fields(messages) -> None:
         if message.tool_call_id is not None and message.role != "tool":
             raise APIError(400, f"messages.{i}.tool_call_id: only tool messages answer a call",
                            param=f"messages.{i}.tool_call_id")
+        if message.tool_calls:
+            calls = message.tool_calls
+        ids = {c.get("id") for c in calls if isinstance(c, dict)}
+        if message.role == "tool" and message.tool_call_id not in ids and not (calls and None in ids):
+            # (a call sent back without its id, which tools.history_call takes, cannot be matched)
+            why = "a tool result answers a call, and no call was made before it" if not calls else \
+                f"{message.tool_call_id[:40]!r} is the id of none of the calls the last turn with calls made"
+            raise APIError(400, f"messages.{i}.tool_call_id: {why}", param=f"messages.{i}.tool_call_id")

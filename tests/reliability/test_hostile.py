@@ -282,6 +282,12 @@ def _cases() -> list[Case]:
           Case("a tool call and its result in the history", "/v1/chat/completions",
                chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]},
                               {"role": "tool", "content": "42", "tool_call_id": "c1"}]), expect=200),
+          Case("a tool result with no call before it", "/v1/chat/completions",
+               chat(messages=[{"role": "user", "content": "hi"}, {"role": "tool", "content": "4", "tool_call_id": "c1"}]),
+               param="messages.1.tool_call_id"),
+          Case("a tool result answering a call that was not made", "/v1/chat/completions",
+               chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]},
+                              {"role": "tool", "content": "4", "tool_call_id": "zzz"}]), param="messages.2.tool_call_id"),
           Case("a tool message without tool_call_id", "/v1/chat/completions",
                chat(messages=[{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}]),
                param="messages.1.tool_call_id"),
@@ -305,7 +311,11 @@ def _cases() -> list[Case]:
           Case("logit_bias word key", body=completion(logit_bias={"hello": 1}), param="logit_bias"),
           Case("logit_bias 101", body=completion(logit_bias={"5": 101}), param="logit_bias"),
           Case("logit_bias NaN", body=completion(logit_bias={"5": float("nan")}), param="logit_bias"),
-          Case("logit_bias a list", body=completion(logit_bias=[5, 100]), param="logit_bias")]
+          Case("logit_bias a list", body=completion(logit_bias=[5, 100]), param="logit_bias"),
+          # past int()'s 4,300 digits: a ValueError, a 500 and a dropped connection once
+          Case("logit_bias a 4301-digit id", body=completion(logit_bias={"9" * 4301: 1}), param="logit_bias"),
+          Case("logit_bias 5000 zeros then 5", "/v1/chat/completions", chat(logit_bias={"0" * 5000 + "5": 1}),
+               expect=200)]
     for key in (" 5 ", "+6", "\u0665", "0_7", "5.0"):  # int() takes the first four; token ids are plain digits
         c.append(Case(f"logit_bias key {key!r}", body=completion(logit_bias={key: 1}), param="logit_bias"))
     c += [Case("stop_token_ids past the vocabulary", body=completion(stop_token_ids=[VOCAB]), param="stop_token_ids"),
@@ -334,7 +344,12 @@ def _cases() -> list[Case]:
                chat(messages=[{"role": "user", "content": "a"}] * 1000), code=ctx),
           Case("messages as an object", "/v1/chat/completions", chat(messages={"role": "user"}), param="messages"),
           Case("tokenize with prompt and messages", "/tokenize",
-               {"model": MODEL, "prompt": "a", "messages": [{"role": "user", "content": "a"}]}, param="prompt")]
+               {"model": MODEL, "prompt": "a", "messages": [{"role": "user", "content": "a"}]}, param="prompt"),
+          Case("tokenize no messages", "/tokenize", {"model": MODEL, "messages": []}, param="messages"),
+          Case("stream_options without stream", body=completion(stream_options={"include_usage": True}),
+               param="stream_options"),
+          Case("chat stream_options with stream false", "/v1/chat/completions",
+               chat(stream=False, stream_options={"include_usage": True}), param="stream_options")]
     # ---- methods and paths
     c += [Case("GET on a POST route", method="GET", expect=405),
           Case("DELETE /v1/models", "/v1/models", method="DELETE", expect=405),

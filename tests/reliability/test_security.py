@@ -76,8 +76,8 @@ def test_api_key_guards_every_v1_route(keyed):
               ("POST", "/detokenize", {"model": MODEL, "tokens": [5]})]
     refused = 0
     for method, path, body in routes:
-        variants = [{}, {"Authorization": KEY}, {"Authorization": f"bearer {KEY}"}, {"Authorization": f"Basic {KEY}"},
-                    {"X-API-Key": KEY}] + [_auth(k) for k in WRONG_KEYS]
+        variants = [{}, {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"}, {"Authorization": f"Bearer  {KEY}"},
+                    {"Authorization": f"Bearer{KEY}"}, {"X-API-Key": KEY}] + [_auth(k) for k in WRONG_KEYS]
         for headers in variants:
             r = httpx.request(method, base + path, json=body, headers=headers, timeout=30)
             assert_openai_error(r, 401, "invalid_api_key")
@@ -88,6 +88,9 @@ def test_api_key_guards_every_v1_route(keyed):
         assert httpx.request(method, base + path, json=body, params={"api_key": KEY}, timeout=30).status_code == 401
         refused += 1
         assert httpx.request(method, base + path, json=body, headers=_auth(), timeout=30).status_code == 200
+        # the scheme's name is case-insensitive (RFC 9110 11.1)
+        assert httpx.request(method, base + path, json=body, headers={"Authorization": f"bEARER {KEY}"},
+                             timeout=30).status_code == 200
     with pytest.raises(openai.AuthenticationError):
         keyed.client(api_key=WRONG_KEYS[0]).chat.completions.create(model=MODEL, messages=_chat()["json"]["messages"])
     assert keyed.client().chat.completions.create(model=MODEL, messages=_chat()["json"]["messages"],

@@ -88,6 +88,19 @@ def test_embeddings_while_generating(server):
             np.testing.assert_allclose(e.result().data[0].embedding, alone, atol=1e-4)
 
 
+def test_a_client_leaving_mid_request_is_not_an_error(server):
+    """A client that gives up on a long embedding request: its sequences are cancelled, the server
+    logs no error (asyncio's "exception was never retrieved" of the cancelled gather, once), and
+    the next request is answered."""
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.base_url + "/v1/embeddings", json={"model": "default", "input": [[5] * 400] * 256},
+                   timeout=0.3)
+    assert server.wait_idle(60)["quantserve:num_requests_running"] == 0
+    r = httpx.post(server.base_url + "/v1/embeddings", json={"model": "default", "input": "x"}, timeout=30)
+    assert r.status_code == 200
+    assert "ERROR" not in server.log() and "never retrieved" not in server.log()
+
+
 @pytest.mark.parametrize("body, param", [
     ({"input": ""}, "input"),
     ({"input": []}, "input"),
@@ -98,6 +111,7 @@ def test_embeddings_while_generating(server):
     ({"input": "x", "model": "nope"}, "model"),
     ({"input": "x " * 5000}, "input"),
     ({"input": "x", "pooling": "mean"}, "pooling"),
+    ({"input": [[5] * 400] * 751}, "input"),  # 300,400 tokens: past OpenAI's 300,000 a request
 ])
 def test_bad_embedding_requests_are_400s(server, body, param):
     r = httpx.post(server.base_url + "/v1/embeddings", json={"model": "default", **body}, timeout=30)

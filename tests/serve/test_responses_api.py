@@ -57,6 +57,23 @@ def test_max_output_tokens_cut_reports_incomplete(client):
     r = client.responses.create(model="default", input="Repeat: k q m", temperature=0, max_output_tokens=1,
                                 extra_body={"ignore_eos": True})
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert [item.status for item in r.output] == ["incomplete"]  # the message was cut too
+    events = list(client.responses.create(model="default", input="Repeat: k q m", temperature=0, max_output_tokens=1,
+                                          extra_body={"ignore_eos": True}, stream=True))
+    done = [e.item.status for e in events if e.type == "response.output_item.done"]
+    assert done == ["incomplete"] and events[-1].type == "response.incomplete"
+    assert [item.status for item in events[-1].response.output] == ["incomplete"]
+
+
+def test_a_reply_of_no_text_is_an_empty_message(client):
+    first = client.responses.create(model="default", input="Repeat: k q m", temperature=0, max_output_tokens=4)
+    kw = dict(model="default", input="Repeat: k q m", temperature=0, max_output_tokens=4,
+              extra_body={"stop": [first.output_text[0]]})  # stops before the reply's first character
+    r = client.responses.create(**kw)
+    assert r.status == "completed" and r.output_text == ""
+    assert [(item.type, item.status, item.content[0].text) for item in r.output] == [("message", "completed", "")]
+    events = list(client.responses.create(**kw, stream=True))
+    assert [e.item.content[0].text for e in events if e.type == "response.output_item.done"] == [""]
 
 
 def test_streamed_events_assemble_to_the_same_text(client):
@@ -147,6 +164,11 @@ def test_streamed_named_tool_call(client):
         {"role": "user", "content": "hi"},
         {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
         {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": "[1]"}]}, "input.2"),
+    ({"input": [{"role": "user", "content": "hi"},
+                {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]}, "input.1.call_id"),
+    ({"input": [{"role": "user", "content": "hi"},
+                {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "zzz", "output": "sunny"}]}, "input.2.call_id"),
     ({"tools": [{"type": "function", "name": "f", "parameters": 5}]}, None),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": 5}}}, None),
 ])

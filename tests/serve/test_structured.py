@@ -188,6 +188,18 @@ def test_bad_formats_are_400s_naming_the_field(server, body, param, needle):
     assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200  # still serving
 
 
+def test_a_strict_schema_allows_only_its_properties(server):
+    """strict: true closes objects whose schema leaves additionalProperties out (OpenAI's strict mode):
+    the reply has only the listed keys.  Open, the default model added keys and repeated them."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "closed", "schema": schema, "strict": True}}
+    for seed in range(4):
+        r = chat(server.client(), response_format=fmt, seed=seed, temperature=1.0)
+        assert r.choices[0].finish_reason == "stop", r.choices[0]
+        reply = json.loads(r.choices[0].message.content)
+        assert list(reply) == ["a"], reply
+
+
 def test_recursive_schema_is_served(server):
     """A schema that refers to itself (a tree) is a real use, not an attack: it compiles and the
     reply validates (bounded by max_tokens: a cut reply is allowed, a wrong one is not)."""

@@ -124,6 +124,20 @@ def test_a_full_queue_refuses_at_submit_time(sched):
     assert {st.finish for st in running} == {"cancelled"} and {st.finish for st in waiting} == {"length"}
 
 
+def test_a_burst_on_an_idle_scheduler_fills_the_batch_and_the_queue(sched):
+    """max_batch + max_queue requests at once are all taken, even before the loop has admitted any
+    (it waits on the lock held here): the queue is what waits beyond the free slots."""
+    sched.backend.gate.clear()
+    burst = [Collect([1], max_tokens=3) for _ in range(sched.max_batch + sched.max_queue)]
+    with sched._cond:  # the loop admits under this lock: none of the burst is admitted yet
+        for st in burst:
+            sched.submit([st])
+        with pytest.raises(QueueFullError, match="queue is full"):
+            sched.submit([Collect([1], max_tokens=1)])
+    sched.backend.gate.set()
+    assert all(st.done.wait(10) for st in burst) and {st.finish for st in burst} == {"length"}
+
+
 def test_a_cancelled_request_frees_its_slot_for_the_next(sched):
     # decode held until the cancel is in: the fake backend is instant, and on a loaded machine the
     # request once ran into its context limit ("length") before this thread got to cancel it
