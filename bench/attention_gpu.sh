@@ -16,6 +16,8 @@
 #                                   by default, int4 then int8, while time is left (by ~585 s)
 #   bench/attention_gpu.sh OUT short  as "one" in ~420 s, for a call with less device time left: the
 #                                   attention GPU tests only, two tiles, four contexts, int4 only
+#   bench/attention_gpu.sh OUT split  the attention timings alone in ~240 s: bench.attention_split as by
+#                                   default, then with the one-round merge at 64x4 and 64x8 (four contexts)
 # Run from the repo root with .devwheels (and for call 1, .devllama) carried.
 set -uo pipefail
 out=$(realpath -m "$1"); phase=$2; mkdir -p "$out"; repo=$PWD; site=/tmp/site
@@ -47,7 +49,15 @@ print(f"QUANTSERVE_ATTENTION_MERGE_ROUND=1 QUANTSERVE_ATTENTION_DECODE_TILE={til
       f"QUANTSERVE_ATTENTION_SHORT_CONTEXT={short}")
 PY
 }
-if [ "$phase" = short ]; then
+if [ "$phase" = split ]; then
+  install_site
+  (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) > "$out/bench.txt"
+  log "installed"
+  CONTEXTS=64,256,1024,2048 split_bench 120 default
+  CONTEXTS=64,256,1024,2048 QUANTSERVE_ATTENTION_MERGE_ROUND=1 split_bench 240 round --decode-tiles 64x4,64x8 \
+      --plot "$out/split-round.png"
+  picks >> "$out/bench.txt"
+elif [ "$phase" = short ]; then
   install_site
   (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true) > "$out/bench.txt"
   log "installed"
@@ -99,7 +109,7 @@ elif [ "$phase" = 2 ]; then
   [ "$SECONDS" -gt 470 ] || (export $(cat /tmp/attention-picks.env); QUANTSERVE_HOME=/tmp/qs-new \
       decode $(left 585) 8b-b1-picks-2 --models 8b --quants int8,int4 --kernels triton --batches 1)
 else
-  echo "attention_gpu.sh: unknown phase '$phase' (1, 2, one or short)" >&2; exit 2
+  echo "attention_gpu.sh: unknown phase '$phase' (1, 2, one, short or split)" >&2; exit 2
 fi
 # at most 8 files come back from the machine: the logs' lines that matter are in bench.txt already
 rm -f "$out"/split-*.log "$out"/decode-*.log "$out/tests.log"
