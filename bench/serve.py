@@ -78,7 +78,10 @@ class ServeOptions:
 def make_prompts(n: int, input_len: int, seed: int, corpus: str | None = None) -> list[str]:
     rng = random.Random(seed)
     if corpus:
-        lines = [ln.strip() for ln in Path(corpus).read_text().splitlines() if ln.strip()]
+        try:
+            lines = [ln.strip() for ln in Path(corpus).read_text(encoding="utf-8").splitlines() if ln.strip()]
+        except UnicodeDecodeError as e:  # its own text names no file
+            raise UserError(f"{corpus}: not UTF-8 text ({e.reason} at byte {e.start})") from None
         texts = []
         for ln in lines:
             try:  # JSONL (our corpus files: {"prompt": ...} or {"text": ...}) or plain text lines

@@ -33,6 +33,22 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def check_all_finite(files: list[Path]) -> None:
+    """Refuse NaN / Inf weights, naming the tensor: bitsandbytes quantizes them without a word.
+    transformers reads the weights itself, so this is a pass of its own, one tensor at a time
+    (the files are then in the page cache for the load that follows)."""
+    from safetensors import safe_open
+
+    from quantserve.modeling import check_finite
+
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                tensor = st.get_tensor(name)
+                if tensor.is_floating_point():
+                    check_finite(name, tensor)
+
+
 def write_bnb(ckpt: Checkpoint, out_dir: Path, fmt: str, progress: bool = False) -> dict:
     """Quantize `ckpt` on load (bitsandbytes) and save the quantized model + tokenizer."""
     import torch
@@ -45,6 +61,7 @@ def write_bnb(ckpt: Checkpoint, out_dir: Path, fmt: str, progress: bool = False)
     except ImportError as e:
         raise UserError("bitsandbytes formats need bitsandbytes (pip install 'quantserve[quant]')") from e
     tokenizer = checkpoint_tokenizer(ckpt.path)  # before quantizing: a missing tokenizer is found at once
+    check_all_finite(ckpt.weight_files)
     with transformers_bars(progress):
         model = AutoModelForCausalLM.from_pretrained(
             str(ckpt.path), quantization_config=quantization_config(fmt), device_map=_device(), use_safetensors=True,

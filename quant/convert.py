@@ -15,6 +15,7 @@ import shutil
 import time
 from pathlib import Path
 
+from quantserve.modeling import check_checkpoint, check_config_file
 from quantserve.formats import GGUF_FILE, MANIFEST, WeightFormat, check_format
 from quantserve.quant.manifest import build_manifest, write_manifest
 from quantserve.quant.gguf_architectures import gguf_architecture
@@ -182,6 +183,8 @@ def convert(src: Path, format_name: str, out: Path, force: bool = False, progres
     fmt = check_format(format_name)  # the format's record (quantserve/formats.py)
     src, out = Path(src), Path(out)
     _refuse_quantized(src)
+    if (src / "config.json").is_file():  # a LoRA adapter's base is checked where it opens
+        check_config_file(src)  # one line naming the field, before a zero size crashes a writer
     if out.parent.is_dir():
         try:
             recover_killed_runs(out)  # before the target check: it may put a previous output back
@@ -205,6 +208,8 @@ def convert(src: Path, format_name: str, out: Path, force: bool = False, progres
             gguf_architecture(ckpt)
         else:
             require_causal_lm(ckpt)
+        # the weights must be the tensors the config describes: neither writer notices otherwise
+        check_checkpoint(ckpt.path, ckpt.weight_files)
         _check_free_space(out.parent, parameter_count(ckpt), fmt)
 
         summary = _writer(fmt.writer)(ckpt, tmp, fmt.option, progress)

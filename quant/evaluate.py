@@ -26,18 +26,49 @@ from quantserve.settings import UserError
 WINDOW = 256  # tokens per scored window; each window starts from an empty context
 
 
+_PIPES: dict[Path, str] = {}  # a pipe (`--text <(cmd)`) can be read once: its text, for the second read
+
+
 def read_text_file(path: Path) -> str:
     """The contents of a `--text` file, or a UserError saying why it cannot be read; `quant eval`
-    and `quant table` call it first, before any model is loaded or converted."""
+    and `quant table` call it first, before any model is loaded or converted.  A .jsonl file's
+    records are checked here too, naming the line."""
     path = Path(path)
+    if path in _PIPES:
+        return _PIPES[path]
     if path.is_dir():
         raise UserError(f"{path}: is a folder, not a text file")
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"{path}: no such text file")
     try:
-        return path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise UserError(f"{path}: not UTF-8 text") from e
+    if not path.is_file():
+        _PIPES[path] = text
+    if path.suffix == ".jsonl":
+        chat_records(path, text)
+    return text
+
+
+def chat_records(path: Path, raw: str) -> list[list[dict]]:
+    """The conversations of a .jsonl `--text`, each a non-empty list of messages with a role and
+    string content (the chat template's own error names neither the file nor the line)."""
+    out = []
+    for n, line in enumerate(raw.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            msgs = json.loads(line)["messages"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise UserError(f"{path}:{n}: not a {{\"messages\": [...]}} record") from e
+        if not isinstance(msgs, list) or not msgs or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in msgs):
+            raise UserError(f"{path}:{n}: 'messages' must be a non-empty list of {{\"role\", \"content\"}} "
+                            "messages with string values")
+        out.append(msgs)
+    return out
 
 
 def heldout_documents(text_file: Path | None, tokenizer) -> tuple[list[str], str]:
@@ -54,14 +85,7 @@ def heldout_documents(text_file: Path | None, tokenizer) -> tuple[list[str], str
     path = Path(text_file)
     raw = read_text_file(path)
     if path.suffix == ".jsonl":
-        docs = []
-        for n, line in enumerate(raw.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                docs.append(tokenizer.apply_chat_template(json.loads(line)["messages"], tokenize=False))
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise UserError(f"{path}:{n}: not a {{\"messages\": [...]}} record") from e
+        docs = [tokenizer.apply_chat_template(msgs, tokenize=False) for msgs in chat_records(path, raw)]
     else:
         docs = [block for block in raw.split("\n\n") if block.strip()]
     if not docs:

@@ -87,14 +87,21 @@ def _has_lm_head(ckpt: Checkpoint) -> bool:
 
 
 def _read_tensors(files: list[Path]):
-    """(name, float32 numpy array) for every tensor, one at a time (bf16/fp16 upcast via torch)."""
+    """(name, float32 numpy array) for every tensor, one at a time (bf16/fp16 upcast via torch).
+
+    Each is checked for NaN / Inf while it is in memory anyway: numpy would quantize them with
+    a warning, and llama.cpp's quantizer fails on them without saying why."""
     import torch
     from safetensors import safe_open
+
+    from quantserve.modeling import check_finite
 
     for f in files:
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
-                yield name, st.get_tensor(name).to(torch.float32).numpy()
+                data = st.get_tensor(name).to(torch.float32).numpy()
+                check_finite(name, data)
+                yield name, data
 
 
 def write_gguf(ckpt: Checkpoint, out_file: Path, outtype: str, progress: bool = False) -> dict:
@@ -145,6 +152,7 @@ def write_gguf(ckpt: Checkpoint, out_file: Path, outtype: str, progress: bool = 
     names = gguf.get_tensor_name_map(arch, hp["n_layer"])
     wanted = {"attn_q": hp["n_head"], "attn_k": hp["n_kv_head"]}
     types: dict[str, int] = {}
+    fallbacks: list[tuple[str, str, int]] = []  # (GGUF name, type written, row length)
     count = 0
     tensors = _read_tensors(ckpt.weight_files)
     if progress:
@@ -174,19 +182,69 @@ def write_gguf(ckpt: Checkpoint, out_file: Path, outtype: str, progress: bool = 
             writer.add_tensor(name, data.astype(np.float32))
             types[name] = int(qtype)
         else:  # F16, and Q8_0's fallback for rows that are not whole 32-wide blocks
-            writer.add_tensor(name, data.astype(np.float16))
+            writer.add_tensor(name, _to_f16(hf_name, data))
             types[name] = int(gguf.GGMLQuantizationType.F16)
+            if qtype == gguf.GGMLQuantizationType.Q8_0:
+                fallbacks.append((name, "F16", data.shape[-1]))
         count += 1
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file(progress=bars_wanted(progress))  # gguf's own tqdm bar: a terminal only
     writer.close()
+    note_fallbacks(fallbacks, matrix_type, 32)
     type_counts: dict[str, int] = {}
     for t in types.values():
         type_counts[gguf.GGMLQuantizationType(t).name] = type_counts.get(gguf.GGMLQuantizationType(t).name, 0) + 1
     return {"architecture": arch_name, "tensors": count, "tensor_types": type_counts,
             "hyperparameters": hp, "tokenizer": tokenizer}
+
+
+def _to_f16(name: str, data):
+    """`data` as float16; finite values past F16's range (±65504) would become Inf silently."""
+    import numpy as np
+
+    half = data.astype(np.float16)
+    if not np.isfinite(half).all():
+        raise UserError(f"tensor {name!r} holds values beyond F16's range (±65504), which F16 and "
+                        "the k-quants (made from F16) cannot hold: use gguf-f32 or gguf-q8_0")
+    return half
+
+
+def note_fallbacks(fallbacks: list[tuple[str, str, int]], wanted: str, block: int) -> None:
+    """Say on stderr which tensors were written in another type than the format's, and why, as
+    llama-quantize does: the output is valid, but not the size or quality the format name says."""
+    import sys
+
+    if not fallbacks:
+        return
+    written = sorted({t for _, t, _ in fallbacks})
+    rows = sorted({n for _, _, n in fallbacks})
+    names = [name for name, _, _ in fallbacks]
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    print(f"note: {len(names)} tensor{'s' if len(names) > 1 else ''} written as {'/'.join(written)} "
+          f"instead of {wanted}: rows of {', '.join(map(str, rows))} values are not whole {block}-value "
+          f"{wanted} blocks ({shown})", file=sys.stderr, flush=True)
+
+
+# llama.cpp's k-quant blocks hold 256 values per row segment, its legacy ones 32
+_KQUANT_TARGET = {"q2_k": ("Q2_K", 256), "q3_k_m": ("Q3_K", 256), "q4_0": ("Q4_0", 32),
+                  "q4_k_s": ("Q4_K", 256), "q4_k_m": ("Q4_K", 256), "q5_0": ("Q5_0", 32),
+                  "q5_k_s": ("Q5_K", 256), "q5_k_m": ("Q5_K", 256), "q6_k": ("Q6_K", 256)}
+
+
+def kquant_fallbacks(path: Path, kind: str) -> list[tuple[str, str, int]]:
+    """The 2-D tensors llama.cpp wrote in another type because their rows are not whole blocks of
+    the format's type (its mixes also pick other types on purpose: those are not listed)."""
+    from gguf import GGUFReader
+
+    wanted, block = _KQUANT_TARGET[kind]
+    out = []
+    for t in GGUFReader(str(path)).tensors:
+        row = int(t.shape[0])  # GGUF lists the row length (ne0) first
+        if len(t.shape) >= 2 and row % block and t.tensor_type.name != wanted:
+            out.append((t.name, t.tensor_type.name, row))
+    return out
 
 
 # The writers `quant convert` calls for the GGUF formats (quantserve/formats.py names them):
@@ -211,5 +269,9 @@ def write_kquant(ckpt: Checkpoint, out_dir: Path, kind: str, progress: bool = Fa
     # llama.cpp falls back to other types for rows that are not whole 256-wide super-blocks;
     # record what each tensor really became.
     summary["tensor_types"] = gguf_tensor_types(out_dir / GGUF_FILE)
+    if kind in _KQUANT_TARGET:
+        fallbacks = kquant_fallbacks(out_dir / GGUF_FILE, kind)
+        note_fallbacks(fallbacks, *_KQUANT_TARGET[kind])
+        summary["fallback_tensors"] = {name: t for name, t, _ in fallbacks}
     summary["quantizer"] = f"llama.cpp llama_model_quantize ({kind.upper()}) from our F16 GGUF"
     return summary

@@ -69,8 +69,10 @@ def quantize(src_gguf: Path, dst_gguf: Path, kind: str) -> None:
     with quiet_native_stderr():
         rc = llama_cpp.llama_model_quantize(str(src_gguf).encode(), str(dst_gguf).encode(), params)
     if rc != 0 or not dst_gguf.is_file():
+        # its own log is silenced above; the weights were checked (finite, F16-range) before,
+        # so what is left is mostly the output file's write
         raise UserError(f"llama.cpp failed to quantize {src_gguf} to {kind.upper()} (code {rc}; "
-                        "is the disk full?)")
+                        "is the disk full or the output folder not writable?)")
 
 
 GGML_TYPE_F32 = 0

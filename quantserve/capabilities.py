@@ -156,6 +156,9 @@ def check_dtype(caps: Capabilities, dtype: str) -> None:
     """Refuse a dtype the (profiled) GPU cannot run, before any memory is touched."""
     from quantserve.settings import UserError
 
+    if dtype == "bfloat16" and caps.profile == "t4":  # the profile's rules hold on a CPU too
+        raise UserError("bf16 is not supported under GPU profile 't4' (a T4 has compute capability 7.5): "
+                        "use fp16 on a GPU, fp32 on a CPU")
     if dtype == "bfloat16" and caps.device == "cuda" and caps.dtype != "bfloat16":
         raise UserError(f"bf16 is not supported on {caps.gpu_name} under profile '{caps.profile}' "
                         "(compute capability < 8.0): use fp16")

@@ -7,6 +7,7 @@ Heavy libraries (torch, transformers, deepspeed, llama_cpp) are imported inside 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -78,17 +79,21 @@ def default_model(rebuild: bool = typer.Option(False, "--rebuild", help="Build i
         raise UsageError("--force rebuilds the cached build: it needs --rebuild")
     path = build_default_model(force=force, progress=not quiet) if rebuild else default_model_path(not quiet)
     build = json.loads((path / "build.json").read_text())
-    print(f"{path}  ({build['parameters'] / 1e6:.2f} M params, final loss {build['losses'][-1]:.3f}, "
+    print(path)  # stdout: the path alone, so `$(quantserve default-model)` is one
+    print(f"{build['parameters'] / 1e6:.2f} M params, final loss {build['losses'][-1]:.3f}, "
           f"{build['steps']} steps in {build['seconds']} s on {build['machine']}; "
-          f"loss curve: {path / 'loss.png'})")
+          f"loss curve: {path / 'loss.png'}", file=sys.stderr)
 
 
 @app.command()
-def data(out: Path = typer.Option(..., help="Folder to write the default task data into."),
+def data(out: str = typer.Option(..., help="Folder to write the default task data into."),
          seed: int = 0, force: bool = typer.Option(False, "--force", help="Replace data files already there.")) -> None:
     """Write the default corpus's fine-tune task data and held-out text as JSONL."""
     from quantserve.demo.corpus import DATA_FILES, write_default_data
 
+    if not out.strip():  # Path("") is ".": the data would land in the current folder
+        raise UsageError("--out is empty: give a folder")
+    out = Path(out)
     if out.exists() and not out.is_dir():
         raise UserError(f"{out}: exists and is not a folder")
     there = [f for f in DATA_FILES.values() if (out / f).exists()]
@@ -104,12 +109,25 @@ def generate(prompt: str = typer.Argument(..., help="A user message."),
              max_tokens: int = typer.Option(32, min=1, max=4096)) -> None:
     """Answer one chat message greedily with plain transformers (the reference path)."""
     from quantserve.settings import resolve_checkpoint
-    from quantserve.modeling import generate_chat, load_model, load_tokenizer
-    from quantserve.quant.source import require_causal_lm_folder
+    from quantserve.modeling import chat_prompt, generate_chat, load_model, load_tokenizer
+    from quantserve.quant.source import read_json
+    from quantserve.training.loading import check_model
 
+    try:  # bytes that are not UTF-8 reach Python as lone surrogates, which no tokenizer takes
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UsageError("the prompt is not valid UTF-8 text") from None
     path = resolve_checkpoint(model)
-    require_causal_lm_folder(path)
+    check_model(path)  # the checks `train` and `convert` run: a truncated file is named, not loaded
     tok = load_tokenizer(path)
+    # past its positions a model answers garbage (transformers only warns): refused as the server does
+    config = path / "config.json"  # none in a LoRA adapter folder
+    context = read_json(config).get("max_position_embeddings") if config.is_file() else None
+    n_prompt = len(tok(chat_prompt(tok, prompt), add_special_tokens=False, verbose=False).input_ids)
+    if isinstance(context, int) and n_prompt + max_tokens > context:
+        raise UserError(f"this model's maximum context length is {context} tokens, but {n_prompt + max_tokens} "
+                        f"were asked for ({n_prompt} in the prompt, {max_tokens} for --max-tokens): "
+                        "shorten the prompt or lower --max-tokens")
     print(generate_chat(load_model(path), tok, [prompt], max_new_tokens=max_tokens)[0])
 
 

@@ -130,20 +130,33 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     from quantserve.formats import CONVERT_FORMATS
     from quantserve.demo import corpus
     from quantserve.demo.default_model import resolve_model
-    from quantserve.quant.source import require_causal_lm_folder
+    from quantserve.training.cli import refuse_quantized_full
+    from quantserve.training.loading import check_model
 
     if not cfg.formats:  # `--formats ,,` (an unset shell variable): never "build nothing"
         raise UsageError(f"--formats names no format; choose from {', '.join(CONVERT_FORMATS)}")
     unknown = [f for f in cfg.formats if f not in CONVERT_FORMATS]
     if unknown:
         raise UsageError(f"unknown format(s) {unknown}; choose from {', '.join(CONVERT_FORMATS)}")
+    twice = sorted({f for f in cfg.formats if cfg.formats.count(f) > 1})
+    if twice:
+        raise UsageError(f"--formats names {', '.join(twice)} more than once")
     _check_train_options(cfg)
     if cfg.serve and cfg.serve_format not in (SOURCE, *cfg.formats):
         raise UsageError(f"--serve-format {cfg.serve_format} is not among the formats built "
                         f"({', '.join((SOURCE, *cfg.formats))})")
+    if not cfg.serve and cfg.serve_format != PipelineConfig.serve_format:  # else silently ignored
+        raise UsageError("--serve-format names what is served at the end; with --no-serve nothing is: leave it out")
     for path in (cfg.data, cfg.eval_data):
         if path is not None and not Path(path).is_file():
             raise UserError(f"{path}: no such data file")
+    # their records, before any stage runs: a bad line is named now, not after training
+    if cfg.data is not None:
+        from quantserve.training.data import read_jsonl
+
+        read_jsonl(Path(cfg.data), what="fine-tune")  # the pipeline has no --skip-bad-lines
+    if cfg.eval_data is not None:
+        corpus.read_examples(Path(cfg.eval_data))
     if cfg.serve:
         from quantserve.server.cli import port_is_free
 
@@ -157,7 +170,10 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         # every GPU stage of this process (reference checks, bitsandbytes) under the profile's budget
         apply_profile(detect(cfg.gpu_profile))
     base = resolve_model(cfg.model, progress=cfg.progress)
-    require_causal_lm_folder(base)  # a BERT encoder: one line now, not a page of transformers' at the train stage
+    # train's checks (a BERT encoder, a truncated safetensors, a quantized model to fine-tune in
+    # full): one line now, not a raw error at the train stage
+    refuse_quantized_full(str(base), cfg.method)
+    check_model(base)
     out = _output_folder(Path(cfg.out))  # last: a refused option leaves nothing behind
     t_start = time.time()
 

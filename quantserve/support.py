@@ -102,8 +102,10 @@ def checkpoint_support(path: Path) -> list[Verdict]:
     """Verdicts for a Hugging Face checkpoint folder."""
     from quantserve.quant.prequantized import quantization_config
     from quantserve.quant.source import open_checkpoint
+    from quantserve.modeling import check_config_file
     from quantserve.server.hf_engine import quantization_of
 
+    check_config_file(path)  # a zero head count would crash the verdicts below (ZeroDivisionError)
     ckpt = open_checkpoint(path)
     try:
         pre = quantization_config(path)

@@ -78,9 +78,14 @@ def train_command(
         cfg = TrainConfig(**settings)
     if nproc < 1:
         raise UsageError("--nproc must be at least 1")
+    if not 0 <= cfg.seed < 2**32:  # torch's range; found here, not after the model loaded
+        raise UsageError(f"--seed must be between 0 and {2**32 - 1}, not {cfg.seed}")
+    multi = nproc > 1 or hostfile is not None
+    cfg.data, cfg.eval_data = _spool_pipe(cfg.data, multi), _spool_pipe(cfg.eval_data, multi)
     # bad requests fail here, before any process is launched; `explicit` lets it refuse an option
     # that would do nothing even where its value is the default (--lora-r 16 with --method full)
     cfg.validate(explicit)
+    refuse_quantized_full(cfg.model, cfg.method)
     if (nproc > 1 or hostfile is not None) and not distributed.launched():
         argv = _strip_launch_args(sys.argv[1:])
         code = distributed.launch(argv, nproc, hostfile)  # children print nothing to stdout
@@ -107,6 +112,40 @@ def train_command(
         raise
     if distributed.world()[1] == 0 and not os.environ.get("QUANTSERVE_LAUNCHED"):
         print(path)
+
+
+def refuse_quantized_full(model: str, method: str) -> None:
+    """A full fine-tune of a quantized checkpoint (a `convert -f bnb-*` output) fails in
+    transformers only after it loaded, with the output folder already begun: refused first."""
+    config = Path(model) / "config.json"
+    if method != "full" or not config.is_file():
+        return
+    from quantserve.quant.source import read_json
+
+    quant = read_json(config).get("quantization_config")
+    if isinstance(quant, dict):
+        raise UserError(f"{model} is quantized ({quant.get('quant_method', 'quantization_config')}): a full "
+                        "fine-tune needs full-precision weights; use --method lora or qlora on it, or "
+                        "train its fp16/fp32 source")
+
+
+def _spool_pipe(path: Optional[Path], multi: bool) -> Optional[Path]:
+    """A pipe (`--data <(cmd)`) can be read only once, and a run reads its data twice (the run's
+    fingerprint, then the records): its content goes to a temporary file named by its hash, so a
+    rerun of the same content is the same run.  Another process cannot read this one's pipe."""
+    if path is None or not path.exists() or path.is_file() or path.is_dir():
+        return path
+    if multi:
+        raise UserError(f"{path}: is a pipe, which one process reads once: --nproc/--hostfile runs need a file")
+    import atexit
+    import hashlib
+    import tempfile
+
+    raw = path.read_bytes()
+    spooled = Path(tempfile.gettempdir()) / f"quantserve-pipe-{hashlib.sha256(raw).hexdigest()[:16]}.jsonl"
+    spooled.write_bytes(raw)
+    atexit.register(spooled.unlink, missing_ok=True)
+    return spooled
 
 
 def _given(ctx: typer.Context, name: str) -> bool:

@@ -63,6 +63,8 @@ def _parse(line: str, n: int) -> Record:
         raise ValueError(f"invalid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(obj, dict):
         raise ValueError("expected a JSON object with 'text' or 'messages'")
+    if "messages" in obj and "text" in obj:  # which one to train on would be a guess
+        raise ValueError("both 'text' and 'messages': ambiguous, give one of them")
     if "messages" in obj:
         msgs = obj["messages"]
         if not isinstance(msgs, list) or not msgs:
@@ -70,6 +72,8 @@ def _parse(line: str, n: int) -> Record:
         for i, m in enumerate(msgs):
             if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in ROLES:
                 raise ValueError(f"message {i} needs a 'role' in {ROLES} and a string 'content'")
+        if msgs[0]["role"] == "assistant":  # its loss span would start at an empty conversation
+            raise ValueError("the first message is the assistant's: a system or user message must come before it")
         if not any(m["role"] == "assistant" for m in msgs):
             raise ValueError("no assistant message: nothing to learn from")
         return Record(n, messages=msgs)

@@ -11,6 +11,7 @@ Two traps live here (both verified on GPU-less hosts):
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -69,9 +70,8 @@ def launch(argv: list[str], nproc: int, hostfile: Path | None, master_port: int 
     """
     port = str(master_port or free_port())
     if hostfile is not None:
-        if not hostfile.is_file():
-            raise UserError(f"{hostfile}: no such hostfile")
-        exe = shutil.which("deepspeed")
+        check_hostfile(hostfile)
+        exe = deepspeed_launcher()
         if exe is None:
             raise UserError("multi-node runs use DeepSpeed's launcher: install deepspeed (quantserve[train])")
         cmd = [exe, "--hostfile", str(hostfile), "--num_gpus", str(nproc), "--master_port", port,
@@ -87,6 +87,34 @@ def launch(argv: list[str], nproc: int, hostfile: Path | None, master_port: int 
     # stdout is the command's answer (the output folder, printed once by this process): what the
     # ranks' libraries print there (DeepSpeed's op builds, per rank) goes to stderr
     return subprocess.call(cmd, env=env, stdout=sys.stderr.fileno())
+
+
+def check_hostfile(hostfile: Path) -> None:
+    """Refuse a hostfile DeepSpeed's launcher cannot read, naming the line: DeepSpeed's own error
+    is a traceback from inside its launcher."""
+    if not hostfile.is_file():
+        raise UserError(f"{hostfile}: no such hostfile")
+    try:
+        lines = hostfile.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise UserError(f"{hostfile}: not UTF-8 text") from None
+    hosts = 0
+    for n, line in enumerate(lines, 1):
+        line = line.split("#", 1)[0].strip()  # comments and blank lines are allowed
+        if not line:
+            continue
+        if not re.fullmatch(r"\S+\s+slots=[1-9]\d*", line):
+            raise UserError(f"{hostfile}:{n}: expected 'hostname slots=N' (N at least 1), not {line!r}")
+        hosts += 1
+    if not hosts:
+        raise UserError(f"{hostfile}: no hosts (expected lines of 'hostname slots=N')")
+
+
+def deepspeed_launcher() -> str | None:
+    """The `deepspeed` script: on PATH, or beside this Python (a virtualenv run by its absolute
+    path, never activated, is not on PATH)."""
+    beside = Path(sys.executable).parent / "deepspeed"
+    return shutil.which("deepspeed") or (str(beside) if os.access(beside, os.X_OK) else None)
 
 
 def _cuda_visible() -> bool:

@@ -66,16 +66,19 @@ def check_model(path: Path) -> None:
     loads: weights that are pickles, an architecture that is not a causal LM (a BERT would
     otherwise fail on its tokenizer's missing chat template), a safetensors file cut short (named
     here; safetensors' own error does not say which file).  The checks `quant convert` runs."""
-    from quantserve.modeling import require_safetensors
+    from quantserve.modeling import check_config_file, check_weights_match, require_safetensors
     from quantserve.quant.source import check_safetensors, require_causal_lm_folder, weight_files
 
     path = Path(path)
     if not (path / "config.json").is_file():
         return  # a LoRA adapter folder: transformers says what it needs
+    check_config_file(path)  # a zero-sized field would crash transformers' own config checks
     require_safetensors(path)
     require_causal_lm_folder(path)
-    for f in weight_files(path):
+    files = weight_files(path)
+    for f in files:
         check_safetensors(f)  # the header and the length only: no weights are read
+    check_weights_match(path, files)  # else transformers initialises what does not fit at random
 
 
 def lora_target_names(cfg: TrainConfig) -> str | list[str]:
@@ -115,7 +118,7 @@ def load_for_training(path: Path, cfg: TrainConfig, res: Resolved):
     from transformers import AutoModelForCausalLM
 
     from quantserve.capabilities import torch_dtype
-    from quantserve.modeling import require_safetensors
+    from quantserve.modeling import check_loading_info, require_safetensors
 
     require_safetensors(Path(path))  # one clear line for a pickle-only checkpoint, not a traceback
     compute = torch_dtype(res.dtype)
@@ -136,8 +139,9 @@ def load_for_training(path: Path, cfg: TrainConfig, res: Resolved):
             bnb_4bit_compute_dtype=compute)
         if res.device == "cuda":
             kwargs["device_map"] = {"": res.local_rank}
+    kwargs["output_loading_info"] = True  # transformers only prints what it initialised at random
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True, **kwargs)
+        model, info = AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True, **kwargs)
     except ValueError as e:  # e.g. Gemma 2 (soft-capped scores): transformers refuses SDPA for it
         if "does not support an attention implementation" not in str(e) or res.attention == "eager":
             raise
@@ -147,7 +151,8 @@ def load_for_training(path: Path, cfg: TrainConfig, res: Resolved):
         print(f"attention: {res.attention} is not supported for this architecture by transformers; eager",
               file=sys.stderr, flush=True)
         kwargs["attn_implementation"] = res.attention = "eager"
-        model = AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True, **kwargs)
+        model, info = AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True, **kwargs)
+    check_loading_info(Path(path), info)
     return prepare(model, cfg, res)
 
 

@@ -284,9 +284,17 @@ def load_shape(model: str) -> tuple[str, object]:
         from quantserve.settings import resolve_checkpoint
 
         return "default", AutoConfig.from_pretrained(str(resolve_checkpoint("default", progress=False)))
+    from quantserve.modeling import check_config, check_config_file
+
     if p.is_file() and p.suffix == ".json":
-        return model, AutoConfig.for_model(**json.loads(p.read_text()))
+        try:
+            values = json.loads(p.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UserError(f"{p}: not valid JSON ({e})") from e
+        check_config(values, p)  # an object, its sizes positive (a zero head count divided by, once)
+        return model, AutoConfig.for_model(**values)
     if p.is_dir() and (p / "config.json").is_file():
+        check_config_file(p)
         return model, AutoConfig.from_pretrained(str(p))
     raise UserError(f"--model {model!r}: not a shape ({', '.join(SHAPES)}), a checkpoint folder or a config.json")
 

@@ -303,12 +303,17 @@ def write_default_data(out_dir: Path, seed: int = 0, n_task_train: int = 4000,
 
 def read_examples(path: Path) -> list[Example]:
     """Read back a chat JSONL written by `write_jsonl`: the first assistant message is the answer,
-    the user message before it the prompt."""
+    the user message before it the prompt.  Checked as training's eval data is (file and line)."""
+    from quantserve.settings import UserError
+    from quantserve.training.data import read_jsonl
+
     out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            msgs = json.loads(line)["messages"]
-            at = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
-            out.append(Example("file", msgs[at - 1]["content"], msgs[at]["content"],
-                               tuple(msgs[:at - 1]), tuple(msgs[at + 1:])))
+    for rec in read_jsonl(path, what="evaluation"):
+        msgs = rec.messages or []
+        at = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), 0)
+        if at == 0 or msgs[at - 1]["role"] != "user":  # else the prompt taken would be another message
+            raise UserError(f"{path}: line {rec.line}: an eval record needs 'messages' with a user message "
+                            "right before the first assistant message (the prompt and its answer)")
+        out.append(Example("file", msgs[at - 1]["content"], msgs[at]["content"],
+                           tuple(msgs[:at - 1]), tuple(msgs[at + 1:])))
     return out
