@@ -6,24 +6,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
 from quantserve.settings import UserError
-
-
-def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    """`quant ARGS` in-process through the real entry point: (exit code, stdout, stderr)."""
-    from quantserve.quant.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["quant", *args])
-    with pytest.raises(SystemExit) as exc:
-        main()
-        raise SystemExit(0)
-    cap = capsys.readouterr()
-    return exc.value.code or 0, cap.out, cap.err
+from tests.support.cli import quant_cli as run_cli
 
 
 def one_error(code: int, err: str) -> str:

@@ -15,21 +15,10 @@ import pytest
 
 from quantserve.formats import CONVERT_FORMATS as FORMATS
 from quantserve.quant.convert import convert
+from tests.support.cli import quant_cli as run_cli
 
 
 # --- the CLI and bad input ---------------------------------------------------------------------
-
-def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    """Run `quant ARGS` in-process through the real entry point (one-line errors, exit codes)."""
-    from quantserve.quant.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["quant", *args])
-    with pytest.raises(SystemExit) as exc:
-        main()
-        raise SystemExit(0)
-    cap = capsys.readouterr()
-    return exc.value.code or 0, cap.out, cap.err
-
 
 def leftovers(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir()) if folder.exists() else []

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.support import REPO
 
 
@@ -62,3 +64,16 @@ def ctrl_c(*args, after: str, stream: str = "stdout", timeout: float = 120) -> t
         proc.wait()
     read = "".join(seen)
     return proc.returncode, (read + out if stream == "stdout" else out), (read + err if stream == "stderr" else err)
+
+
+def quant_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """Run `quant ARGS` in-process through the real entry point (one-line errors, exit codes):
+    (exit code, stdout, stderr)."""
+    from quantserve.quant.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["quant", *args])
+    with pytest.raises(SystemExit) as exc:
+        main()
+        raise SystemExit(0)
+    cap = capsys.readouterr()
+    return exc.value.code or 0, cap.out, cap.err
