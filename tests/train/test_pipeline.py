@@ -154,18 +154,18 @@ def test_a_sigterm_stops_the_pipelines_server_too(run_dir):
         proc.kill()
 
 
-@pytest.mark.slow
-def test_bad_data_stops_at_train_and_keeps_earlier_stages(run_dir, tmp_path):
+def test_bad_data_is_refused_before_any_stage(tmp_path):
+    """A bad line in --data is named before any stage runs (it stopped the train stage once,
+    after the data stage and the base model's evaluation)."""
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
                    "{not json\n")
     out = tmp_path / "run"
     proc = pipeline(out, "--data", str(bad), "--formats", "gguf-q8_0", timeout=600)
     assert proc.returncode == 1
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: pipeline stopped at stage 'train'") and "line 2" in last, last
-    assert "Traceback" not in proc.stderr
-    assert (out / "data" / "stage.json").is_file()  # the finished stage stays reusable
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{bad}: 1 malformed line(s): line 2" in lines[0], proc.stderr
+    assert not out.exists()  # nothing ran
 
 
 def test_bad_arguments_are_refused_before_any_work(tmp_path):
