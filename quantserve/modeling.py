@@ -318,8 +318,8 @@ def check_weights_match(folder: Path, files: list[Path] | None = None) -> None:
 
 
 def check_checkpoint(folder: Path, files: list[Path] | None = None) -> None:
-    """Both checks, config first (a zero-sized field would crash the skeleton's construction)."""
-    check_config_file(folder)
+    """Both checks, config first (a zero-sized field would crash the skeleton's construction):
+    check_weights_match reads and checks config.json before it builds anything."""
     check_weights_match(folder, files)
 
 
